@@ -1,0 +1,413 @@
+"""Benchmark of the keeper's buckets (keeper/buckets.py) against the issue's
+targets, and against a plain dict-and-sets layout for comparison:
+
+    .venv/bin/python bench/bench_buckets.py --rows 250000
+    .venv/bin/python bench/bench_buckets.py --rows 1000000 --layout packed
+
+Targets: apply one change <= 10 us; <= 160 B per row at 1,000,000 rows with
+~55-character keys (key strings and every structure included); best 5,000
+<= 1 ms; counts <= 1 ms at 1,000,000 rows.
+
+Workload: 20 routes x 5 (cadence, sitemap) variants = 100 classes, due times
+spread evenly over 30 days around now, so half the rows are a due backlog;
+keys like ``https://example.com/items/0000123456/some-slug-text-56`` (54
+characters). The change stream mixes 50 % reschedules (new due time, same
+class), 10 % class changes, 20 % inserts and 20 % deletes, with fresh key
+strings as the feed would deliver them (their hash not yet computed).
+
+Memory is measured in a fresh subprocess per layout: the growth of RSS, and
+separately of tracemalloc's traced bytes, across loading the rows (the key
+strings are made inside the load, so they are counted once, as held by the
+structure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from array import array
+from collections.abc import Callable, Container
+from heapq import heapify, heappop, heapreplace
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from sortedcontainers import SortedList  # noqa: E402
+
+from keeper.buckets import Buckets  # noqa: E402
+from keeper.classes import ClassTable  # noqa: E402
+from node.config import Config, RouteConfig  # noqa: E402
+
+NOW = 1_700_000_000.0
+SPREAD_S = 30 * 86400  # --spread-days
+ROUTES = [f"route-{i:02d}" for i in range(20)]
+# (cadence_s, sitemap): None takes the route default.
+VARIANTS = [(None, False), (None, True), (3600, False), (86400, False), (604800, True)]
+CONFIG = Config(
+    routes={
+        name: RouteConfig(cadence_s=(900, 3600, 86400, 604800)[i % 4], sitemap_boost=0.5)
+        for i, name in enumerate(ROUTES)
+    }
+)
+
+
+def key_of(i: int) -> str:
+    return f"https://example.com/items/{i:010d}/some-slug-text-{i % 100:02d}"
+
+
+# -- the plain layout, for comparison ------------------------------------------------
+
+
+class NaiveBuckets:
+    """key -> (minute, class, version) in a dict; per class a dict minute ->
+    set of keys and a SortedList of minutes. Same semantics as Buckets for
+    what the benchmark calls."""
+
+    def __init__(self, classes: ClassTable) -> None:
+        self.classes = classes
+        self.rows: dict[str, tuple[int, int, int]] = {}
+        self.sets: dict[int, dict[int, set[str]]] = {}
+        self.minutes: dict[int, SortedList] = {}
+        self.due: dict[int, int] = {}
+        self.size: dict[int, int] = {}
+        self.through = -1
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def apply(self, key, version, route, cadence_s, sitemap, due_at) -> bool:
+        held = self.rows.get(key)
+        if held is not None and held[2] >= version:
+            return False
+        cid = self.classes.class_of(route, cadence_s, sitemap)
+        minute = int(due_at // 60)
+        if held is not None:
+            self._unplace(key, held[0], held[1])
+        self.rows[key] = (minute, cid, version)
+        self._place(key, minute, cid)
+        return True
+
+    def remove(self, key: str, version: int | None = None) -> bool:
+        held = self.rows.get(key)
+        if held is None or (version is not None and held[2] > version):
+            return False
+        del self.rows[key]
+        self._unplace(key, held[0], held[1])
+        return True
+
+    def _place(self, key: str, minute: int, cid: int) -> None:
+        sets = self.sets.get(cid)
+        if sets is None:
+            sets = self.sets[cid] = {}
+            self.minutes[cid] = SortedList()
+            self.due[cid] = 0
+            self.size[cid] = 0
+        self.size[cid] += 1
+        bucket = sets.get(minute)
+        if bucket is None:
+            bucket = sets[minute] = set()
+            self.minutes[cid].add(minute)
+        bucket.add(key)
+        if minute <= self.through:
+            self.due[cid] += 1
+
+    def _unplace(self, key: str, minute: int, cid: int) -> None:
+        self.size[cid] -= 1
+        bucket = self.sets[cid][minute]
+        bucket.discard(key)
+        if not bucket:
+            del self.sets[cid][minute]
+            self.minutes[cid].remove(minute)
+        if minute <= self.through:
+            self.due[cid] -= 1
+
+    def best(
+        self, now: float, k: int, paused_routes: Container[str] = (), exclude=None
+    ) -> list[tuple[str, int, int, int, float]]:
+        now_minute = int(now // 60)
+        heap = []
+        for cid, minutes in self.minutes.items():
+            if not minutes or minutes[0] > now_minute:
+                continue
+            info = self.classes.info(cid)
+            if info.route in paused_routes:
+                continue
+            rank = (now - minutes[0] * 60) / info.cadence_s + info.boost
+            heap.append((-rank, cid, 0, info))
+        heapify(heap)
+        out: list[tuple[str, int, int, int, float]] = []
+        rows = self.rows
+        while heap and len(out) < k:
+            neg, cid, index, info = heap[0]
+            minutes = self.minutes[cid]
+            minute = minutes[index]
+            for key in self.sets[cid][minute]:
+                if exclude is None or key not in exclude:
+                    out.append((key, rows[key][2], minute, cid, -neg))
+                    if len(out) >= k:
+                        break
+            index += 1
+            if index < len(minutes) and minutes[index] <= now_minute:
+                rank = (now - minutes[index] * 60) / info.cadence_s + info.boost
+                heapreplace(heap, (-rank, cid, index, info))
+            else:
+                heappop(heap)
+        return out
+
+    def counts(self, now: float) -> dict[str, Any]:
+        now_minute = int(now // 60)
+        if now_minute > self.through:  # (the benchmark never steps back)
+            for cid, minutes in self.minutes.items():
+                sets = self.sets[cid]
+                self.due[cid] += sum(
+                    len(sets[m]) for m in minutes.irange(self.through + 1, now_minute)
+                )
+            self.through = now_minute
+        per_class = {cid: (self.size[cid], d) for cid, d in self.due.items()}
+        return {"due": sum(self.due.values()), "per_class": per_class}
+
+    def coming(self, now: float) -> dict[str, Any]:
+        first = int(now // 60) + 1
+        by_hour = [0] * 24
+        soon = 0
+        for cid, minutes in self.minutes.items():
+            sets = self.sets[cid]
+            for m in minutes.irange(first, first + 24 * 60 - 1):
+                n = len(sets[m])
+                by_hour[(m - first) // 60] += n
+                if m - first < 15:
+                    soon += n
+        return {"15m": soon, "60m": by_hour[0], "24h": sum(by_hour), "by_hour": by_hour}
+
+
+LAYOUTS: dict[str, Callable[[ClassTable], Any]] = {"packed": Buckets, "naive": NaiveBuckets}
+
+# -- workload ---------------------------------------------------------------------------
+
+
+def row_columns(n: int, seed: int = 1) -> tuple[array, array, array]:
+    """Route index, variant index and due time of rows 0..n-1 (no key strings)."""
+    rnd = random.Random(seed)
+    routes = array("b", (rnd.randrange(len(ROUTES)) for _ in range(n)))
+    variants = array("b", (rnd.randrange(len(VARIANTS)) for _ in range(n)))
+    dues = array("d", (NOW - SPREAD_S / 2 + rnd.random() * SPREAD_S for _ in range(n)))
+    return routes, variants, dues
+
+
+def load(buckets: Any, n: int, columns: tuple[array, array, array]) -> None:
+    routes, variants, dues = columns
+    apply = buckets.apply
+    for i in range(n):
+        cadence_s, sitemap = VARIANTS[variants[i]]
+        apply(key_of(i), i + 1, ROUTES[routes[i]], cadence_s, sitemap, dues[i])
+
+
+def change_stream(n_rows: int, n_changes: int, seed: int = 2) -> list[tuple]:
+    """(key, version, route, cadence_s, sitemap, due_at); route None = delete."""
+    rnd = random.Random(seed)
+    live = list(range(n_rows))
+    next_id = n_rows
+    version = n_rows + 1
+    out: list[tuple] = []
+    for _ in range(n_changes):
+        version += 1
+        roll = rnd.random()
+        if roll < 0.2 or not live:
+            key_id, next_id = next_id, next_id + 1
+            live.append(key_id)
+        else:
+            at = rnd.randrange(len(live))
+            key_id = live[at]
+            if roll < 0.4:
+                live[at] = live[-1]
+                live.pop()
+                out.append((key_of(key_id), version, None, None, False, 0.0))
+                continue
+        # Reschedules keep the class; one change in ten moves it.
+        r = random.Random(key_id)
+        route, variant = r.randrange(len(ROUTES)), r.randrange(len(VARIANTS))
+        if roll > 0.9:
+            variant = rnd.randrange(len(VARIANTS))
+        cadence_s, sitemap = VARIANTS[variant]
+        due = NOW + rnd.random() * SPREAD_S / 2
+        out.append((key_of(key_id), version, ROUTES[route], cadence_s, sitemap, due))
+    return out
+
+
+def run_changes(buckets: Any, changes: list[tuple]) -> float:
+    apply, remove = buckets.apply, buckets.remove
+    t0 = time.perf_counter()
+    for change in changes:
+        if change[2] is None:
+            remove(change[0])
+        else:
+            apply(*change)
+    return time.perf_counter() - t0
+
+
+def per_change_ns(buckets: Any, changes: list[tuple]) -> list[int]:
+    apply, remove = buckets.apply, buckets.remove
+    clock = time.perf_counter_ns
+    out = []
+    for change in changes:
+        t0 = clock()
+        if change[2] is None:
+            remove(change[0])
+        else:
+            apply(*change)
+        out.append(clock() - t0)
+    return out
+
+
+def median_ms(name: str, fn: Callable[[], Any], repeat: int = 21) -> float:
+    """Median of ``repeat`` calls; the fastest is kept in ``FASTEST`` too, since
+    on a shared machine it shows the cost with the least interference."""
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    FASTEST[name] = min(times) * 1000
+    return statistics.median(times) * 1000
+
+
+FASTEST: dict[str, float] = {}
+
+
+# -- memory (in a fresh subprocess) ---------------------------------------------------
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_child(layout: str, n: int, traced: bool) -> dict[str, float]:
+    columns = row_columns(n)
+    classes = ClassTable(CONFIG)
+    gc.collect()
+    if traced:
+        import tracemalloc
+
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+    else:
+        base = _rss()
+    buckets = LAYOUTS[layout](classes)
+    load(buckets, n, columns)
+    gc.collect()
+    used = (tracemalloc.get_traced_memory()[0] if traced else _rss()) - base
+    return {"rows": len(buckets), "bytes_per_row": used / n}
+
+
+def measure_memory(layout: str, n: int, traced: bool) -> float:
+    cmd = [sys.executable, __file__, "--memory-child", layout, "--rows", str(n)]
+    cmd += ["--spread-days", str(SPREAD_S / 86400)]
+    if traced:
+        cmd.append("--traced")
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)["bytes_per_row"]
+
+
+# -- the run -----------------------------------------------------------------------------
+
+
+def bench_layout(layout: str, n: int, n_changes: int) -> dict[str, float]:
+    columns = row_columns(n)
+    buckets = LAYOUTS[layout](ClassTable(CONFIG))
+    t0 = time.perf_counter()
+    load(buckets, n, columns)
+    load_s = time.perf_counter() - t0
+    changes = change_stream(n, n_changes + 20_000)
+    gc.collect()
+    apply_s = run_changes(buckets, changes[:n_changes])
+    singles = sorted(per_change_ns(buckets, changes[n_changes:]))
+    out = {
+        "load_us_per_row": load_s / n * 1e6,
+        "apply_us": apply_s / n_changes * 1e6,
+        "apply_p50_us": singles[len(singles) // 2] / 1000,
+        "apply_p99_us": singles[len(singles) * 99 // 100] / 1000,
+        "apply_max_us": singles[-1] / 1000,
+    }
+    # The change stream is 220k live tuples the keeper would not hold; keep
+    # them from making the collector's passes during the reads look dearer.
+    del changes, singles
+    gc.collect()
+    out["best5000_ms"] = median_ms("best5000_ms", lambda: buckets.best(NOW, 5000))
+    head = {entry[0] for entry in buckets.best(NOW, 3000)}
+    paused = frozenset(ROUTES[:2])
+    out["best5000_excl3000_paused2_ms"] = median_ms(
+        "best5000_excl3000_paused2_ms",
+        lambda: buckets.best(NOW, 5000, paused_routes=paused, exclude=head),
+    )
+    t0 = time.perf_counter()
+    buckets.counts(NOW)
+    out["counts_first_ms"] = (time.perf_counter() - t0) * 1000
+    out["counts_same_minute_ms"] = median_ms(
+        "counts_same_minute_ms", lambda: buckets.counts(NOW + 5)
+    )
+    minute = iter(range(1, 1000))
+    out["counts_next_minute_ms"] = median_ms(
+        "counts_next_minute_ms", lambda: buckets.counts(NOW + 60 * next(minute))
+    )
+    out["coming_ms"] = median_ms("coming_ms", lambda: buckets.coming(NOW), repeat=11)
+    if hasattr(buckets, "oldest_due"):
+        out["oldest_due_ms"] = median_ms("oldest_due_ms", lambda: buckets.oldest_due(NOW))
+    out["rows_after"] = len(buckets)
+    if hasattr(buckets, "reserve"):
+        # The pause when the key table doubles: a rehash of every row.
+        t0 = time.perf_counter()
+        buckets.reserve(len(buckets) * 2)
+        out["table_doubling_pause_ms"] = (time.perf_counter() - t0) * 1000
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=250_000)
+    parser.add_argument("--changes", type=int, default=200_000)
+    parser.add_argument("--layout", choices=[*LAYOUTS, "both"], default="both")
+    parser.add_argument(
+        "--spread-days", type=float, default=30.0, help="due times spread over this many days"
+    )
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory subprocesses")
+    parser.add_argument("--memory-child", choices=list(LAYOUTS), help=argparse.SUPPRESS)
+    parser.add_argument("--traced", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    global SPREAD_S
+    SPREAD_S = args.spread_days * 86400
+    if args.memory_child:
+        print(json.dumps(memory_child(args.memory_child, args.rows, args.traced)))
+        return 0
+    layouts = list(LAYOUTS) if args.layout == "both" else [args.layout]
+    print(
+        f"rows {args.rows:,}, changes {args.changes:,}, "
+        f"classes ~{len(ROUTES) * len(VARIANTS)}, due over {args.spread_days:g} days"
+    )
+    for layout in layouts:
+        figures: dict[str, float] = {}
+        if not args.no_memory:
+            figures["rss_bytes_per_row"] = measure_memory(layout, args.rows, traced=False)
+            figures["traced_bytes_per_row"] = measure_memory(layout, args.rows, traced=True)
+        FASTEST.clear()
+        timed = bench_layout(layout, args.rows, args.changes)
+        fastest_of = dict(FASTEST)
+        figures.update(timed)
+        print(f"[{layout}]  (timed reads: median, and fastest of the repeats)")
+        for name, value in figures.items():
+            fastest = f"  {fastest_of[name]:10,.3f}" if name in fastest_of else ""
+            print(f"  {name:32} {value:12,.3f}{fastest}")
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

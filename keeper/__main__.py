@@ -1,0 +1,93 @@
+"""``python -m keeper``: the keeper process, started by the supervisor.
+
+Signal handlers only set flags; the loop acts on them between ticks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+from node import log
+from node.config import Config
+from node.proc import ENV_CONFIG, RET_OK, child_signals, die_with_parent, set_title
+
+_flags = {"stop": False, "reload": False}
+
+
+def _on_term(signum: int, frame: object) -> None:
+    _flags["stop"] = True
+
+
+def _on_hup(signum: int, frame: object) -> None:
+    _flags["reload"] = True
+
+
+def _load_config() -> Config:
+    with open(os.environ[ENV_CONFIG], encoding="utf-8") as f:
+        return Config.from_json(json.load(f))
+
+
+def main() -> int:
+    die_with_parent()
+    child_signals()
+    set_title("qn-keeper")
+    signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGHUP, _on_hup)
+    config = _load_config()
+    log.setup("keeper", verbose=bool(os.environ.get("QUEUE_NODE_VERBOSE")))
+
+    from keeper.ask import AskServer
+    from keeper.process import Keeper
+    from node.store import open_store
+    from shm.ready import ReadySet
+    from shm.state import StateBuffer
+    from shm.wake import Wake
+
+    store = open_store(config.store_url)
+    ready = ReadySet.attach(config.name)
+    state = StateBuffer.attach(config.name)
+    wake = Wake.attach(config.name)
+    asks = AskServer(config.name)
+    keeper = Keeper(
+        config, store, ready, state, test_hooks=os.environ.get("QUEUE_NODE_TEST_HOOKS") == "1"
+    )
+    keeper.start(time.time())
+    log.log("keeper_start", feed_seq=keeper.feed_seq)
+    was_loading = True
+    while not _flags["stop"]:
+        now = time.time()
+        wait_s = keeper.tick(now)
+        if was_loading and keeper.status != "loading":
+            was_loading = False
+            log.log("keeper_live", held=len(keeper.buckets), **keeper.stats.load)
+        for request in asks.poll():
+            asks.answer(request, keeper.answer(request, time.time()))
+        if _flags["reload"]:
+            _flags["reload"] = False
+            new_config = _load_config()
+            keeper.buckets.reconfigure(new_config)
+            keeper.config = new_config
+            keeper.next_publish = 0.0
+            log.log("keeper_reconfigured", classes=len(keeper.classes))
+            continue
+        if wait_s > 0:
+            wake.wait(wait_s)
+    state.heartbeat(time.time(), "stopped", False, "stopped")
+    log.log(
+        "keeper_stop",
+        rows=len(keeper.buckets),
+        changes_applied=keeper.stats.apply["changes"],
+        publishes=keeper.stats.publish["count"],
+        repairs=keeper.stats.verify["repairs"] + keeper.stats.verify["top_repairs"],
+    )
+    asks.close()
+    store.close()
+    return RET_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

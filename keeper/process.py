@@ -1,0 +1,568 @@
+"""The keeper: worker 0, the one process that holds the node's schedule.
+
+It does nothing but keep. One ``tick(now)`` at a time it
+
+1. applies the change feed (every insert, update and delete, in seq order);
+2. while loading, walks the table one chunk further;
+3. once a second (and at once when the ready set runs low) writes the best K
+   due keys into the ready set, then re-reads the top of what it published;
+4. every few seconds writes its counts into the state buffer;
+5. walks the table slowly to verify itself, every ``verify_interval_s``;
+6. answers questions from workers (explain a key, dump, verify now).
+
+Time is passed in (``tick(now)``), so every timing path is testable without
+sleeping; ``keeper.__main__`` is the loop that feeds it the wall clock.
+
+Loading and repairs follow one rule: **versions decide**. A row's version is
+the seq of the change that made it, so a walked or re-read row never
+overwrites what a newer event already put in the buckets, and a delete seen
+during the load leaves a tombstone that an older walked row cannot pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+import msgpack
+
+from keeper.buckets import Buckets
+from keeper.classes import ClassTable
+from node.config import Config
+from node.errors import TooManyClasses
+from node.rows import OP_DELETE, OP_INSERT, ORIGIN_EXTERNAL, ORIGIN_WRITEBACK
+from node.store.base import BadRow, Store
+
+# Rows per load step: large enough that 250k rows load in a dozen steps,
+# small enough that the first publish comes within tens of milliseconds.
+LOAD_CHUNK = 20_000
+# Changes read per feed query. A burst larger than this is applied over
+# several queries in the same tick.
+FEED_BATCH = 5_000
+# The most feed batches applied in one tick before the keeper publishes and
+# checks in again; a flood of writes must not starve the publish.
+FEED_BATCHES_PER_TICK = 40
+# Writes made by other programs do not post the wake semaphore; polling the
+# feed this often sees them within the contract's 50 ms.
+OUTSIDE_POLL_S = 0.02
+# The change log is trimmed this often (cheap, but not on every tick).
+TRIM_INTERVAL_S = 5.0
+# After each publish the top of the set is re-read from the store; each key
+# at most once a minute so a stuck head does not cost a read per second.
+TOP_CHECK = 64
+TOP_CHECK_EVERY_S = 60.0
+# Rows compared per verification step; with a 20 ms tick this walks about
+# 100k rows a second while leaving the feed and the publish their time.
+VERIFY_CHUNK = 2_000
+# Minutes of flow kept (the contract's "last hour").
+FLOW_MINUTES = 60
+# Lag samples kept per origin (a ring: the figures follow recent load).
+LAG_SAMPLES = 10_000
+# Class rows in the state document; more are summarised and flagged truncated.
+STATE_CLASS_ROWS = 1_000
+
+
+class _Stats:
+    """Figures the keeper reports in the trust group of queue-state."""
+
+    def __init__(self) -> None:
+        self.load: dict[str, Any] = {
+            "rows": 0,
+            "unreadable": 0,
+            "started_at": None,
+            "first_publish_s": None,
+            "done_s": None,
+        }
+        self.publish: dict[str, Any] = {"count": 0, "last_ms": None, "max_ms": 0.0, "size": 0}
+        self.verify: dict[str, Any] = {
+            "runs": 0,
+            "last_at": None,
+            "last_s": None,
+            "compared": 0,
+            "repairs": 0,
+            "repairs_feed_missed": 0,
+            "repairs_membership": 0,
+            "top_checked": 0,
+            "top_repairs": 0,
+        }
+        self.apply: dict[str, Any] = {
+            "changes": 0,
+            "invalid": 0,
+            "refused_classes": 0,
+            "feed_s": 0.0,  # time in drain_feed, reading the feed included
+        }
+        # Commit-to-applied lag of recent changes, by origin, for p50/p99.
+        self.lag_node: deque[float] = deque(maxlen=LAG_SAMPLES)
+        self.lag_outside: deque[float] = deque(maxlen=LAG_SAMPLES)
+
+    def lag_figures(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, samples in (("node", self.lag_node), ("outside", self.lag_outside)):
+            if samples:
+                ordered = sorted(samples)
+                n = len(ordered)
+                out[name] = {
+                    "samples": n,
+                    "p50_ms": round(ordered[n // 2] * 1000, 3),
+                    "p99_ms": round(ordered[min(n - 1, (n * 99) // 100)] * 1000, 3),
+                    "max_ms": round(ordered[-1] * 1000, 3),
+                }
+        changes = self.apply["changes"]
+        out["apply_us"] = round(self.apply["feed_s"] * 1e6 / changes, 3) if changes else None
+        return out
+
+
+class _VerifyWalk:
+    """Progress of one verification walk: the table in key order, then the
+    keeper's own keys (to find rows the table no longer has)."""
+
+    def __init__(self, started_at: float, total: int) -> None:
+        self.started_at = started_at
+        self.total = max(total, 1)
+        self.after: str | None = None
+        self.table_done = False
+        self.own_keys: list[str] | None = None
+        self.own_pos = 0
+        self.compared = 0
+        self.repairs = 0
+
+
+class Keeper:
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        ready: Any,
+        state: Any,
+        *,
+        test_hooks: bool = False,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.ready = ready
+        self.state = state
+        self.test_hooks = test_hooks
+        self.classes = ClassTable(config)
+        self.buckets = Buckets(self.classes)
+        self.status = "loading"
+        self.exact = False
+        self.feed_seq = 0
+        self.stats = _Stats()
+        self.paused_routes: frozenset[str] = frozenset()
+        # The work path plugs its leased / held / parked keys in here.
+        self.exclude: Any = None
+        self._load_after: str | None = None
+        self._loading = True
+        self._tombstones: dict[str, int] = {}
+        self._verify: _VerifyWalk | None = None
+        self._top_checked: dict[str, float] = {}
+        self._published: list[tuple] = []
+        self._flow: deque[tuple[int, dict[str, int]]] = deque(maxlen=FLOW_MINUTES)
+        self._caught_up = False
+        self.next_publish = 0.0
+        self.next_state = 0.0
+        self.next_trim = 0.0
+        self.next_verify = 0.0
+        self.low_water = False
+
+    # -- start -----------------------------------------------------------
+
+    def start(self, now: float) -> None:
+        """Subscribe first, then walk: the feed position is taken before the
+        first row is read, so nothing written during the walk is missed."""
+        self.feed_seq = self.store.last_seq()
+        self.stats.load["started_at"] = now
+        self._t_start = time.perf_counter()
+        self.paused_routes = frozenset(self.store.get_meta("paused_routes", []) or [])
+        self.next_verify = now + self.config.verify_interval_s
+        self.state.heartbeat(now, "loading", False, "walking 0 rows")
+
+    # -- one step -------------------------------------------------------------
+
+    def tick(self, now: float) -> float:
+        """Do what is due at ``now``; return how long the caller may wait
+        (on the wake semaphore) before the next tick."""
+        self.drain_feed(now)
+        if self._loading:
+            self._load_step(now)
+        if now >= self.next_publish or self.low_water:
+            self.publish(now)
+        if now >= self.next_state:
+            self.write_state(now)
+        if self._verify is not None:
+            self._verify_step(now)
+        elif not self._loading and now >= self.next_verify:
+            self.start_verify(now)
+        if now >= self.next_trim:
+            self._trim(now)
+        if self._loading:
+            return 0.0
+        return max(0.0, min(self.next_publish - now, OUTSIDE_POLL_S))
+
+    # -- the change feed (hot path) -------------------------------------------
+
+    def drain_feed(self, now: float) -> int:  # noqa: C901 - the hot loop stays in one frame
+        """Apply every change logged since the last one applied."""
+        t0 = time.perf_counter()
+        applied = 0
+        changes = self.store.changes
+        apply = self.buckets.apply
+        remove = self.buckets.remove
+        loading = self._loading
+        tombstones = self._tombstones
+        for _ in range(FEED_BATCHES_PER_TICK):
+            batch = changes(self.feed_seq, FEED_BATCH)
+            if not batch:
+                self._caught_up = True
+                break
+            flow = self._flow_minute(now)
+            self._record_lag(batch)
+            for ch in batch:
+                if ch.op == OP_DELETE or not ch.valid:
+                    remove(ch.key)
+                    if loading:
+                        tombstones[ch.key] = ch.seq
+                    if ch.op == OP_DELETE:
+                        flow["removed"] += 1
+                    else:
+                        self.stats.apply["invalid"] += 1
+                    continue
+                try:
+                    apply(ch.key, ch.seq, ch.route, ch.cadence_s, ch.sitemap, ch.due_at)
+                except TooManyClasses:
+                    remove(ch.key)
+                    self.stats.apply["refused_classes"] += 1
+                if ch.op == OP_INSERT:
+                    flow["added"] += 1
+                elif ch.origin == ORIGIN_WRITEBACK:
+                    flow["rescheduled"] += 1
+                else:
+                    flow["updated"] += 1
+            self.feed_seq = batch[-1].seq
+            applied += len(batch)
+            if len(batch) < FEED_BATCH:
+                self._caught_up = True
+                break
+        else:
+            self._caught_up = False
+        if applied:
+            self.stats.apply["changes"] += applied
+            self.stats.apply["feed_s"] += time.perf_counter() - t0
+        if applied and not self._loading and self._caught_up:
+            self._set_exact(True, now)
+        return applied
+
+    def _record_lag(self, batch: list[Any]) -> None:
+        wall = time.time()
+        node, outside = self.stats.lag_node, self.stats.lag_outside
+        for ch in batch:
+            (outside if ch.origin == ORIGIN_EXTERNAL else node).append(wall - ch.at)
+
+    def _flow_minute(self, now: float) -> dict[str, int]:
+        minute = int(now // 60)
+        if not self._flow or self._flow[-1][0] != minute:
+            self._flow.append(
+                (minute, {"added": 0, "updated": 0, "rescheduled": 0, "removed": 0})
+            )
+        return self._flow[-1][1]
+
+    # -- loading --------------------------------------------------------------
+
+    def _load_step(self, now: float) -> None:
+        rows = self.store.walk(self._load_after, LOAD_CHUNK)
+        self._apply_walked(rows, count_as_load=True)
+        if rows:
+            self._load_after = rows[-1].key
+        walked = self.stats.load["rows"]
+        if len(rows) < LOAD_CHUNK:
+            self._loading = False
+            self._tombstones = {}
+            self.drain_feed(now)
+            self.stats.load["done_s"] = round(time.perf_counter() - self._t_start, 4)
+            self.status = "live"
+            self._set_exact(self._caught_up, now)
+            self.next_publish = 0.0  # publish the complete picture at once
+            self.next_state = 0.0
+        else:
+            self.state.heartbeat(now, "loading", False, f"walking {walked} rows")
+
+    def _apply_walked(self, rows: Iterable[Any], count_as_load: bool) -> None:
+        apply = self.buckets.apply
+        tombstones = self._tombstones
+        load = self.stats.load
+        for row in rows:
+            if count_as_load:
+                load["rows"] += 1
+            if isinstance(row, BadRow):
+                load["unreadable"] += 1
+                continue
+            dead = tombstones.get(row.key)
+            if dead is not None and dead >= row.version:
+                continue
+            try:
+                apply(row.key, row.version, row.route, row.cadence_s, row.sitemap, row.due_at)
+            except TooManyClasses:
+                self.stats.apply["refused_classes"] += 1
+
+    # -- publishing -----------------------------------------------------------
+
+    def publish(self, now: float) -> None:
+        t0 = time.perf_counter()
+        entries = self.buckets.best(
+            now, self.config.ready_size, paused_routes=self.paused_routes, exclude=self.exclude
+        )
+        self.ready.publish(entries, now)
+        ms = (time.perf_counter() - t0) * 1000
+        pub = self.stats.publish
+        pub["count"] += 1
+        pub["last_ms"] = round(ms, 3)
+        pub["max_ms"] = max(pub["max_ms"], round(ms, 3))
+        pub["size"] = len(entries)
+        if pub["count"] == 1:
+            self.stats.load["first_publish_s"] = round(time.perf_counter() - self._t_start, 4)
+        self._published = entries
+        self.low_water = False
+        self.next_publish = now + self.config.publish_interval_s
+        self.state.heartbeat(now, self.status, self.exact, self._phase(), published=True)
+        if not self._loading:
+            self._check_top(entries[:TOP_CHECK], now)
+
+    def _phase(self) -> str:
+        if self._loading:
+            return f"walking {self.stats.load['rows']} rows"
+        if self._verify is not None:
+            done = self._verify.compared * 100 // self._verify.total
+            return f"verifying {min(done, 100)}%"
+        return "serving" if self.exact else "catching up"
+
+    def _set_exact(self, exact: bool, now: float) -> None:
+        if exact != self.exact:
+            self.exact = exact
+            self.state.heartbeat(now, self.status, self.exact, self._phase())
+
+    # -- self checks ------------------------------------------------------------
+
+    def _check_top(self, entries: list[tuple], now: float) -> None:
+        checked = self._top_checked
+        keys = [e[0] for e in entries if checked.get(e[0], 0.0) + TOP_CHECK_EVERY_S <= now]
+        if not keys:
+            return
+        for key in keys:
+            self._top_checked[key] = now
+        if len(self._top_checked) > 50 * TOP_CHECK:
+            cutoff = now - TOP_CHECK_EVERY_S
+            self._top_checked = {k: t for k, t in self._top_checked.items() if t > cutoff}
+        snap_seq = self.store.last_seq()
+        rows = self.store.get_many(keys)
+        self.drain_feed(now)
+        repaired = sum(self._reconcile(key, rows.get(key), snap_seq) for key in keys)
+        self.stats.verify["top_checked"] += len(keys)
+        self.stats.verify["top_repairs"] += repaired
+
+    def _reconcile(self, key: str, row: Any, snap_seq: int) -> bool:
+        """Make the buckets agree with ``row`` (read after ``snap_seq`` was
+        taken, and before the feed was drained). Returns True on a repair.
+
+        Versions decide: a held version newer than the row means an event
+        arrived after the read, and the event wins."""
+        held = self.buckets.get(key)
+        if row is None or isinstance(row, BadRow):
+            dead_version = snap_seq if row is None else row.version
+            if held is not None and held[2] <= dead_version:
+                self.buckets.remove(key)
+                return True
+            return False
+        if row.version > self.feed_seq:
+            return False  # the feed will bring it
+        if held is not None and held[2] > row.version:
+            return False
+        try:
+            cid = self.classes.class_of(row.route, row.cadence_s, row.sitemap)
+        except TooManyClasses:
+            return False
+        if held is not None and held == (int(row.due_at // 60), cid, row.version):
+            return False
+        self.buckets.remove(key)
+        self.buckets.apply(key, row.version, row.route, row.cadence_s, row.sitemap, row.due_at)
+        return True
+
+    def start_verify(self, now: float) -> None:
+        if self._verify is None and not self._loading:
+            self._verify = _VerifyWalk(now, self.store.count() + len(self.buckets))
+            self.status = "verifying"
+            self.state.heartbeat(now, self.status, self.exact, self._phase())
+
+    def _verify_step(self, now: float) -> None:
+        walk = self._verify
+        assert walk is not None
+        snap_seq = self.store.last_seq()
+        if not walk.table_done:
+            rows = self.store.walk(walk.after, VERIFY_CHUNK)
+            self.drain_feed(now)
+            for row in rows:
+                if self._reconcile(row.key, row, snap_seq):
+                    walk.repairs += 1
+            walk.compared += len(rows)
+            if rows:
+                walk.after = rows[-1].key
+            if len(rows) < VERIFY_CHUNK:
+                walk.table_done = True
+                walk.own_keys = [item[0] for item in self.buckets.items()]
+            return
+        assert walk.own_keys is not None
+        keys = walk.own_keys[walk.own_pos : walk.own_pos + VERIFY_CHUNK]
+        walk.own_pos += len(keys)
+        found = self.store.get_many(keys)
+        self.drain_feed(now)
+        for key in keys:
+            if key not in found and self._reconcile(key, None, snap_seq):
+                walk.repairs += 1
+        walk.compared += len(keys)
+        if walk.own_pos >= len(walk.own_keys):
+            self._finish_verify(now)
+
+    def _finish_verify(self, now: float) -> None:
+        walk = self._verify
+        assert walk is not None
+        v = self.stats.verify
+        v["runs"] += 1
+        v["last_at"] = now
+        v["last_s"] = round(now - walk.started_at, 3)
+        v["compared"] = walk.compared
+        v["repairs"] += walk.repairs
+        v["repairs_feed_missed"] += walk.repairs
+        v["last_repairs"] = walk.repairs
+        self._verify = None
+        self.status = "live"
+        self.next_verify = now + self.config.verify_interval_s
+        self.state.heartbeat(now, self.status, self.exact, self._phase())
+
+    def _trim(self, now: float) -> None:
+        self.next_trim = now + TRIM_INTERVAL_S
+        if self.feed_seq:
+            self.store.trim_changes(self.feed_seq)
+
+    # -- reporting --------------------------------------------------------------
+
+    def counts_doc(self, now: float) -> dict[str, Any]:
+        counts = self.buckets.counts(now)
+        class_rows = []
+        per_class = counts["per_class"]
+        oldest = self.buckets.oldest_due(now)
+        for cid, (rows, due) in per_class.items():
+            info = self.classes.info(cid)
+            head = oldest.get(cid)
+            class_rows.append(
+                {
+                    "route": info.route,
+                    "cadence_s": info.cadence_s,
+                    "source": info.source,
+                    "sitemap": info.sitemap,
+                    "boost": info.boost,
+                    "rows": rows,
+                    "due": due,
+                    "oldest_due_minute": head,
+                    "oldest_lateness_ratio": (
+                        None if head is None else round((now - head * 60) / info.cadence_s, 4)
+                    ),
+                }
+            )
+        class_rows.sort(key=lambda c: (-(c["due"]), c["route"]))
+        truncated = len(class_rows) > STATE_CLASS_ROWS
+        flow = [{"minute": m, **c} for m, c in self._flow]
+        return {
+            "now": {
+                "due": counts["due"],
+                "rows": len(self.buckets),
+                "classes": len(self.classes),
+                "paused": sorted(self.paused_routes),
+            },
+            "coming": self.buckets.coming(now),
+            "classes": class_rows[:STATE_CLASS_ROWS],
+            "classes_truncated": truncated,
+            "flow": flow,
+            "trust": {
+                "phase": self._phase(),
+                "load": self.stats.load,
+                "publish": self.stats.publish,
+                "verify": self.stats.verify,
+                "apply": self.stats.apply,
+                "lag": self.stats.lag_figures(),
+                "feed_seq": self.feed_seq,
+            },
+        }
+
+    def write_state(self, now: float) -> None:
+        self.next_state = now + self.config.state_interval_s
+        self.state.write_doc(self.counts_doc(now), now)
+
+    # -- questions from workers -----------------------------------------------------
+
+    def answer(self, request: dict[str, Any], now: float) -> dict[str, Any]:
+        op = request.get("op")
+        if op == "explain":
+            return self.explain(str(request.get("key")), now)
+        if op == "verify":
+            self.start_verify(now)
+            return {"ok": True, "status": self.status}
+        if op == "stats":
+            return {"status": self.status, "exact": self.exact, "rows": len(self.buckets),
+                    "feed_seq": self.feed_seq, "verify": self.stats.verify,
+                    "load": self.stats.load, "apply": self.stats.apply,
+                    "lag": self.stats.lag_figures()}
+        if op == "dump":
+            path = str(request.get("path"))
+            rows = [list(item) for item in self.buckets.items()]
+            with open(path, "wb") as f:
+                f.write(msgpack.packb({"feed_seq": self.feed_seq, "rows": rows}))
+            return {"ok": True, "rows": len(rows), "path": path}
+        if op == "corrupt" and self.test_hooks:
+            return self._corrupt(request)
+        return {"error": f"unknown op {op!r}"}
+
+    def explain(self, key: str, now: float) -> dict[str, Any]:
+        held = self.buckets.get(key)
+        if held is None:
+            return {"held": False, "status": self.status, "exact": self.exact}
+        minute, cid, version = held
+        info = self.classes.info(cid)
+        due = minute <= int(now // 60)
+        rank = (now - minute * 60) / info.cadence_s + info.boost if due else None
+        position = next((i for i, e in enumerate(self._published) if e[0] == key), None)
+        return {
+            "held": True,
+            "status": self.status,
+            "exact": self.exact,
+            "due_minute": minute,
+            "version": version,
+            "class": {"route": info.route, "cadence_s": info.cadence_s,
+                      "source": info.source, "sitemap": info.sitemap, "boost": info.boost},
+            "due": due,
+            "rank": rank,
+            "paused": info.route in self.paused_routes,
+            "in_ready_set": position is not None,
+            "ready_position": position,
+        }
+
+    def _corrupt(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Test hook: make the keeper's view wrong on purpose, so a test can
+        prove that verification finds and repairs it."""
+        key = str(request.get("key"))
+        mode = request.get("mode")
+        held = self.buckets.get(key)
+        if mode == "drop" and held is not None:
+            self.buckets.remove(key)
+        elif mode == "move" and held is not None:
+            minute, cid, version = held
+            info = self.classes.info(cid)
+            self.buckets.remove(key)
+            self.buckets.apply(key, version, info.route,
+                               info.cadence_s if info.source == "row" else None,
+                               info.sitemap, (minute + 10_000) * 60.0)
+        elif mode == "phantom":
+            self.buckets.apply(key, 1, "phantom", None, False, 0.0)
+        else:
+            return {"ok": False}
+        return {"ok": True}

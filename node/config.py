@@ -1,0 +1,385 @@
+"""Configuration: one dataclass, filled from the TOML file, then the
+environment (``QUEUE_NODE_<OPTION>``), then the command line, each winning over
+the one before. Everything is validated here, before any process starts, and
+every error names the option, where it came from and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from node.errors import ConfigError
+from node.rows import MAX_CADENCE_S, MIN_CADENCE_S
+
+NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+ENV_PREFIX = "QUEUE_NODE_"
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str | int | float, what: str = "duration") -> float:
+    """``90s``, ``15m``, ``1h``, ``1d``, ``7d`` or plain seconds."""
+    if isinstance(text, bool):
+        raise ConfigError(f"{what} must be a duration like 90s, 15m, 1h, 1d or seconds")
+    if isinstance(text, int | float):
+        return float(text)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", str(text))
+    if not m:
+        raise ConfigError(
+            f"{what} {text!r} is not a duration: use 90s, 15m, 1h, 1d, 7d or seconds"
+        )
+    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
+
+
+@dataclass(frozen=True, slots=True)
+class RouteConfig:
+    cadence_s: int = 86400
+    sitemap_boost: float = 0.5
+    handler: str | None = None
+
+
+def _default_workers() -> int:
+    return max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class Config:
+    data_dir: Path = Path("node-data")
+    store: str = ""  # empty: sqlite:///<data_dir>/schedule.db
+    name: str = ""  # empty: the host name, cleaned to the allowed characters
+    http: str = "127.0.0.1:8470"
+    workers: int = field(default_factory=_default_workers)
+    handler: str | None = None
+    inference_procs: int = 0
+    gpus: tuple[int, ...] = ()
+    lease_s: float = 60.0
+    ready_size: int = 5000
+    token: str | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    offer_timeout_s: float = 30.0
+    max_misses: int = 10
+    max_classes: int = 4096
+    verify_interval_s: float = 3600.0
+    drain_timeout_s: float = 30.0
+    publish_interval_s: float = 1.0
+    state_interval_s: float = 5.0
+    state_group: str | None = None
+    defaults: RouteConfig = RouteConfig()
+    routes: dict[str, RouteConfig] = field(default_factory=dict)
+    config_file: Path | None = None
+
+    @property
+    def http_host(self) -> str:
+        return self.http.rsplit(":", 1)[0].strip("[]")
+
+    @property
+    def http_port(self) -> int:
+        return int(self.http.rsplit(":", 1)[1])
+
+    @property
+    def store_url(self) -> str:
+        return self.store or f"sqlite:///{self.data_dir.resolve()}/schedule.db"
+
+    def route(self, name: str) -> RouteConfig:
+        """The settings of a route; a route absent from the file gets the defaults."""
+        return self.routes.get(name, self.defaults)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON form for handing the resolved configuration to children."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Path):
+                value = str(value)
+            elif isinstance(value, RouteConfig):
+                value = dataclasses.asdict(value)
+            elif f.name == "routes":
+                value = {k: dataclasses.asdict(v) for k, v in value.items()}
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Config:
+        doc = dict(doc)
+        for key in ("data_dir", "tls_cert", "tls_key", "config_file"):
+            if doc.get(key) is not None:
+                doc[key] = Path(doc[key])
+        doc["defaults"] = RouteConfig(**doc["defaults"])
+        doc["routes"] = {k: RouteConfig(**v) for k, v in doc["routes"].items()}
+        doc["gpus"] = tuple(doc["gpus"])
+        return cls(**doc)
+
+
+# Option name -> (kind, check). Kinds turn text (env, flags) into values.
+_INT = "int"
+_FLOAT = "float"
+_DURATION = "duration"
+_STR = "str"
+_PATH = "path"
+_GPUS = "gpus"
+
+OPTIONS: dict[str, str] = {
+    "data_dir": _PATH,
+    "store": _STR,
+    "name": _STR,
+    "http": _STR,
+    "workers": _INT,
+    "handler": _STR,
+    "inference_procs": _INT,
+    "gpus": _GPUS,
+    "lease_s": _DURATION,
+    "ready_size": _INT,
+    "token": _STR,
+    "tls_cert": _PATH,
+    "tls_key": _PATH,
+    "offer_timeout_s": _DURATION,
+    "max_misses": _INT,
+    "max_classes": _INT,
+    "verify_interval_s": _DURATION,
+    "drain_timeout_s": _DURATION,
+    "publish_interval_s": _DURATION,
+    "state_interval_s": _DURATION,
+    "state_group": _STR,
+}
+
+# name -> (low, high) for numeric options
+_RANGES: dict[str, tuple[float, float]] = {
+    "workers": (1, 256),
+    "inference_procs": (0, 256),
+    "lease_s": (1, 86400),
+    "ready_size": (1, 1_000_000),
+    "offer_timeout_s": (1, 86400),
+    "max_misses": (1, 1_000_000),
+    "max_classes": (1, 1_000_000),
+    "verify_interval_s": (1, 31_536_000),
+    "drain_timeout_s": (0, 3600),
+    "publish_interval_s": (0.01, 60),
+    "state_interval_s": (0.1, 300),
+}
+
+
+def _convert(name: str, value: Any, source: str) -> Any:  # noqa: C901 - one branch per kind
+    kind = OPTIONS[name]
+    try:
+        if kind == _INT:
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, str):
+                value = int(value.strip())
+            if not isinstance(value, int):
+                raise ValueError
+        elif kind in (_FLOAT, _DURATION):
+            value = parse_duration(value, name)
+        elif kind == _PATH:
+            if not isinstance(value, str | Path) or not str(value):
+                raise ValueError
+            value = Path(value)
+        elif kind == _GPUS:
+            if isinstance(value, str):
+                value = [v for v in value.split(",") if v.strip()]
+            value = tuple(int(v) for v in value)
+            if any(v < 0 for v in value):
+                raise ValueError
+        elif kind == _STR:
+            if not isinstance(value, str):
+                raise ValueError
+    except ConfigError as exc:
+        raise ConfigError(str(exc), source) from None
+    except (ValueError, TypeError):
+        expected = {
+            _INT: "an integer",
+            _DURATION: "a duration like 90s, 15m, 1h or seconds",
+            _PATH: "a path",
+            _GPUS: "a list of GPU indexes like 0,1",
+            _STR: "a string",
+        }[kind]
+        raise ConfigError(f"{name} = {value!r} is not valid: expected {expected}", source) from None
+    low_high = _RANGES.get(name)
+    if low_high and not low_high[0] <= value <= low_high[1]:
+        raise ConfigError(
+            f"{name} = {value!r} is out of range: allowed {low_high[0]:g} to {low_high[1]:g}",
+            source,
+        )
+    return value
+
+
+def _line_of(text: str, key: str, table: str | None = None) -> int | None:
+    """Best-effort line number of ``key = …`` in a TOML file, for messages."""
+    lines = text.splitlines()
+    start = 0
+    if table:
+        for i, line in enumerate(lines):
+            if re.match(rf"\s*\[\s*{re.escape(table)}\s*\]", line):
+                start = i
+                break
+    for i in range(start, len(lines)):
+        if re.match(rf"\s*\"?{re.escape(key)}\"?\s*=", lines[i]):
+            return i + 1
+    return None
+
+
+def _route_config(
+    doc: Any, base: RouteConfig, where: str, text: str, path: Path, table: str
+) -> RouteConfig:
+    def src(key: str) -> str:
+        line = _line_of(text, key, table)
+        return f"{path}:{line}" if line else str(path)
+
+    if not isinstance(doc, dict):
+        raise ConfigError(f"[{where}] must be a table", str(path))
+    values = dataclasses.asdict(base)
+    for key, value in doc.items():
+        if key == "cadence_s":
+            try:
+                seconds = parse_duration(value, f"{where}.cadence_s")
+            except ConfigError as exc:
+                raise ConfigError(str(exc), src(key)) from None
+            if not float(seconds).is_integer() or not MIN_CADENCE_S <= seconds <= MAX_CADENCE_S:
+                raise ConfigError(
+                    f"{where}.cadence_s = {value!r} is out of range: allowed "
+                    f"{MIN_CADENCE_S} to {MAX_CADENCE_S} seconds",
+                    src(key),
+                )
+            values["cadence_s"] = int(seconds)
+        elif key == "sitemap_boost":
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                0 <= value <= 1000
+            ):
+                raise ConfigError(
+                    f"{where}.sitemap_boost = {value!r} is not valid: a number from 0 to 1000",
+                    src(key),
+                )
+            values["sitemap_boost"] = float(value)
+        elif key == "handler":
+            if not isinstance(value, str) or ":" not in value:
+                raise ConfigError(
+                    f"{where}.handler = {value!r} is not valid: expected MODULE:CALLABLE",
+                    src(key),
+                )
+            values["handler"] = value
+        else:
+            raise ConfigError(
+                f"unknown setting {where}.{key}: allowed cadence_s, sitemap_boost, handler",
+                src(key),
+            )
+    return RouteConfig(**values)
+
+
+def _from_file(path: Path) -> tuple[dict[str, Any], RouteConfig, dict[str, RouteConfig]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file: {exc.strerror}", str(path)) from None
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"not valid TOML: {exc}", str(path)) from None
+    options: dict[str, Any] = {}
+    defaults = RouteConfig()
+    routes: dict[str, RouteConfig] = {}
+    for key, value in doc.items():
+        if key == "defaults":
+            defaults = _route_config(value, RouteConfig(), "defaults", text, path, "defaults")
+        elif key == "routes":
+            continue
+        elif key in OPTIONS:
+            line = _line_of(text, key)
+            options[key] = _convert(key, value, f"{path}:{line}" if line else str(path))
+        else:
+            line = _line_of(text, key)
+            raise ConfigError(
+                f"unknown option {key!r}; allowed: {', '.join(sorted(OPTIONS))}, "
+                "[defaults], [routes.NAME]",
+                f"{path}:{line}" if line else str(path),
+            )
+    route_docs = doc.get("routes", {})
+    if not isinstance(route_docs, dict):
+        raise ConfigError("routes must be tables: [routes.NAME]", str(path))
+    for name, value in route_docs.items():
+        if not name or len(name.encode()) > 128:
+            raise ConfigError(f"route name {name!r} must be 1 to 128 bytes", str(path))
+        routes[name] = _route_config(
+            value, defaults, f"routes.{name}", text, path, f"routes.{name}"
+        )
+    return options, defaults, routes
+
+
+def check_name(name: str) -> str:
+    if not NAME_RE.fullmatch(name):
+        raise ConfigError(
+            f"node name {name!r} is not valid: use [A-Za-z0-9._-], 1 to 64 characters"
+        )
+    return name
+
+
+def _clean_host_name() -> str:
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:64]
+    return name or "node"
+
+
+def load_config(
+    flags: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    config_file: str | Path | None = None,
+) -> Config:
+    """Resolve the configuration: file < environment < flags.
+
+    ``flags`` holds only the options the user gave (None values are ignored).
+    """
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    env = dict(os.environ if env is None else env)
+    path = config_file or flags.pop("config", None) or env.get(ENV_PREFIX + "CONFIG")
+    values: dict[str, Any] = {}
+    defaults, routes = RouteConfig(), {}
+    if path:
+        path = Path(path)
+        file_options, defaults, routes = _from_file(path)
+        values.update(file_options)
+        values["config_file"] = path
+    for name in OPTIONS:
+        var = ENV_PREFIX + name.upper()
+        if var in env and env[var] != "":
+            values[name] = _convert(name, env[var], var)
+    for name, value in flags.items():
+        if name not in OPTIONS:
+            raise ConfigError(f"unknown option {name!r}")
+        values[name] = _convert(name, value, "--" + name.replace("_", "-"))
+    values["defaults"] = defaults
+    values["routes"] = routes
+    config = Config(**values)
+    return validate(config)
+
+
+def validate(config: Config) -> Config:
+    """Checks that span several options. Returns the config with derived
+    defaults filled in (the name)."""
+    name = check_name(config.name or _clean_host_name())
+    m = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):(\d{1,5})", config.http)
+    if not m or int(m.group(2)) > 65535:
+        raise ConfigError(f"http = {config.http!r} is not valid: expected HOST:PORT")
+    from node.store import check_store_url
+
+    check_store_url(config.store_url)
+    if config.gpus and config.inference_procs:
+        raise ConfigError("give either --inference-procs or --gpus, not both")
+    if (config.tls_cert is None) != (config.tls_key is None):
+        raise ConfigError("--tls-cert and --tls-key go together")
+    host = m.group(1).strip("[]")
+    if host not in ("127.0.0.1", "localhost", "::1") and not config.token:
+        raise ConfigError(
+            f"binding {host} needs a token: set --token or QUEUE_NODE_TOKEN "
+            "(the node binds 127.0.0.1 without one)"
+        )
+    if config.handler is not None and ":" not in config.handler:
+        raise ConfigError(f"handler = {config.handler!r} is not valid: expected MODULE:CALLABLE")
+    return dataclasses.replace(config, name=name)

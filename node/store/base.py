@@ -1,0 +1,130 @@
+"""The durable store's interface: the schedule table and its change log.
+
+Three implementations sit behind it: ``memory`` (the in-memory twin for unit
+tests), ``sqlite`` (the embedded default) and, with the fleet, PostgreSQL.
+Every implementation must pass ``tests/test_store.py`` unchanged.
+
+Rules every backend keeps:
+
+- ``version`` is assigned by the store (triggers in SQL), never by a writer.
+  A row's version is the ``seq`` of the change-log entry its last write made,
+  so versions grow across the whole table and "newer" is a comparison.
+- Every insert, update and delete appends one change-log entry carrying the
+  op, the key, the origin and the scheduling fields (route, cadence_s,
+  sitemap, due_at) so the keeper can apply it without reading the row.
+- A store object belongs to the process that opened it. ``check_fork()``
+  reopens the connection in a child; nothing crosses a fork.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from node.rows import ORIGIN_NODE, Change, Row, RowWrite
+
+
+class Store(abc.ABC):
+    """The schedule table plus its change log."""
+
+    url: str
+
+    # -- writes --------------------------------------------------------------
+
+    @abc.abstractmethod
+    def upsert(self, rows: Sequence[RowWrite], *, now: float, origin: str = ORIGIN_NODE) -> int:
+        """Insert or update rows in one transaction; returns how many.
+
+        On insert, missing fields take their defaults (``due_at`` = ``now``);
+        on update only the fields the write carries change. Later writes of
+        the same key in one batch win."""
+
+    @abc.abstractmethod
+    def delete(self, keys: Sequence[str], *, origin: str = ORIGIN_NODE) -> int:
+        """Delete rows by key in one transaction; returns how many existed."""
+
+    @abc.abstractmethod
+    def write_next_due(self, key: str, due_at: float, *, if_version: int) -> int | None:
+        """Set a row's next due time unless the row moved on.
+
+        Writes only when the row still has version ``if_version``; returns
+        the row's new version, or None when the row is gone or a newer write
+        arrived (which then always wins). Logged with origin ``writeback``."""
+
+    # -- reads ---------------------------------------------------------------
+
+    @abc.abstractmethod
+    def get(self, key: str) -> Row | BadRow | None:
+        """Point read by key. A row whose stored values are not schedulable
+        (written by another program) comes back as a ``BadRow``."""
+
+    @abc.abstractmethod
+    def get_many(self, keys: Iterable[str]) -> dict[str, Row | BadRow]:
+        """Batched point read; keys with no row are absent from the answer,
+        unschedulable rows come back as ``BadRow`` (as ``get``)."""
+
+    @abc.abstractmethod
+    def walk(self, after: str | None, limit: int) -> list[Row | BadRow]:
+        """Up to ``limit`` rows in key order with key > ``after`` (all keys
+        when None). A row whose stored values are not schedulable comes back
+        as a ``BadRow`` so the walk can count it and go on."""
+
+    @abc.abstractmethod
+    def count(self) -> int:
+        """Rows in the table."""
+
+    # -- change log ----------------------------------------------------------
+
+    @abc.abstractmethod
+    def changes(self, after_seq: int, limit: int) -> list[Change]:
+        """Change-log entries with seq > ``after_seq``, in seq order."""
+
+    @abc.abstractmethod
+    def last_seq(self) -> int:
+        """The highest seq ever assigned (0 when none); stays put after a trim."""
+
+    @abc.abstractmethod
+    def trim_changes(self, through_seq: int) -> int:
+        """Drop consumed change-log entries with seq <= ``through_seq``."""
+
+    # -- node metadata (paused routes, lifetime counters, …) ------------------
+
+    @abc.abstractmethod
+    def get_meta(self, name: str, default: Any = None) -> Any:
+        """A JSON value stored under ``name``."""
+
+    @abc.abstractmethod
+    def set_meta(self, name: str, value: Any) -> None:
+        """Store a JSON value under ``name``."""
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def check_fork(self) -> None:  # noqa: B027 - a no-op unless a backend holds a connection
+        """Reopen connections if this object was created in another process."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the connection. Idempotent."""
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class BadRow:
+    """A row whose stored values the keeper cannot schedule (a bad cadence or
+    due time written by another program). Carries the key and version so the
+    walk can still tell an old row from a newer event."""
+
+    __slots__ = ("key", "version", "reason")
+
+    def __init__(self, key: str, version: int, reason: str) -> None:
+        self.key = key
+        self.version = version
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"BadRow({self.key!r}, version={self.version}, reason={self.reason!r})"

@@ -1,0 +1,382 @@
+"""The supervisor: ``python -m node run``.
+
+It owns everything that must outlive a child: the listening socket, the
+shared-memory segments (only the supervisor unlinks them), ``node.json``.
+
+Start order: segments, then the keeper, then the workers (nothing is granted
+before the keeper's first publish anyway; workers answer /readyz 503 until it
+comes). Stop order, on the first SIGTERM or Ctrl-C: workers first (they stop
+taking requests and writes), then the keeper; every join shares one deadline
+(``drain_timeout_s``). A second signal kills every child at once. Nothing
+durable lives only in a process, so neither path loses anything.
+
+Restart policy: a child that dies is started again after a backoff that
+doubles from 0.1 s up to 5 s, and is reset once the child has stayed up for
+30 s; every restart is logged with the exit status.
+
+The supervisor's signal handlers only set flags and write to a wake-up pipe
+(signal.set_wakeup_fd); all work happens in the loop.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+from node import log
+from node.config import Config
+from node.errors import ConfigError, NodeError
+from node.proc import ENV_CONFIG, ENV_STARTED_AT, ENV_SUPERVISOR, python_argv
+
+BACKOFF_MIN_S = 0.1
+BACKOFF_MAX_S = 5.0
+# A child that has run this long is considered healthy: its backoff resets.
+BACKOFF_RESET_AFTER_S = 30.0
+# How often the loop wakes with nothing to do (children are reaped on SIGCHLD).
+IDLE_WAKE_S = 0.5
+
+
+@dataclass
+class Child:
+    role: str  # "keeper" or "worker"
+    index: int
+    argv: list[str]
+    pass_fds: tuple[int, ...] = ()
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    backoff_s: float = BACKOFF_MIN_S
+    restart_at: float | None = None
+    restarts: int = 0
+    exits: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+
+class Supervisor:
+    def __init__(self, config: Config, verbose: bool = False) -> None:
+        self.config = config
+        self.verbose = verbose
+        self.name = config.name
+        self.data_dir = config.data_dir.resolve()
+        self.run_dir = self.data_dir / "run"
+        self.started_at = time.time()
+        self.children: list[Child] = []
+        self._signals: list[int] = []
+        self._sock: socket.socket | None = None
+        self.http = ""
+        self._segments: list[object] = []
+
+    # -- setup -------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Everything that can fail on bad input, before any child starts."""
+        self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.run_dir.mkdir(exist_ok=True, mode=0o700)
+        self._refuse_second_node()
+        from node.store import open_store
+
+        # Open once here so a bad store (unreadable file, failed migration)
+        # is one clear error now instead of a keeper in a restart loop.
+        open_store(self.config.store_url).close()
+        self._sock = self._bind()
+        host, port = self._sock.getsockname()[:2]
+        self.http = f"{host}:{port}"
+        self._write_config()
+        self._create_segments()
+
+    def _refuse_second_node(self) -> None:
+        from shm.state import StateBuffer
+
+        try:
+            state = StateBuffer.attach(self.name)
+        except NodeError:
+            return
+        try:
+            pid = state.read().get("owner_pid")
+        finally:
+            state.close()
+        from shm.segment import pid_alive
+
+        if pid and pid != os.getpid() and pid_alive(pid):
+            raise ConfigError(f"a node named {self.name!r} already runs on this host (pid {pid})")
+
+    def _bind(self) -> socket.socket:
+        family = socket.AF_INET6 if ":" in self.config.http_host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.config.http_host, self.config.http_port))
+        except OSError as exc:
+            sock.close()
+            raise ConfigError(f"cannot listen on {self.config.http}: {exc.strerror}") from None
+        sock.listen(1024)
+        sock.set_inheritable(True)
+        return sock
+
+    def _write_config(self) -> None:
+        path = self.run_dir / "config.json"
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(self.config.to_json(), f)
+        os.replace(tmp, path)
+        self.config_path = path
+
+    def _create_segments(self) -> None:
+        from shm.ready import ReadySet
+        from shm.state import StateBuffer
+        from shm.wake import Wake
+
+        self.ready = ReadySet.create(self.name, self.config.ready_size)
+        self.state = StateBuffer.create(
+            self.name, group=self.config.state_group, started_at=self.started_at
+        )
+        self.wake = Wake.create(self.name)
+
+    def _unlink_segments(self) -> None:
+        from keeper.ask import unlink_all
+        from shm.ready import ReadySet
+        from shm.state import StateBuffer
+        from shm.wake import Wake
+
+        for seg in (self.ready, self.state, self.wake):
+            try:
+                seg.close()
+            except Exception as exc:  # noqa: BLE001 - shutting down; say and go on
+                log.warn("segment_close_failed", error=str(exc))
+        ReadySet.unlink(self.name)
+        StateBuffer.unlink(self.name)
+        Wake.unlink(self.name)
+        unlink_all(self.name)
+
+    # -- children -------------------------------------------------------------------
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env[ENV_CONFIG] = str(self.config_path)
+        env[ENV_SUPERVISOR] = str(os.getpid())
+        env[ENV_STARTED_AT] = repr(self.started_at)
+        if self.verbose:
+            env["QUEUE_NODE_VERBOSE"] = "1"
+        return env
+
+    def _plan_children(self) -> None:
+        assert self._sock is not None
+        fd = self._sock.fileno()
+        self.children.append(Child("keeper", 0, python_argv("keeper")))
+        for i in range(1, self.config.workers + 1):
+            argv = python_argv("workers", "--index", str(i), "--listen-fd", str(fd))
+            self.children.append(Child("worker", i, argv, pass_fds=(fd,)))
+
+    def _spawn(self, child: Child) -> None:
+        # Block the signals we handle while forking, so a signal cannot land
+        # in the child between fork and exec and run our handler there.
+        handled = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD}
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, handled)
+        try:
+            child.proc = subprocess.Popen(
+                child.argv,
+                env=self._env(),
+                pass_fds=child.pass_fds,
+                stdin=subprocess.DEVNULL,
+                restore_signals=True,
+                preexec_fn=_unblock_all,
+            )
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        child.started_at = time.monotonic()
+        child.restart_at = None
+        log.log("child_start", role=child.role, index=child.index, pid=child.proc.pid)
+
+    def _reap(self, now: float) -> bool:
+        changed = False
+        for child in self.children:
+            proc = child.proc
+            if proc is None or proc.poll() is None:
+                continue
+            status = proc.returncode
+            how = f"signal {-status}" if status < 0 else f"exit {status}"
+            child.exits.append(how)
+            up_s = now - child.started_at
+            if up_s >= BACKOFF_RESET_AFTER_S:
+                child.backoff_s = BACKOFF_MIN_S
+            child.restart_at = now + child.backoff_s
+            log.warn(
+                "child_died",
+                role=child.role,
+                index=child.index,
+                pid=proc.pid,
+                status=how,
+                up_s=round(up_s, 3),
+                restart_in_s=child.backoff_s,
+            )
+            child.backoff_s = min(child.backoff_s * 2, BACKOFF_MAX_S)
+            child.proc = None
+            changed = True
+        for child in self.children:
+            if child.proc is None and child.restart_at is not None and now >= child.restart_at:
+                child.restarts += 1
+                self._spawn(child)
+                changed = True
+        return changed
+
+    def _next_restart_in(self, now: float) -> float:
+        waits = [c.restart_at - now for c in self.children if c.restart_at is not None]
+        return max(0.0, min(waits, default=IDLE_WAKE_S))
+
+    def write_node_json(self) -> None:
+        doc = {
+            "name": self.name,
+            "pid": os.getpid(),
+            "http": self.http,
+            "started_at": self.started_at,
+            "data_dir": str(self.data_dir),
+            "pids": {
+                "keeper": next((c.pid for c in self.children if c.role == "keeper"), None),
+                "workers": [c.pid for c in self.children if c.role == "worker"],
+                "ledger": None,
+                "inference": [],
+            },
+        }
+        path = self.data_dir / "node.json"
+        tmp = path.with_suffix(".json.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(doc, f)
+        os.replace(tmp, path)
+
+    # -- run -----------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._signals.append(signum)
+
+    def run(self) -> int:
+        self.prepare()
+        rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(wfd)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
+            signal.signal(sig, self._on_signal)
+        self._plan_children()
+        for child in self.children:
+            self._spawn(child)
+        self.write_node_json()
+        log.log("node_start", name=self.name, http=self.http, workers=self.config.workers,
+                store=self.config.store_url, data_dir=str(self.data_dir))
+        try:
+            return self._loop(rfd)
+        finally:
+            os.close(rfd)
+            os.close(wfd)
+
+    def _loop(self, rfd: int) -> int:
+        while True:
+            timeout = self._next_restart_in(time.monotonic())
+            try:
+                select.select([rfd], [], [], timeout)
+            except InterruptedError:
+                pass
+            _drain_pipe(rfd)
+            signals, self._signals = self._signals, []
+            if signal.SIGTERM in signals or signal.SIGINT in signals:
+                return self.stop()
+            if signal.SIGHUP in signals:
+                self._reload()
+            if self._reap(time.monotonic()):
+                self.write_node_json()
+
+    def _reload(self) -> None:
+        """SIGHUP: read the config file again; the keeper reclassifies rows in
+        memory. Options that need a restart (ports, sizes) keep their values."""
+        import dataclasses
+
+        from node.config import load_config
+
+        if self.config.config_file is None:
+            log.log("reload_skipped", reason="no config file")
+            return
+        try:
+            fresh = load_config(config_file=self.config.config_file)
+        except ConfigError as exc:
+            log.warn("reload_refused", error=str(exc))
+            return
+        self.config = dataclasses.replace(
+            self.config, defaults=fresh.defaults, routes=fresh.routes
+        )
+        self._write_config()
+        for child in self.children:
+            if child.role == "keeper" and child.proc is not None:
+                child.proc.send_signal(signal.SIGHUP)
+        log.log("reload", routes=len(fresh.routes))
+
+    def stop(self) -> int:
+        """Drain: workers first, then the keeper, one shared deadline.
+        A second signal during the drain kills everything at once."""
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        log.log("node_draining", deadline_s=self.config.drain_timeout_s)
+        workers = [c for c in self.children if c.role == "worker"]
+        keepers = [c for c in self.children if c.role == "keeper"]
+        killed = False
+        for group in (workers, keepers):
+            for child in group:
+                if child.proc is not None and child.proc.poll() is None:
+                    child.proc.terminate()
+            for child in group:
+                if child.proc is None:
+                    continue
+                while child.proc.poll() is None:
+                    if self._signals and not killed:
+                        self._kill_all()
+                        killed = True
+                    if time.monotonic() >= deadline:
+                        log.warn("drain_timeout", role=child.role, pid=child.proc.pid)
+                        child.proc.kill()
+                        child.proc.wait()
+                        break
+                    try:
+                        child.proc.wait(timeout=0.05)
+                    except subprocess.TimeoutExpired:
+                        pass
+        self._unlink_segments()
+        try:
+            (self.data_dir / "node.json").unlink()
+        except FileNotFoundError:
+            pass
+        restarts = sum(c.restarts for c in self.children)
+        log.log("node_stop", name=self.name, up_s=round(time.time() - self.started_at, 1),
+                restarts=restarts, forced=killed)
+        return 0
+
+    def _kill_all(self) -> None:
+        log.warn("node_kill", reason="second signal")
+        for child in self.children:
+            if child.proc is not None and child.proc.poll() is None:
+                child.proc.kill()
+
+
+def _unblock_all() -> None:
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+
+
+def _drain_pipe(fd: int) -> None:
+    while True:
+        try:
+            if not os.read(fd, 512):
+                return
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                return
+            raise
+
+
+def run(config: Config, verbose: bool = False) -> int:
+    log.setup("supervisor", verbose)
+    return Supervisor(config, verbose).run()

@@ -1,0 +1,383 @@
+"""The ready set: the best K due keys, published by the keeper, read by claimers.
+
+``/queue-node.<name>.ready``. The supervisor creates and unlinks it; the keeper
+is its only writer (publishing from two processes at once would break the
+seqlocks); claimers and the console attach and close.
+
+Double-buffered. The keeper writes the slot that is *not* active, under that
+slot's seqlock, then flips ``active``, then bumps the ``generation`` futex word
+and wakes every waiter. A reader takes ``active``, copies that slot's entries
+and keys between two reads of the slot's seqlock, and retries if the counter
+was odd or moved (the keeper lapped it twice). A keeper that dies, or a publish
+that fails, mid-write leaves only the inactive slot odd and never flips to it:
+the active set stays readable.
+
+Layout (little-endian, every field naturally aligned)::
+
+    segment header
+    offset  size  field         format
+    0       24    common header (magic, layout, writer pid, owner pid, size;
+                  see shm/segment.py)
+    24      4     active        I    index of the published slot, 0 or 1
+    28      4     generation    I    futex word: low 32 bits of the newest
+                                     slot generation; woken on every publish
+    32      4     capacity      I    entries per slot (K)
+    36      4     heap_size     I    key bytes per slot: K * 256 + 65536
+    40      24    reserved
+    64            slot 0, then slot 1 at 64 + slot_stride
+
+    slot (slot_stride = 64 + 32 * capacity + heap_size, rounded up to 64)
+    +0      4     seq           I    seqlock: odd while the keeper writes
+    +4      4     count         I    entries in this slot
+    +8      8     generation    Q    publishes since the segment was created
+    +16     8     published_at  d    wall seconds
+    +24     8     claim_cursor  Q    RESERVED SEAM for the work path: the index
+                                     of the next entry to hand out, advanced by
+                                     compare-and-swap in a later issue. Reset
+                                     to 0 on every publish; nothing reads it yet.
+    +32     4     heap_used     I    key bytes written
+    +36     4     flags         I    bit 0: every key is ASCII
+    +40     24    reserved
+    +64           entries: capacity x 32 bytes, the first ``count`` valid
+    +64+32K       heap: the keys' UTF-8 bytes, in entry order
+
+    entry (32 bytes)
+    +0      4     key_offset    I    into the slot's heap
+    +4      2     key_len       H    bytes (contract: at most 1,024)
+    +6      2     class_id      H
+    +8      8     version       Q
+    +16     8     due_minute    q
+    +24     8     rank          d
+
+A set whose keys overflow the heap is published short (``publish`` returns
+how many entries it wrote), never with a torn key.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from bisect import bisect_right
+from collections.abc import Sequence
+from itertools import accumulate, repeat
+from typing import NamedTuple
+
+from shm import segment
+from shm.segment import HEADER_SIZE, U32, Segment, SnapshotUnstable, segment_name
+
+LAYOUT_VERSION = 1
+KIND = "ready"
+
+ACTIVE_OFFSET = HEADER_SIZE  # 24
+GENERATION_OFFSET = 28
+READY_FIELDS = struct.Struct("<II")  # capacity, heap_size at 32
+READY_FIELDS_OFFSET = 32
+FIRST_SLOT = 64
+
+SLOT = struct.Struct("<IIQdQII")  # seq, count, generation, published_at, cursor, heap_used, flags
+SLOT_HEADER_SIZE = 64
+SLOT_GENERATION = 8  # offset inside a slot
+CLAIM_CURSOR = 24  # offset inside a slot
+FLAG_ASCII = 1
+
+ENTRY_FORMAT = "IHHQqd"  # key_offset, key_len, class_id, version, due_minute, rank
+ENTRY_SIZE = 32
+# Heap bytes per entry: keys average far less; the fixed extra covers a few
+# long ones even in a small set.
+KEY_BYTES_PER_ENTRY = 256
+KEY_BYTES_EXTRA = 65536
+# A publish is encoded and written CHUNK entries at a time. Whole-set
+# intermediates (a 300 KB joined string, 40 KB lists) are fresh allocations that
+# glibc hands back to the kernel and faults in again at every publish;
+# chunk-sized ones are reused. CHUNK is a power of two: a shorter last chunk is
+# packed as a sum of powers of two, so the Structs are precompiled once, nine
+# of them, whatever the set sizes.
+CHUNK = 256
+# A reader gives up after this many torn copies in a row. Each try is one copy
+# of at most a slot; the keeper would have to lap the reader this many times.
+READ_RETRIES = 1000
+
+_STRUCTS = {1 << i: struct.Struct("<" + ENTRY_FORMAT * (1 << i)) for i in range(CHUNK.bit_length())}
+
+
+def _pack_entries(mm, at: int, flat: list, n: int) -> None:
+    """Pack ``n`` entries whose fields lie flattened in ``flat`` at ``mm[at]``."""
+    if n == CHUNK:
+        _STRUCTS[CHUNK].pack_into(mm, at, *flat)
+        return
+    done = 0
+    for size in sorted(_STRUCTS, reverse=True):
+        if n & size:
+            _STRUCTS[size].pack_into(
+                mm, at + ENTRY_SIZE * done, *flat[6 * done : 6 * (done + size)]
+            )
+            done += size
+
+
+class ReadyEntry(NamedTuple):
+    key: str
+    version: int
+    due_minute: int
+    class_id: int
+    rank: float
+
+
+class ReadySnapshot(NamedTuple):
+    generation: int
+    published_at: float
+    entries: list[ReadyEntry]
+
+
+def heap_size_for(capacity: int) -> int:
+    return capacity * KEY_BYTES_PER_ENTRY + KEY_BYTES_EXTRA
+
+
+def _slot_stride(capacity: int, heap_size: int) -> int:
+    return (SLOT_HEADER_SIZE + ENTRY_SIZE * capacity + heap_size + 63) // 64 * 64
+
+
+def segment_size_for(capacity: int) -> int:
+    return FIRST_SLOT + 2 * _slot_stride(capacity, heap_size_for(capacity))
+
+
+class ReadySet:
+    def __init__(self, seg: Segment) -> None:
+        self.segment = seg
+        self.capacity, self.heap_size = READY_FIELDS.unpack_from(seg.mm, READY_FIELDS_OFFSET)
+        self._stride = _slot_stride(self.capacity, self.heap_size)
+        self._heap_at = SLOT_HEADER_SIZE + ENTRY_SIZE * self.capacity  # inside a slot
+        self._stamped_pid = 0
+        self._flat = [0] * (6 * CHUNK)
+        #: torn copies retried by this handle's snapshots (a health figure).
+        self.retries = 0
+
+    # -- lifecycle (the supervisor creates and unlinks; everyone else attaches) --
+
+    @classmethod
+    def create(cls, node: str, capacity: int) -> ReadySet:
+        """Supervisor: create the segment, or reattach the one a crash left."""
+        if not 1 <= capacity <= 1 << 20:
+            raise ValueError(f"ready set capacity {capacity} is not between 1 and {1 << 20}")
+
+        def init(mm) -> None:
+            READY_FIELDS.pack_into(mm, READY_FIELDS_OFFSET, capacity, heap_size_for(capacity))
+
+        seg = segment.create_or_reattach(
+            segment_name(node, KIND), segment_size_for(capacity), LAYOUT_VERSION, init=init
+        )
+        return cls(seg)
+
+    @classmethod
+    def attach(cls, node: str) -> ReadySet:
+        return cls(segment.attach(segment_name(node, KIND), LAYOUT_VERSION))
+
+    @staticmethod
+    def unlink(node: str) -> bool:
+        """Supervisor only."""
+        return segment.unlink(segment_name(node, KIND))
+
+    def close(self) -> None:
+        self.segment.close()
+
+    def __enter__(self) -> ReadySet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _slot_base(self, index: int) -> int:
+        return FIRST_SLOT + index * self._stride
+
+    # -- writer (the keeper) ----------------------------------------------------
+
+    def publish(self, entries: Sequence[tuple[str, int, int, int, float]], now: float) -> int:
+        """Publish ``(key, version, due_minute, class_id, rank)`` in rank order.
+
+        Returns how many entries were written: at most ``capacity``, fewer when
+        their keys overflow the heap. Readers see the whole set or the last
+        one. A bad entry (a field out of range) raises ValueError and leaves
+        the last set published.
+        """
+        n = min(len(entries), self.capacity)
+
+        def chunks():
+            for start in range(0, n, CHUNK):
+                yield zip(*entries[start : min(start + CHUNK, n)], strict=True)
+
+        return self._publish(chunks(), now)
+
+    def publish_columns(
+        self,
+        keys: Sequence[str],
+        versions: Sequence[int],
+        due_minutes: Sequence[int],
+        class_ids: Sequence[int],
+        ranks: Sequence[float],
+        now: float,
+    ) -> int:
+        """``publish`` for a caller that already holds columns: it skips
+        transposing the tuples, about a quarter of the cost of a publish."""
+        cols = (keys, versions, due_minutes, class_ids, ranks)
+        if len({len(col) for col in cols}) != 1:
+            raise ValueError(f"columns differ in length: {[len(col) for col in cols]}")
+        n = min(len(keys), self.capacity)
+
+        def chunks():
+            for start in range(0, n, CHUNK):
+                end = min(start + CHUNK, n)
+                yield (col[start:end] for col in cols)
+
+        return self._publish(chunks(), now)
+
+    def _publish(self, chunks, now: float) -> int:
+        mm = self.segment.mm
+        pid = os.getpid()
+        if self._stamped_pid != pid:
+            self.segment.set_writer_pid(pid)
+            self._stamped_pid = pid
+        active = U32.unpack_from(mm, ACTIVE_OFFSET)[0]
+        slot = 1 - active
+        base = self._slot_base(slot)
+        generation = SLOT.unpack_from(mm, self._slot_base(active))[2] + 1
+        seq = U32.unpack_from(mm, base)[0]
+        # Odd while writing; a keeper that died mid-write left it odd already.
+        # Entries are encoded straight into this slot: should one fail, the
+        # slot stays odd and is never flipped to.
+        seq = (seq + 1 if seq % 2 == 0 else seq + 2) & 0xFFFFFFFF
+        U32.pack_into(mm, base, seq)
+        count, heap_used, flags = self._write_chunks(mm, base, chunks)
+        SLOT.pack_into(mm, base, seq, count, generation, now, 0, heap_used, flags)  # cursor 0
+        U32.pack_into(mm, base, (seq + 1) & 0xFFFFFFFF)
+        U32.pack_into(mm, ACTIVE_OFFSET, slot)
+        U32.pack_into(mm, GENERATION_OFFSET, generation & 0xFFFFFFFF)
+        self.segment.futex_wake(GENERATION_OFFSET)
+        return count
+
+    def _write_chunks(self, mm, base: int, chunks) -> tuple[int, int, int]:
+        """Encode and write every chunk; (entries written, heap bytes, flags)."""
+        entries_at = base + SLOT_HEADER_SIZE
+        heap_at = base + self._heap_at
+        count = heap_used = 0
+        flags = FLAG_ASCII
+        for chunk in chunks:
+            keys, versions, dues, classes, ranks = chunk
+            text = "".join(keys)
+            blob = text.encode()
+            if len(blob) == len(text):
+                lens = list(map(len, keys))
+            else:
+                flags = 0
+                lens = [len(key.encode()) for key in keys]
+            bounds = list(accumulate(lens, initial=heap_used))  # key i is bounds[i:i+2]
+            n = len(lens)
+            if bounds[n] > self.heap_size:
+                # The heap is full: keep the keys that fit whole, and stop.
+                n = bisect_right(bounds, self.heap_size) - 1
+                classes, versions, dues, ranks = classes[:n], versions[:n], dues[:n], ranks[:n]
+                lens = lens[:n]
+                blob = blob[: bounds[n] - heap_used]
+            end = bounds[n]
+            del bounds[n:]  # what is left: the n keys' offsets
+            flat = self._flat if n == CHUNK else [0] * (6 * n)
+            try:
+                flat[0::6] = bounds
+                flat[1::6] = lens
+                flat[2::6] = classes
+                flat[3::6] = versions
+                flat[4::6] = dues
+                flat[5::6] = ranks
+                _pack_entries(mm, entries_at + ENTRY_SIZE * count, flat, n)
+            except struct.error as exc:
+                raise ValueError(
+                    f"ready entries {count}..{count + n - 1}: a field does not fit (key_len and "
+                    f"class_id are u16, version u64, due_minute i64): {exc}"
+                ) from exc
+            mm[heap_at + heap_used : heap_at + end] = blob
+            count += n
+            heap_used = end
+            if n < len(keys):
+                break
+        return count, heap_used, flags
+
+    # -- readers ----------------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        """The newest published generation (0 before the first publish)."""
+        mm = self.segment.mm
+        active = U32.unpack_from(mm, ACTIVE_OFFSET)[0] & 1
+        return struct.unpack_from("<Q", mm, self._slot_base(active) + SLOT_GENERATION)[0]
+
+    def wait_publish(self, after_generation: int, timeout_s: float | None) -> int:
+        """Block until the generation differs from ``after_generation``; return it.
+
+        Returns ``after_generation`` unchanged when ``timeout_s`` passes first.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        mm = self.segment.mm
+        while True:
+            # Read the futex word before the generation: a publish between the
+            # two makes the wait return at once instead of being missed.
+            word = U32.unpack_from(mm, GENERATION_OFFSET)[0]
+            current = self.generation
+            if current != after_generation:
+                return current
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return current
+            self.segment.futex_wait(GENERATION_OFFSET, word, remaining)
+
+    def snapshot(self) -> ReadySnapshot:
+        """A consistent copy of the published set (raises SnapshotUnstable if
+        the keeper laps this reader ``READ_RETRIES`` times in a row)."""
+        mm = self.segment.mm
+        for _ in range(READ_RETRIES):
+            active = U32.unpack_from(mm, ACTIVE_OFFSET)[0]
+            base = self._slot_base(active & 1)
+            seq, count, generation, published_at, _cursor, heap_used, flags = SLOT.unpack_from(
+                mm, base
+            )
+            if seq % 2 == 0:
+                # Bounds clamp what a torn header could claim; the seqlock
+                # check below throws such a copy away.
+                at = base + SLOT_HEADER_SIZE
+                raw = mm[at : at + ENTRY_SIZE * min(count, self.capacity)]
+                at = base + self._heap_at
+                heap = mm[at : at + min(heap_used, self.heap_size)]
+                if U32.unpack_from(mm, base)[0] == seq:
+                    break
+            self.retries += 1
+            os.sched_yield()
+        else:
+            raise SnapshotUnstable(
+                f"{self.segment.name}: no consistent copy in {READ_RETRIES} tries; "
+                f"the keeper (pid {self.segment.writer_pid}) rewrites faster than it can be read"
+            )
+        return ReadySnapshot(generation, published_at, _decode(raw, heap, count, flags))
+
+
+def _decode(raw: bytes, heap: bytes, n: int, flags: int) -> list[ReadyEntry]:
+    if n == 0:
+        return []
+    with memoryview(raw) as mv:
+        with mv.cast("I") as u32, mv.cast("H") as u16:
+            offsets = u32[0::8].tolist()
+            lens = u16[2::16].tolist()
+            classes = u16[3::16].tolist()
+        with mv.cast("Q") as u64, mv.cast("q") as i64, mv.cast("d") as f64:
+            versions = u64[1::4].tolist()
+            dues = i64[2::4].tolist()
+            ranks = f64[3::4].tolist()
+    if flags & FLAG_ASCII:
+        text = heap.decode("ascii")  # one decode, then slices
+        keys = [text[o : o + k] for o, k in zip(offsets, lens, strict=True)]
+    else:
+        keys = [heap[o : o + k].decode() for o, k in zip(offsets, lens, strict=True)]
+    return list(
+        map(
+            tuple.__new__,
+            repeat(ReadyEntry),
+            zip(keys, versions, dues, classes, ranks, strict=True),
+        )
+    )

@@ -1,0 +1,362 @@
+"""The state buffer: what the keeper knows about the queue, for readers on the host.
+
+``/queue-node.<name>.state``, 1 MiB by default. The supervisor creates it (with
+the node's start time), may give it a group so that an autoscaler running as
+another user can map it read-only (mode 0640), and unlinks it at a clean
+shutdown. The keeper is its only writer; everyone else attaches and closes.
+
+Two parts. A fixed header, rewritten at every keeper publish (the heartbeat),
+under its own seqlock; and the counts document (msgpack), written every few
+seconds into one of two slots, each under its own seqlock: the keeper writes the
+inactive slot and then flips ``active_doc``, so a reader always finds a
+complete document.
+
+Layout (little-endian, every field naturally aligned)::
+
+    offset  size  field              format
+    0       24    common header (magic, layout, writer pid, owner pid, size;
+                  see shm/segment.py). writer pid: the keeper, stamped by its
+                  first write. owner pid: the supervisor.
+    24      4     status_gen         I    futex word: bumped and woken whenever
+                                          status or exact changes
+    28      4     header_seq         I    seqlock over 32..111, odd mid-write
+    32      8     started_at         d    the node's start (wall), by the supervisor
+    40      8     heartbeat_at       d    wall, at every keeper publish
+    48      8     published_at       d    wall, the last ready-set publish
+    56      8     first_publish_at   d    the first publish since started_at; 0 before
+    64      8     generation         Q    publishes since started_at
+    72      4     status             I    0 none, 1 loading, 2 live, 3 verifying, 4 stopped
+    76      4     exact              I    0/1: loaded and caught up
+    80      32    phase              32s  UTF-8, NUL-padded; empty = none
+    112     4     active_doc         I    index of the newest complete document slot
+    116     4     doc_capacity       I    bytes a document slot holds
+    120     8     reserved
+    128           document slot 0, then slot 1 at 128 + doc_stride
+
+    document slot (doc_stride = 16 + doc_capacity, a multiple of 8)
+    +0      4     seq                I    seqlock, odd mid-write
+    +4      4     length             I    bytes of msgpack that follow
+    +8      8     counts_at          d    wall time the counts were taken
+    +16           msgpack document
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from typing import Any
+
+import msgpack
+
+from node.errors import NodeNotRunning
+from shm import segment
+from shm.segment import HEADER_SIZE, U32, Segment, SnapshotUnstable, pid_alive, segment_name
+
+LAYOUT_VERSION = 1
+KIND = "state"
+DEFAULT_SIZE = 1 << 20
+
+STATUS_GEN_OFFSET = HEADER_SIZE  # 24
+HEADER_SEQ_OFFSET = 28
+FIELDS_OFFSET = 32
+# started_at, heartbeat_at, published_at, first_publish_at, generation, status, exact, phase
+FIELDS = struct.Struct("<ddddQII32s")
+DOC_INFO_OFFSET = 112
+DOC_INFO = struct.Struct("<II")  # active_doc, doc_capacity
+FIRST_DOC = 128
+DOC_HEADER = struct.Struct("<IId")  # seq, length, counts_at
+PHASE_BYTES = 32
+
+STATUSES = ("none", "loading", "live", "verifying", "stopped")
+STATUS_CODES = {name: code for code, name in enumerate(STATUSES)}
+
+# The contract's vouching thresholds (CONTRACT.md, queue-state words).
+# The keeper heartbeats at every publish, about once a second: 5 s of silence
+# means it is stuck, not merely busy.
+HEARTBEAT_MAX_AGE_S = 5.0
+# Counts are written every 5 s; three missed writes mean they no longer
+# describe the queue.
+COUNTS_MAX_AGE_S = 15.0
+# A reader gives up after this many torn copies in a row.
+READ_RETRIES = 1000
+
+
+class StateBuffer:
+    def __init__(self, seg: Segment) -> None:
+        self.segment = seg
+        self.doc_capacity = DOC_INFO.unpack_from(seg.mm, DOC_INFO_OFFSET)[1]
+        self._doc_stride = DOC_HEADER.size + self.doc_capacity
+        self._stamped_pid = 0
+
+    # -- lifecycle (the supervisor creates and unlinks; everyone else attaches) --
+
+    @classmethod
+    def create(
+        cls,
+        node: str,
+        size: int = DEFAULT_SIZE,
+        group: str | int | None = None,
+        *,
+        started_at: float,
+    ) -> StateBuffer:
+        """Supervisor: create the buffer, or reattach the one a crash left.
+
+        On reattach the last document is kept (it is labelled with its
+        ``counts_at``), and the header starts over for this run: status none,
+        not exact, no publish yet since ``started_at``.
+        """
+        doc_capacity = ((size - FIRST_DOC) // 2 - DOC_HEADER.size) // 8 * 8
+        if doc_capacity < 1024:
+            raise ValueError(f"state buffer size {size} is too small (at least 4 KiB)")
+
+        fresh = (started_at, 0.0, 0.0, 0.0, 0, STATUS_CODES["none"], 0, b"")
+
+        def init(mm) -> None:
+            FIELDS.pack_into(mm, FIELDS_OFFSET, *fresh)
+            DOC_INFO.pack_into(mm, DOC_INFO_OFFSET, 0, doc_capacity)
+
+        seg = segment.create_or_reattach(
+            segment_name(node, KIND), size, LAYOUT_VERSION, group=group, init=init
+        )
+        buf = cls(seg)
+        if seg.reattached:
+            buf._write_fields(*fresh)
+            buf._bump_status_gen()
+        return buf
+
+    @classmethod
+    def attach(cls, node: str, read_only: bool = False) -> StateBuffer:
+        """``read_only`` maps it read-only: enough for ``read``, and all a
+        member of the buffer's group may do."""
+        return cls(segment.attach(segment_name(node, KIND), LAYOUT_VERSION, read_only=read_only))
+
+    @staticmethod
+    def unlink(node: str) -> bool:
+        """Supervisor only."""
+        return segment.unlink(segment_name(node, KIND))
+
+    def close(self) -> None:
+        self.segment.close()
+
+    def __enter__(self) -> StateBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- writer (the keeper) ----------------------------------------------------
+
+    def _stamp(self) -> None:
+        pid = os.getpid()
+        if self._stamped_pid != pid:
+            self.segment.set_writer_pid(pid)
+            self._stamped_pid = pid
+
+    def _write_fields(self, *fields: Any) -> None:
+        mm = self.segment.mm
+        seq = U32.unpack_from(mm, HEADER_SEQ_OFFSET)[0]
+        seq = (seq + 1 if seq % 2 == 0 else seq + 2) & 0xFFFFFFFF
+        U32.pack_into(mm, HEADER_SEQ_OFFSET, seq)
+        FIELDS.pack_into(mm, FIELDS_OFFSET, *fields)
+        U32.pack_into(mm, HEADER_SEQ_OFFSET, (seq + 1) & 0xFFFFFFFF)
+
+    def _bump_status_gen(self) -> None:
+        mm = self.segment.mm
+        gen = (U32.unpack_from(mm, STATUS_GEN_OFFSET)[0] + 1) & 0xFFFFFFFF
+        U32.pack_into(mm, STATUS_GEN_OFFSET, gen)
+        self.segment.futex_wake(STATUS_GEN_OFFSET)
+
+    def heartbeat(
+        self,
+        now: float,
+        status: str,
+        exact: bool,
+        phase: str | None = None,
+        published: bool = False,
+    ) -> None:
+        """The keeper's cheap header write, at every publish (``published=True``)
+        and at every status change. A change of status or exactness wakes
+        ``wait_status_change``. ``phase`` longer than 32 bytes is cut."""
+        code = STATUS_CODES.get(status)
+        if code is None:
+            raise ValueError(f"status {status!r} is not one of {', '.join(STATUSES)}")
+        self._stamp()
+        # The keeper is the only writer, so its own fields need no seqlock here.
+        started_at, _hb, published_at, first_at, generation, old_code, old_exact, _ph = (
+            FIELDS.unpack_from(self.segment.mm, FIELDS_OFFSET)
+        )
+        if published:
+            published_at = now
+            generation += 1
+            if first_at == 0.0:
+                first_at = now
+        # Cut to the field on a character boundary.
+        phase_b = (phase or "").encode()[:PHASE_BYTES].decode(errors="ignore").encode()
+        self._write_fields(
+            started_at, now, published_at, first_at, generation, code, int(exact), phase_b
+        )
+        if code != old_code or int(exact) != old_exact:
+            self._bump_status_gen()
+
+    def write_doc(self, doc: dict, now: float) -> None:
+        """Write the counts document (msgpack), taken at ``now``."""
+        blob = msgpack.packb(doc, use_bin_type=True)
+        if len(blob) > self.doc_capacity:
+            raise ValueError(
+                f"state document is {len(blob)} bytes; a slot of this "
+                f"{self.segment.size}-byte buffer holds {self.doc_capacity}"
+            )
+        self._stamp()
+        mm = self.segment.mm
+        active = DOC_INFO.unpack_from(mm, DOC_INFO_OFFSET)[0]
+        slot = 1 - active
+        base = FIRST_DOC + slot * self._doc_stride
+        seq = U32.unpack_from(mm, base)[0]
+        seq = (seq + 1 if seq % 2 == 0 else seq + 2) & 0xFFFFFFFF
+        U32.pack_into(mm, base, seq)
+        at = base + DOC_HEADER.size
+        mm[at : at + len(blob)] = blob
+        DOC_HEADER.pack_into(mm, base, seq, len(blob), now)
+        U32.pack_into(mm, base, (seq + 1) & 0xFFFFFFFF)
+        U32.pack_into(mm, DOC_INFO_OFFSET, slot)
+
+    # -- readers ----------------------------------------------------------------
+
+    @property
+    def status_gen(self) -> int:
+        return U32.unpack_from(self.segment.mm, STATUS_GEN_OFFSET)[0]
+
+    def wait_status_change(self, after_gen: int, timeout_s: float | None) -> int:
+        """Block until ``status_gen`` differs from ``after_gen``; return it
+        (``after_gen`` itself when ``timeout_s`` passes first)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            gen = self.status_gen
+            if gen != after_gen:
+                return gen
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return gen
+            self.segment.futex_wait(STATUS_GEN_OFFSET, gen, remaining)
+
+    def _read_fields(self) -> tuple:
+        mm = self.segment.mm
+        for _ in range(READ_RETRIES):
+            seq = U32.unpack_from(mm, HEADER_SEQ_OFFSET)[0]
+            if seq % 2 == 0:
+                fields = FIELDS.unpack_from(mm, FIELDS_OFFSET)
+                if U32.unpack_from(mm, HEADER_SEQ_OFFSET)[0] == seq:
+                    return fields
+            os.sched_yield()
+        raise SnapshotUnstable(
+            f"{self.segment.name}: header kept changing for {READ_RETRIES} tries"
+        )
+
+    def _read_doc(self) -> tuple[float, dict]:
+        mm = self.segment.mm
+        for _ in range(READ_RETRIES):
+            active = DOC_INFO.unpack_from(mm, DOC_INFO_OFFSET)[0] & 1
+            base = FIRST_DOC + active * self._doc_stride
+            seq, length, counts_at = DOC_HEADER.unpack_from(mm, base)
+            if seq % 2 == 0:
+                at = base + DOC_HEADER.size
+                blob = mm[at : at + min(length, self.doc_capacity)]
+                if U32.unpack_from(mm, base)[0] == seq:
+                    break
+            os.sched_yield()
+        else:
+            raise SnapshotUnstable(
+                f"{self.segment.name}: document kept changing for {READ_RETRIES} tries"
+            )
+        if length == 0:
+            return 0.0, {}
+        return counts_at, msgpack.unpackb(blob, raw=False, strict_map_key=False)
+
+    def read(self) -> dict:
+        started_at, heartbeat_at, published_at, first_at, generation, code, exact, phase = (
+            self._read_fields()
+        )
+        counts_at, doc = self._read_doc()
+        seg = self.segment
+        return {
+            "status": STATUSES[code] if code < len(STATUSES) else f"unknown({code})",
+            "exact": bool(exact),
+            "phase": phase.rstrip(b"\0").decode(errors="replace") or None,
+            "heartbeat_at": heartbeat_at,
+            "published_at": published_at,
+            "first_publish_at": first_at,
+            "started_at": started_at,
+            "counts_at": counts_at,
+            "generation": generation,
+            "writer_pid": seg.writer_pid,
+            "owner_pid": seg.owner_pid,
+            "doc": doc,
+        }
+
+
+def _age(now: float, at: float) -> float | None:
+    return None if at == 0.0 else round(now - at, 3)
+
+
+def _vouch(state: dict, now: float) -> tuple[bool, str | None]:
+    """Whether the keeper vouches for the counts; if not, the first check that failed."""
+    status = state["status"]
+    pid = state["writer_pid"]
+    hb_age = _age(now, state["heartbeat_at"])
+    counts_age = _age(now, state["counts_at"])
+    if not pid_alive(pid):
+        return False, f"keeper process {pid} is not alive (last status {status})"
+    if status not in ("live", "verifying"):
+        return False, status if status != "none" else "keeper has not started"
+    if not state["exact"]:
+        return False, "not exact: the keeper's copy is not caught up"
+    if hb_age is None:
+        return False, "keeper stalled: no heartbeat yet"
+    if hb_age >= HEARTBEAT_MAX_AGE_S:
+        return False, f"keeper stalled: heartbeat {hb_age:.1f} s old"
+    if counts_age is None:
+        return False, "counts stale: none written yet"
+    if counts_age >= COUNTS_MAX_AGE_S:
+        return False, f"counts stale: {counts_age:.1f} s old"
+    return True, None
+
+
+def read_state(node: str, now: float | None = None) -> dict:
+    """The node's queue state, in the contract's ``/queue-state`` shape.
+
+    For readers on the host (an autoscaler, ``python -m node state``): maps the
+    buffer read-only, reads it and closes it. Raises NodeNotRunning when no node
+    of that name runs here (no buffer, or its supervisor is gone).
+    """
+    now = time.time() if now is None else now
+    with StateBuffer.attach(node, read_only=True) as buf:
+        state = buf.read()
+    owner = state["owner_pid"]
+    if not pid_alive(owner):
+        raise NodeNotRunning(
+            f"node {node!r} is not running: its supervisor (pid {owner}) is gone "
+            f"and left {segment_name(node, KIND)} behind"
+        )
+    doc = state["doc"]
+    vouched, reason = _vouch(state, now)
+    hb_age = _age(now, state["heartbeat_at"])
+    trust = dict(doc.get("trust") or {})
+    trust.update(
+        vouched=vouched,
+        # The keeper process is running and heartbeating, whether or not it
+        # can vouch for its numbers yet (claimers are still served).
+        live=pid_alive(state["writer_pid"]) and hb_age is not None and hb_age < HEARTBEAT_MAX_AGE_S,
+        reason=reason,
+        status=state["status"],
+        phase=state["phase"],
+        exact=state["exact"],
+        state_age_s=_age(now, state["counts_at"]),
+        heartbeat_age_s=hb_age,
+    )
+    out = {key: value for key, value in doc.items() if key not in ("now", "trust")}
+    out["now"] = {**(doc.get("now") or {}), "status": state["status"]}
+    for group in ("coming", "lateness", "flow"):
+        out.setdefault(group, None)
+    out["trust"] = trust
+    return out

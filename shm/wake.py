@@ -1,0 +1,102 @@
+"""The keeper's wake semaphore: a write through the node nudges the keeper.
+
+A POSIX named semaphore, ``/queue-node.<name>.wake``, mode 0600. Any process
+may ``post``; only the keeper waits. A post is a hint ("something changed,
+look now"), not a count of changes, so its value is capped: a burst of writes
+while the keeper is busy (or gone) costs it one extra loop, not thousands.
+
+Only the supervisor creates and unlinks it; everyone else closes.
+"""
+
+from __future__ import annotations
+
+import posix_ipc
+
+from node.errors import NodeNotRunning
+from shm.segment import segment_name
+
+# A post while the value is already this high is dropped: the keeper will wake
+# anyway, and the value must not grow without bound while nobody waits.
+WAKE_CAP = 2
+
+
+class Wake:
+    def __init__(self, node: str, sem: posix_ipc.Semaphore) -> None:
+        self.node = node
+        self.sem = sem
+        self._closed = False
+
+    @classmethod
+    def create(cls, node: str) -> Wake:
+        """Supervisor: create the semaphore, or reuse (and drain) one a crash left."""
+        name = segment_name(node, "wake")
+        try:
+            # The umask can only narrow 0600, never widen it.
+            sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
+        except posix_ipc.ExistentialError:
+            sem = posix_ipc.Semaphore(name)
+        wake = cls(node, sem)
+        wake.drain()
+        return wake
+
+    @classmethod
+    def attach(cls, node: str) -> Wake:
+        name = segment_name(node, "wake")
+        try:
+            sem = posix_ipc.Semaphore(name)
+        except posix_ipc.ExistentialError:
+            raise NodeNotRunning(
+                f"{name} does not exist: no node named {node!r} runs on this host"
+            ) from None
+        return cls(node, sem)
+
+    def post(self) -> None:
+        """Nudge the keeper. Never blocks; a no-op while a nudge is already pending.
+
+        The semaphore outlives the keeper, so posting while it is gone is fine:
+        the next keeper drains it at start.
+        """
+        if self.sem.value < WAKE_CAP:
+            self.sem.release()
+
+    def wait(self, timeout_s: float | None) -> bool:
+        """Keeper: sleep until posted or ``timeout_s``; True when posted.
+
+        A signal ends the wait early (False) so the caller can look at its flags.
+        """
+        try:
+            self.sem.acquire(timeout_s)
+        except (posix_ipc.BusyError, posix_ipc.SignalError):
+            return False
+        return True
+
+    def drain(self) -> int:
+        """Take every pending post without blocking; how many there were."""
+        taken = 0
+        while True:
+            try:
+                self.sem.acquire(0)
+            except posix_ipc.BusyError:
+                return taken
+            taken += 1
+
+    def close(self) -> None:
+        """Close this process's handle (idempotent). Never unlinks."""
+        if not self._closed:
+            self._closed = True
+            self.sem.close()
+
+    @staticmethod
+    def unlink(node: str) -> bool:
+        """Supervisor only. False when it did not exist."""
+        try:
+            posix_ipc.unlink_semaphore(segment_name(node, "wake"))
+        except posix_ipc.ExistentialError:
+            return False
+        return True
+
+    def __enter__(self) -> Wake:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

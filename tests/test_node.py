@@ -1,0 +1,259 @@
+"""Acceptance: ``python -m node`` as a subprocess, real signals, real kill -9."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import msgpack
+import psutil
+import pytest
+
+from tests.nodeproc import ROOT, NodeProcess, wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def node(tmp_path, node_name):
+    proc = NodeProcess(tmp_path / "data", node_name)
+    yield proc
+    if proc.proc is not None and proc.proc.poll() is None:
+        proc.kill()
+    proc.close_log()
+    _cleanup_segments(node_name)
+
+
+def _cleanup_segments(name: str) -> None:
+    from keeper.ask import unlink_all
+    from shm.ready import ReadySet
+    from shm.state import StateBuffer
+    from shm.wake import Wake
+
+    for cls in (ReadySet, StateBuffer, Wake):
+        cls.unlink(name)
+    unlink_all(name)
+
+
+def _state(name: str) -> dict:
+    from shm.state import read_state
+
+    return read_state(name)
+
+
+def _vouched(name: str):
+    try:
+        state = _state(name)
+    except Exception:  # noqa: BLE001 - not up yet
+        return False
+    return state if state["trust"]["vouched"] else False
+
+
+def _dump(node: NodeProcess) -> dict[str, int]:
+    """The keeper's buckets as key -> version, through the ask channel."""
+    from keeper.ask import ask
+
+    path = node.data_dir / "dump.msgpack"
+    reply = wait_for(lambda: ask(node.name, {"op": "dump", "path": str(path)}, timeout_s=2),
+                     30, "keeper dump")
+    assert reply["ok"], reply
+    doc = msgpack.unpackb(path.read_bytes())
+    return {key: version for key, _minute, _cid, version in doc["rows"]}
+
+
+def _table(node: NodeProcess) -> dict[str, int]:
+    conn = sqlite3.connect(node.data_dir / "schedule.db")
+    try:
+        return dict(conn.execute("SELECT key, version FROM schedule"))
+    finally:
+        conn.close()
+
+
+def _wait_exact(node: NodeProcess, timeout_s: float = 30) -> None:
+    def same():
+        return _dump(node) == _table(node)
+    wait_for(same, timeout_s, "keeper equal to the table")
+
+
+def test_run_write_state_and_clean_stop(node):
+    node.start()
+    info = node.node_json()
+    assert info["name"] == node.name
+    assert info["pids"]["keeper"] and len(info["pids"]["workers"]) == 1
+    now = time.time()
+    rows = [{"key": f"item-{i}", "route": "pages", "due_at": now - 120, "sitemap": i % 3 == 0}
+            for i in range(300)]
+    status, body = node.request("POST", "/rows", rows)
+    assert (status, body) == (200, {"upserted": 300})
+    # An outside program writes the file directly.
+    conn = sqlite3.connect(node.data_dir / "schedule.db")
+    with conn:
+        conn.execute("INSERT INTO schedule (key, route, due_at) VALUES ('outside', 'x', ?)",
+                     (now - 60,))
+    conn.close()
+    _wait_exact(node)
+
+    def counted():
+        state = _vouched(node.name)
+        return state if state and state["now"]["due"]["total"] == 301 else False
+    state = wait_for(counted, 20, "state buffer counting 301 due")
+    assert state["now"]["due"] == {"sitemap": 100, "discovered": 201, "total": 301}
+
+    out = subprocess.run([sys.executable, "-m", "node", "state", "--name", node.name],
+                         cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["now"]["due"]["total"] == 301
+
+    status, body = node.request("GET", "/rows?key=item-7")
+    assert status == 200
+    assert body["row"]["key"] == "item-7"
+    assert body["keeper"]["held"] is True
+
+    pids = [node.proc.pid, info["pids"]["keeper"], *info["pids"]["workers"]]
+    assert node.stop() == 0
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+    assert not (node.data_dir / "node.json").exists()
+    out = subprocess.run([sys.executable, "-m", "node", "state", "--name", node.name],
+                         cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 4, out
+
+
+def test_kill_keeper_restarts_and_readers_keep_the_last_set(node):
+    from shm.ready import ReadySet
+
+    node.start()
+    now = time.time()
+    node.request("POST", "/rows", [{"key": f"k{i}", "route": "r", "due_at": now - 600}
+                                   for i in range(200)])
+    _wait_exact(node)
+    ready = ReadySet.attach(node.name)
+    try:
+        wait_for(lambda: len(ready.snapshot().entries) == 200, 10, "200 keys published")
+        old_keeper = node.pids()["keeper"]
+        os.kill(old_keeper, signal.SIGKILL)
+        # Meanwhile the last set is still readable.
+        assert len(ready.snapshot().entries) == 200
+        wait_for(lambda: node.pids()["keeper"] not in (None, old_keeper), 20,
+                 "a new keeper in node.json")
+        wait_for(lambda: _vouched(node.name), 20, "keeper vouching again")
+        node.request("POST", "/rows", [{"key": "after-restart", "route": "r"}])
+        _wait_exact(node)
+    finally:
+        ready.close()
+    assert "child_died" in node.log()
+    assert node.stop() == 0
+
+
+def test_sigstop_keeper_is_seen_as_stalled(node):
+    from shm.ready import ReadySet
+
+    node.start()
+    node.request("POST", "/rows", [{"key": "a", "route": "r", "due_at": time.time() - 60}])
+    wait_for(lambda: _vouched(node.name), 20, "vouching")
+    ready = ReadySet.attach(node.name)
+    wait_for(lambda: [e.key for e in ready.snapshot().entries] == ["a"], 10, "a published")
+    keeper = node.pids()["keeper"]
+    os.kill(keeper, signal.SIGSTOP)
+    try:
+        stalled_at = time.monotonic()
+        state = wait_for(lambda: (s := _state(node.name)) and not s["trust"]["vouched"] and s,
+                         10, "readers to see the stall")
+        assert time.monotonic() - stalled_at < 10
+        assert "stalled" in state["trust"]["reason"]
+        out = subprocess.run([sys.executable, "-m", "node", "state", "--name", node.name],
+                             cwd=ROOT, capture_output=True, text=True, timeout=30)
+        assert out.returncode == 3
+        assert [e.key for e in ready.snapshot().entries] == ["a"]
+    finally:
+        ready.close()
+        os.kill(keeper, signal.SIGCONT)
+    wait_for(lambda: _vouched(node.name), 20, "vouching again after SIGCONT")
+    assert node.stop() == 0
+
+
+def test_kill_supervisor_leaves_no_child_and_restart_reattaches(node, tmp_path):
+    node.start()
+    node.request("POST", "/rows", [{"key": f"k{i}", "route": "r"} for i in range(50)])
+    pids = node.pids()
+    children = [pids["keeper"], *pids["workers"]]
+    os.kill(node.proc.pid, signal.SIGKILL)
+    node.proc.wait()
+    node.close_log()
+
+    def all_gone():
+        return all(not psutil.pid_exists(p) or psutil.Process(p).status() == "zombie"
+                   for p in children)
+    wait_for(all_gone, 10, "every child to die with the supervisor")
+    # The segments stayed (a crash); a restarted node attaches and serves.
+    again = NodeProcess(node.data_dir, node.name)
+    again.start()
+    try:
+        _wait_exact(again)
+        assert len(_dump(again)) == 50
+    finally:
+        assert again.stop() == 0
+
+
+def test_two_nodes_on_one_host_do_not_meet(tmp_path, node_name):
+    a = NodeProcess(tmp_path / "a", node_name + "a").start()
+    b = NodeProcess(tmp_path / "b", node_name + "b").start()
+    second = NodeProcess(tmp_path / "c", a.name)
+    try:
+        a.request("POST", "/rows", [{"key": "only-a", "route": "r", "due_at": time.time() - 60}])
+        wait_for(lambda: (s := _vouched(a.name)) and s["now"]["due"]["total"] == 1, 20, "a counts")
+        sb = wait_for(lambda: _vouched(b.name), 20, "b vouching")
+        assert sb["now"]["due"]["total"] == 0
+        with pytest.raises(AssertionError, match="already runs"):
+            second.start(timeout_s=20)
+    finally:
+        second.close_log()
+        assert a.stop() == 0
+        assert b.stop() == 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--lease-s", "0"], "lease_s"),
+        (["--http", "0.0.0.0:0"], "token"),
+        (["--store", "postgresql://localhost/x"], "PostgreSQL"),
+        (["--name", "bad name!"], "name"),
+        (["--workers", "many"], "workers"),
+    ],
+)
+def test_bad_arguments_one_line_exit_2(tmp_path, args, message):
+    out = subprocess.run([sys.executable, "-m", "node", "run", "--data-dir", str(tmp_path), *args],
+                         cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2, out
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_bad_config_file_names_the_line(tmp_path):
+    cfg = tmp_path / "node.toml"
+    cfg.write_text('lease_s = 30\n\n[routes.pages]\ncadence_s = 10\n')
+    out = subprocess.run([sys.executable, "-m", "node", "run", "--config", str(cfg),
+                          "--data-dir", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2
+    assert f"{cfg}:4" in out.stderr and "cadence_s" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "schedule.db").exists()
+
+
+def test_env_overrides_file_and_flag_overrides_env(tmp_path):
+    from node.config import load_config
+
+    cfg = tmp_path / "node.toml"
+    cfg.write_text("lease_s = 30\nready_size = 100\n")
+    c = load_config({}, env={"QUEUE_NODE_LEASE_S": "45"}, config_file=cfg)
+    assert (c.lease_s, c.ready_size) == (45, 100)
+    c = load_config({"lease_s": "2m"}, env={"QUEUE_NODE_LEASE_S": "45"}, config_file=cfg)
+    assert c.lease_s == 120

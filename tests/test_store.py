@@ -1,0 +1,580 @@
+"""One suite for every store backend, then what only the SQLite file can show.
+
+The shared tests run against the in-memory twin and the SQLite file alike
+(the ``store`` fixture); a property test drives both with the same random
+operations and requires the same answers, versions and change log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sqlite3
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from node.errors import StoreError, StoreUnavailable
+from node.rows import (
+    ORIGIN_EXTERNAL,
+    ORIGIN_NODE,
+    ORIGIN_WRITEBACK,
+    ORIGINS,
+    Change,
+    Row,
+    RowWrite,
+)
+from node.store import BadRow, open_store
+from node.store import sqlite as sqlite_store
+from node.store.memory import MemoryStore
+from node.store.sqlite import SCHEMA_VERSION, SQLiteStore
+
+NOW = 1_700_000_000.0
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def store(request, tmp_path):
+    if request.param == "memory":
+        s = MemoryStore()
+    else:
+        s = SQLiteStore(tmp_path / "schedule.db")
+    yield s
+    s.close()
+
+
+def ops(store, after=0):
+    """The change log without wall times, as (seq, op, key, origin)."""
+    return [(c.seq, c.op, c.key, c.origin) for c in store.changes(after, 10_000)]
+
+
+# -- upsert ------------------------------------------------------------------------
+
+
+def test_insert_takes_defaults_for_missing_fields(store):
+    assert store.upsert([RowWrite("k", "pages")], now=NOW) == 1
+    row = store.get("k")
+    assert row == Row("k", "pages", None, False, NOW, None, "default", row.version)
+    assert row.version == store.last_seq() == 1
+
+
+def test_insert_keeps_every_field_it_carries(store):
+    w = RowWrite(
+        "k", "pages", cadence_s=3600, sitemap=True, due_at=5.5, payload={"a": [1]}, job="j"
+    )
+    store.upsert([w], now=NOW)
+    assert store.get("k") == Row("k", "pages", 3600, True, 5.5, {"a": [1]}, "j", 1)
+
+
+def test_update_changes_only_the_fields_it_carries(store):
+    store.upsert(
+        [RowWrite("k", "pages", cadence_s=3600, sitemap=True, due_at=5.0, payload=[1], job="j")],
+        now=NOW,
+    )
+    store.upsert([RowWrite("k", "other", due_at=7.0)], now=NOW + 100)
+    assert store.get("k") == Row("k", "other", 3600, True, 7.0, [1], "j", 2)
+    store.upsert([RowWrite("k", "other", cadence_s=None, payload=None)], now=NOW)
+    assert store.get("k") == Row("k", "other", None, True, 7.0, None, "j", 3)
+
+
+def test_later_write_of_a_key_in_one_batch_wins(store):
+    batch = [
+        RowWrite("k", "r1", due_at=1.0),
+        RowWrite("k", "r2", job="j"),  # another shape between two of the first
+        RowWrite("k", "r3", due_at=3.0),
+        RowWrite("x", "r1"),
+    ]
+    assert store.upsert(batch, now=NOW) == 4
+    assert store.get("k") == Row("k", "r3", None, False, 3.0, None, "j", 3)
+    assert [op for _, op, _, _ in ops(store)] == ["I", "U", "U", "I"]
+
+
+def test_empty_batches_write_nothing(store):
+    assert store.upsert([], now=NOW) == 0
+    assert store.delete([]) == 0
+    assert store.last_seq() == 0
+
+
+def test_payload_is_stored_as_json_and_read_back_as_a_copy(store):
+    payload = {"nested": {"list": [1, 2.5, "é", None, True]}, "n": -3}
+    store.upsert([RowWrite("k", "pages", payload=payload)], now=NOW)
+    first = store.get("k").payload
+    assert first == payload
+    first["nested"]["list"].append("mutated")
+    assert store.get("k").payload == payload
+
+
+def test_a_no_op_update_is_still_logged_with_a_new_version(store):
+    store.upsert([RowWrite("k", "pages")], now=NOW)
+    store.upsert([RowWrite("k", "pages")], now=NOW)
+    assert store.get("k").version == 2
+    assert [op for _, op, _, _ in ops(store)] == ["I", "U"]
+
+
+def test_a_refused_batch_writes_nothing(store):
+    store.upsert([RowWrite("a", "pages")], now=NOW)
+    with pytest.raises(StoreError):
+        store.upsert([RowWrite("b", "pages"), RowWrite("a", "pages", due_at=None)], now=NOW)
+    assert store.count() == 1
+    assert store.last_seq() == 1
+    assert store.get("b") is None
+
+
+def test_an_unknown_origin_is_refused(store):
+    with pytest.raises(ValueError):
+        store.upsert([RowWrite("k", "pages")], now=NOW, origin="nobody")
+    with pytest.raises(ValueError):
+        store.delete(["k"], origin="nobody")
+
+
+# -- delete ------------------------------------------------------------------------
+
+
+def test_delete_counts_only_rows_that_existed(store):
+    store.upsert([RowWrite("a", "r"), RowWrite("b", "r")], now=NOW)
+    assert store.delete(["a", "missing", "a"], origin=ORIGIN_EXTERNAL) == 1
+    assert store.get("a") is None
+    assert store.count() == 1
+    (change,) = store.changes(2, 10)
+    assert change == Change(3, "D", "a", ORIGIN_EXTERNAL, None, None, False, None, change.at)
+
+
+# -- change log --------------------------------------------------------------------
+
+
+def test_every_write_is_logged_with_its_origin_and_fields(store):
+    store.upsert([RowWrite("k", "pages", cadence_s=600, sitemap=True, due_at=9.0)], now=NOW)
+    store.upsert([RowWrite("k", "pages", due_at=10.0)], now=NOW, origin=ORIGIN_EXTERNAL)
+    store.write_next_due("k", 11.0, if_version=2)
+    store.delete(["k"])
+    before = time.time()
+    log = store.changes(0, 100)
+    assert [(c.seq, c.op, c.origin) for c in log] == [
+        (1, "I", ORIGIN_NODE),
+        (2, "U", ORIGIN_EXTERNAL),
+        (3, "U", ORIGIN_WRITEBACK),
+        (4, "D", ORIGIN_NODE),
+    ]
+    assert (log[1].route, log[1].cadence_s, log[1].sitemap, log[1].due_at) == (
+        "pages",
+        600,
+        True,
+        10.0,
+    )
+    assert all(c.valid for c in log)
+    assert all(abs(c.at - before) < 60 for c in log)
+
+
+def test_a_rows_version_is_the_seq_of_its_last_change(store):
+    store.upsert([RowWrite(k, "r") for k in "abc"], now=NOW)
+    store.upsert([RowWrite("b", "r", due_at=1.0)], now=NOW)
+    log = store.changes(0, 100)
+    last = {c.key: c.seq for c in log}
+    assert {k: store.get(k).version for k in "abc"} == last == {"a": 1, "b": 4, "c": 3}
+
+
+def test_changes_pages_by_seq(store):
+    store.upsert([RowWrite(f"k{i}", "r") for i in range(10)], now=NOW)
+    assert [c.seq for c in store.changes(0, 4)] == [1, 2, 3, 4]
+    assert [c.seq for c in store.changes(4, 4)] == [5, 6, 7, 8]
+    assert [c.seq for c in store.changes(8, 4)] == [9, 10]
+    assert store.changes(10, 4) == []
+    assert store.changes(0, 0) == []
+
+
+def test_trim_drops_consumed_entries_and_last_seq_stays(store):
+    assert store.last_seq() == 0
+    store.upsert([RowWrite(f"k{i}", "r") for i in range(5)], now=NOW)
+    assert store.trim_changes(3) == 3
+    assert [c.seq for c in store.changes(0, 10)] == [4, 5]
+    assert store.trim_changes(5) == 2
+    assert store.changes(0, 10) == []
+    assert store.last_seq() == 5
+    store.upsert([RowWrite("k0", "r")], now=NOW)
+    assert [c.seq for c in store.changes(0, 10)] == [6]
+
+
+def test_an_unschedulable_write_is_logged_as_not_valid(store):
+    # RowWrite built directly skips parse_row's checks, as another program would.
+    store.upsert([RowWrite("k", "pages", cadence_s=0)], now=NOW)
+    (change,) = store.changes(0, 10)
+    assert change == Change(1, "I", "k", ORIGIN_NODE, None, None, False, None, change.at, False)
+
+
+# -- write-back --------------------------------------------------------------------
+
+
+def test_write_next_due_writes_when_the_version_matches(store):
+    store.upsert([RowWrite("k", "r", cadence_s=600, due_at=1.0)], now=NOW)
+    assert store.write_next_due("k", 601.0, if_version=1) == 2
+    row = store.get("k")
+    assert (row.due_at, row.version, row.cadence_s) == (601.0, 2, 600)
+
+
+def test_write_next_due_loses_to_a_newer_write(store):
+    store.upsert([RowWrite("k", "r", due_at=1.0)], now=NOW)
+    store.upsert([RowWrite("k", "r", due_at=50.0)], now=NOW)
+    assert store.write_next_due("k", 601.0, if_version=1) is None
+    assert store.get("k").due_at == 50.0
+    assert store.last_seq() == 2
+
+
+def test_write_next_due_on_a_deleted_row_does_nothing(store):
+    store.upsert([RowWrite("k", "r")], now=NOW)
+    store.delete(["k"])
+    assert store.write_next_due("k", 601.0, if_version=1) is None
+    assert store.get("k") is None
+    assert store.last_seq() == 2
+
+
+# -- reads -------------------------------------------------------------------------
+
+
+def test_walk_goes_in_key_order_from_after(store):
+    keys = ["b", "a", "é", "c/1", "c", "Z", "a0"]
+    store.upsert([RowWrite(k, "r") for k in keys], now=NOW)
+    ordered = sorted(keys, key=lambda k: k.encode())
+    assert [r.key for r in store.walk(None, 100)] == ordered
+    assert [r.key for r in store.walk("a", 3)] == ordered[2:5]
+    walked, after = [], None
+    while page := store.walk(after, 2):
+        walked += [r.key for r in page]
+        after = page[-1].key
+    assert walked == ordered
+    assert store.walk(None, 0) == []
+
+
+def test_unschedulable_rows_come_back_as_bad_rows(store):
+    store.upsert(
+        [
+            RowWrite("bad", "r", cadence_s=0),
+            RowWrite("ok", "r"),
+            RowWrite("inf", "r", due_at=1e300),
+        ],
+        now=NOW,
+    )
+    walked = store.walk(None, 10)
+    assert [type(r) for r in walked] == [BadRow, BadRow, Row]
+    assert [(r.key, r.version) for r in walked[:2]] == [("bad", 1), ("inf", 3)]
+    assert "cadence_s=0" in walked[0].reason
+    assert isinstance(store.get("bad"), BadRow)
+    assert isinstance(store.get_many(["inf"])["inf"], BadRow)
+
+
+def test_get_many_answers_present_keys_across_chunks(store):
+    keys = [f"k{i:05d}" for i in range(1_200)]
+    store.upsert([RowWrite(k, "r", due_at=float(i)) for i, k in enumerate(keys)], now=NOW)
+    asked = keys[::-1] + ["missing", keys[0]]
+    found = store.get_many(asked)
+    assert set(found) == set(keys)
+    assert all(found[k].due_at == float(i) for i, k in enumerate(keys))
+    assert store.get_many([]) == {}
+    assert store.get("missing") is None
+
+
+def test_count(store):
+    assert store.count() == 0
+    store.upsert([RowWrite(k, "r") for k in "abcd"], now=NOW)
+    store.delete(["a"])
+    assert store.count() == 3
+
+
+# -- meta and lifecycle ------------------------------------------------------------
+
+
+def test_meta_round_trips_json_and_is_not_logged(store):
+    assert store.get_meta("paused", default=[]) == []
+    store.set_meta("paused", ["pages"])
+    store.set_meta("counters", {"routed": 5, "ratio": 0.5})
+    store.set_meta("paused", ["pages", "docs"])
+    assert store.get_meta("paused") == ["pages", "docs"]
+    assert store.get_meta("counters") == {"routed": 5, "ratio": 0.5}
+    assert store.get_meta("nothing") is None
+    assert store.last_seq() == 0
+
+
+def test_close_is_idempotent_and_later_use_fails(store):
+    store.close()
+    store.close()
+    with pytest.raises(StoreError):
+        store.get("k")
+
+
+# -- the two backends agree --------------------------------------------------------
+
+_KEYS = st.sampled_from(["a", "b", "c", "dé", "e/1"])
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.floats(-1e6, 1e6) | st.text(max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+_FIELDS = st.fixed_dictionaries(
+    {},
+    optional={
+        "cadence_s": st.sampled_from([None, 60, 3600, 0]),
+        "sitemap": st.booleans(),
+        "due_at": st.sampled_from([0.0, NOW, NOW + 0.25, float("inf")]),
+        "payload": _JSON,
+        "job": st.sampled_from(["default", "j1"]),
+    },
+)
+_WRITE = st.builds(
+    lambda key, route, fields: RowWrite(key, route, **fields),
+    _KEYS,
+    st.sampled_from(["r1", "r2"]),
+    _FIELDS,
+)
+_OP = st.one_of(
+    st.tuples(st.just("upsert"), st.lists(_WRITE, max_size=4), st.sampled_from(ORIGINS)),
+    st.tuples(st.just("delete"), st.lists(_KEYS, max_size=3), st.sampled_from(ORIGINS)),
+    st.tuples(st.just("writeback"), _KEYS, st.booleans()),
+    st.tuples(st.just("trim"), st.integers(0, 30)),
+)
+
+
+def _view(row):
+    if isinstance(row, BadRow):
+        return ("bad", row.key, row.version, row.reason)
+    return row
+
+
+def _state(s):
+    changes = [dataclasses.replace(c, at=0.0) for c in s.changes(0, 10_000)]
+    return [_view(r) for r in s.walk(None, 100)], changes, s.last_seq(), s.count()
+
+
+def _apply(s, op):
+    kind = op[0]
+    if kind == "upsert":
+        return s.upsert(op[1], now=NOW, origin=op[2])
+    if kind == "delete":
+        return s.delete(op[1], origin=op[2])
+    if kind == "writeback":
+        row = s.get(op[1])
+        version = 0 if row is None else row.version - (0 if op[2] else 1)
+        return s.write_next_due(op[1], NOW + 60.0, if_version=version)
+    return s.trim_changes(op[1])
+
+
+@settings(
+    max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(st.lists(_OP, max_size=12))
+def test_memory_and_sqlite_agree_on_random_operations(tmp_path_factory, operations):
+    memory = MemoryStore()
+    with SQLiteStore(tmp_path_factory.mktemp("agree") / "s.db") as sql:
+        for op in operations:
+            assert _apply(memory, op) == _apply(sql, op), op
+            assert _state(memory) == _state(sql), op
+        keys = ["a", "b", "c", "dé", "e/1"]
+        assert {k: _view(r) for k, r in memory.get_many(keys).items()} == {
+            k: _view(r) for k, r in sql.get_many(keys).items()
+        }
+
+
+# -- SQLite only: the file as a contract -------------------------------------------
+
+
+@pytest.fixture
+def db(tmp_path):
+    s = SQLiteStore(tmp_path / "schedule.db")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def outside(db):
+    """Another program's plain connection to the same file."""
+    conn = sqlite3.connect(db.path, isolation_level=None)
+    yield conn
+    conn.close()
+
+
+def test_an_outside_program_writes_are_logged_as_external_with_versions(db, outside):
+    db.upsert([RowWrite("node-row", "r")], now=NOW)
+    outside.execute(
+        "INSERT INTO schedule (key, route, cadence_s, due_at, payload) VALUES (?, ?, ?, ?, ?)",
+        ("ext", "pages", 3600, NOW, '{"a":1}'),
+    )
+    outside.execute("UPDATE schedule SET due_at = ? WHERE key = ?", (NOW + 5, "ext"))
+    outside.execute("DELETE FROM schedule WHERE key = 'node-row'")
+    assert ops(db) == [
+        (1, "I", "node-row", ORIGIN_NODE),
+        (2, "I", "ext", ORIGIN_EXTERNAL),
+        (3, "U", "ext", ORIGIN_EXTERNAL),
+        (4, "D", "node-row", ORIGIN_EXTERNAL),
+    ]
+    assert db.get("ext") == Row("ext", "pages", 3600, False, NOW + 5, {"a": 1}, "default", 3)
+    assert outside.execute("SELECT origin FROM write_origin").fetchall() == [("external",)]
+
+
+def test_an_outside_program_cannot_set_a_version(db, outside):
+    outside.execute("INSERT INTO schedule (key, route, due_at, version) VALUES ('k', 'r', 1, 999)")
+    assert db.get("k").version == 1
+    with pytest.raises(sqlite3.IntegrityError, match="version"):
+        outside.execute("UPDATE schedule SET due_at = 2, version = 999 WHERE key = 'k'")
+    assert (db.get("k").due_at, db.get("k").version) == (1.0, 1)
+
+
+def test_a_key_renamed_outside_is_logged_as_delete_and_insert(db, outside):
+    db.upsert([RowWrite("old", "r", cadence_s=600)], now=NOW)
+    outside.execute("UPDATE schedule SET key = 'new' WHERE key = 'old'")
+    assert ops(db, after=1) == [(2, "D", "old", ORIGIN_EXTERNAL), (3, "I", "new", ORIGIN_EXTERNAL)]
+    assert db.get("new").version == 3
+    assert db.changes(2, 1)[0].cadence_s == 600
+
+
+def test_garbage_written_outside_is_reported_not_raised(db, outside):
+    outside.executemany(
+        "INSERT INTO schedule (key, route, cadence_s, sitemap, due_at, payload)"
+        " VALUES (?, ?, ?, ?, ?, ?)",
+        [
+            ("cadence", "r", 0, 0, NOW, None),
+            ("due", "r", None, 0, "soon", None),
+            ("sitemap", "r", None, 7, NOW, None),
+            ("route", "", None, 0, NOW, None),
+            ("text-payload", "r", None, 0, NOW, "not json {"),
+        ],
+    )
+    walked = {r.key: r for r in db.walk(None, 10)}
+    assert {k for k, r in walked.items() if isinstance(r, BadRow)} == {
+        "cadence",
+        "due",
+        "sitemap",
+        "route",
+    }
+    assert walked["text-payload"].payload == "not json {"
+    assert isinstance(db.get("due"), BadRow)
+    assert [c.valid for c in db.changes(0, 10)] == [False, False, False, False, True]
+
+
+def test_the_committed_origin_is_external_after_a_failed_batch(db, outside):
+    with pytest.raises(StoreError):
+        db.upsert([RowWrite("a", "r"), RowWrite("b", None)], now=NOW)
+    assert outside.execute("SELECT origin FROM write_origin").fetchall() == [("external",)]
+    outside.execute("INSERT INTO schedule (key, route, due_at) VALUES ('x', 'r', 1)")
+    assert ops(db) == [(1, "I", "x", ORIGIN_EXTERNAL)]
+
+
+def test_an_empty_file_is_migrated_on_open_and_reopening_is_a_no_op(tmp_path):
+    path = tmp_path / "empty.db"
+    path.touch()
+    with SQLiteStore(path) as s:
+        assert s.schema_version() == SCHEMA_VERSION
+        s.upsert([RowWrite("k", "r")], now=NOW)
+    with SQLiteStore(path) as s:
+        assert s.schema_version() == SCHEMA_VERSION
+        assert s.get("k").version == 1
+    conn = sqlite3.connect(path)
+    try:
+        tables = {n for (n,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        migrations = conn.execute("SELECT version FROM schema_migrations").fetchall()
+        journal = conn.execute("PRAGMA journal_mode").fetchone()[0]
+    finally:
+        conn.close()
+    assert {"schedule", "changes", "write_origin", "meta", "schema_migrations"} <= tables
+    assert migrations == [(v,) for v, _, _ in sqlite_store.MIGRATIONS]
+    assert journal == "wal"
+
+
+def test_a_file_from_a_newer_build_is_refused(tmp_path):
+    path = tmp_path / "s.db"
+    SQLiteStore(path).close()
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.execute("INSERT INTO schema_migrations VALUES (?, 'future', 0)", (SCHEMA_VERSION + 1,))
+    conn.close()
+    with pytest.raises(StoreError, match="newer"):
+        SQLiteStore(path)
+
+
+def test_the_file_is_created_mode_0600_in_a_new_directory(tmp_path):
+    path = tmp_path / "data" / "deeper" / "schedule.db"
+    old = os.umask(0o022)
+    try:
+        with open_store(f"sqlite:///{path}") as s:
+            s.upsert([RowWrite("k", "r")], now=NOW)
+            for name in ("schedule.db", "schedule.db-wal", "schedule.db-shm"):
+                assert stat.S_IMODE(os.stat(path.parent / name).st_mode) == 0o600, name
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
+
+
+def test_reopening_keeps_last_seq_after_a_full_trim(tmp_path):
+    path = tmp_path / "s.db"
+    with SQLiteStore(path) as s:
+        s.upsert([RowWrite(k, "r") for k in "abc"], now=NOW)
+        s.trim_changes(s.last_seq())
+    with SQLiteStore(path) as s:
+        assert s.last_seq() == 3
+        assert s.changes(0, 10) == []
+        s.upsert([RowWrite("d", "r")], now=NOW)
+        assert s.get("d").version == 4
+
+
+def test_an_unopenable_path_is_unavailable(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(StoreUnavailable):
+        SQLiteStore(tmp_path / "a-file" / "s.db")
+
+
+def test_a_write_lock_held_too_long_is_unavailable(tmp_path, monkeypatch):
+    monkeypatch.setattr(sqlite_store, "BUSY_TIMEOUT_S", 0.05)
+    with SQLiteStore(tmp_path / "s.db") as s:
+        other = sqlite3.connect(s.path, isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            with pytest.raises(StoreUnavailable):
+                s.upsert([RowWrite("k", "r")], now=NOW)
+            other.execute("ROLLBACK")
+        finally:
+            other.close()
+        assert s.upsert([RowWrite("k", "r")], now=NOW) == 1
+
+
+def test_a_forked_child_opens_its_own_connection(db):
+    db.upsert([RowWrite("parent", "r")], now=NOW)
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        code = 1
+        try:
+            db.check_fork()
+            db.upsert([RowWrite("child", "r")], now=NOW)
+            code = 0 if db.get("parent") is not None else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert db.get("child").version == 2
+    db.upsert([RowWrite("parent", "r2")], now=NOW)
+    assert db.get("parent").version == 3
+
+
+def test_processes_opening_a_new_file_at_once_migrate_it_once(tmp_path):
+    path = tmp_path / "race.db"
+    script = (
+        "import sys\n"
+        "from node.rows import RowWrite\n"
+        "from node.store.sqlite import SQLiteStore\n"
+        "with SQLiteStore(sys.argv[1]) as s:\n"
+        "    s.upsert([RowWrite(sys.argv[2], 'r')], now=1.0)\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(path), f"k{i}"]) for i in range(4)]
+    assert [p.wait(timeout=60) for p in procs] == [0, 0, 0, 0]
+    with SQLiteStore(path) as s:
+        assert s.count() == 4
+        assert sorted(c.seq for c in s.changes(0, 10)) == [1, 2, 3, 4]
+    conn = sqlite3.connect(path)
+    try:
+        assert conn.execute("SELECT count(*) FROM schema_migrations").fetchone()[0] == len(
+            sqlite_store.MIGRATIONS
+        )
+    finally:
+        conn.close()

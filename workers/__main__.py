@@ -1,0 +1,247 @@
+"""``python -m workers --index I --listen-fd FD``: one HTTP worker.
+
+Started by the supervisor, which owns the listening socket and passes it down
+(every worker accepts on the same socket; the kernel spreads connections). The
+resolved configuration comes from the JSON file named by
+``QUEUE_NODE_RUN_CONFIG``, the node's start time from
+``QUEUE_NODE_STARTED_AT``.
+
+Signals: SIGINT is ignored (the supervisor drains us); SIGTERM only sets an
+event, and the main coroutine then stops accepting, lets requests in flight
+finish (up to ``drain_timeout_s``), logs one summary line and exits 0.
+
+Store thread: the store is opened on one thread and used only from it
+(``WorkerContext.store_executor``), so a slow write never blocks the event
+loop and no connection is shared between threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import ssl
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from node import log
+from node.config import Config
+from node.errors import NodeError
+from node.proc import (
+    ENV_CONFIG,
+    ENV_STARTED_AT,
+    RET_ERROR,
+    RET_OK,
+    RET_USAGE,
+    child_signals,
+    die_with_parent,
+    set_title,
+)
+
+# How long a read of the keeper's class list is reused: every POST /rows needs
+# it, and the keeper rewrites it only every state_interval_s (5 s).
+CLASSES_TTL_S = 0.5
+EXPLAIN_TIMEOUT_S = 0.5
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise _UsageError(message)
+
+
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+    p = _Parser(prog="python -m workers", add_help=False)
+    p.add_argument("--index", type=int, required=True)
+    p.add_argument("--listen-fd", type=int, required=True)
+    return p.parse_args(argv)
+
+
+def _load_config() -> Config:
+    path = os.environ.get(ENV_CONFIG)
+    if not path:
+        raise NodeError(f"{ENV_CONFIG} is not set: workers are started by the node supervisor")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return Config.from_json(json.load(f))
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise NodeError(f"cannot read the run configuration {path}: {exc}") from None
+
+
+def _ssl_context(config: Config) -> ssl.SSLContext | None:
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(str(config.tls_cert), str(config.tls_key))
+    return context
+
+
+class _KeeperSide:
+    """The keeper's shared memory and ask queue, as WorkerContext callables.
+
+    Missing segments are not fatal: the worker still takes writes (the keeper
+    finds them on its next poll without the nudge), and /readyz says why it
+    is not ready."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._wake: Any = None
+        self._state: Any = None
+        self._classes: set = set()
+        self._classes_at = float("-inf")
+        try:
+            from shm.wake import Wake
+
+            self._wake = Wake.attach(name)
+        except (ImportError, NodeError, OSError) as exc:
+            log.warn("wake_attach_failed", error=str(exc))
+        try:
+            from shm.state import StateBuffer
+
+            self._state = StateBuffer.attach(name)
+        except (ImportError, NodeError, OSError) as exc:
+            log.warn("state_attach_failed", error=str(exc))
+
+    def wake(self) -> None:
+        if self._wake is not None:
+            self._wake.post()
+
+    def keeper_state(self) -> dict[str, Any] | None:
+        return None if self._state is None else self._state.read()
+
+    def known_classes(self) -> set:
+        from workers.classes import classes_from_state
+
+        now = time.monotonic()
+        if now - self._classes_at >= CLASSES_TTL_S:
+            self._classes = classes_from_state(self.keeper_state())
+            self._classes_at = now
+        return self._classes
+
+    def explain(self, key: str) -> dict[str, Any] | None:
+        from keeper.ask import ask
+
+        answer = ask(self.name, {"op": "explain", "key": key}, timeout_s=EXPLAIN_TIMEOUT_S)
+        if answer is not None:
+            answer.pop("id", None)
+        return answer
+
+    def close(self) -> None:
+        for seg in (self._wake, self._state):
+            if seg is not None:
+                seg.close()
+
+
+async def serve(
+    index: int, sock: socket.socket, config: Config, started_at: float, stop: asyncio.Event
+) -> dict[str, Any]:
+    """Serve until ``stop`` is set; returns what was served."""
+    from aiohttp import web
+
+    from node.store import open_store
+    from workers.http import WorkerContext, make_app
+    from workers.http_errors import SERVED
+
+    ssl_context = _ssl_context(config)  # before anything is opened: a bad cert fails fast
+    loop = asyncio.get_running_loop()
+    store_thread = ThreadPoolExecutor(1, thread_name_prefix="store")
+    keeper: _KeeperSide | None = None
+    runner: web.AppRunner | None = None
+    try:
+        store = await loop.run_in_executor(store_thread, open_store, config.store_url)
+        keeper = _KeeperSide(config.name)
+        ctx = WorkerContext(
+            config=config,
+            store=store,
+            name=config.name,
+            started_at=started_at,
+            wake=keeper.wake,
+            keeper_state=keeper.keeper_state,
+            explain=keeper.explain,
+            known_classes=keeper.known_classes,
+            store_executor=store_thread,
+        )
+        app = make_app(ctx)
+        runner = web.AppRunner(
+            app, handle_signals=False, access_log=None, shutdown_timeout=config.drain_timeout_s
+        )
+        await runner.setup()
+        site = web.SockSite(runner, sock, ssl_context=ssl_context)
+        await site.start()
+        log.log("worker_start", index=index, node=config.name, tls=ssl_context is not None)
+        t0 = time.monotonic()
+        await stop.wait()
+        # Stop accepting, let requests in flight finish (up to drain_timeout_s).
+        await runner.cleanup()
+        runner = None
+        await loop.run_in_executor(store_thread, store.close)
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        store_thread.shutdown(wait=True)
+        if keeper is not None:
+            keeper.close()
+    served = app[SERVED]
+    return {
+        "requests": served.requests,
+        "client_errors": served.client_errors,
+        "internal_errors": served.internal_errors,
+        "up_s": round(time.monotonic() - t0, 3),
+    }
+
+
+# A SIGTERM that lands before the event loop owns the signal must not be lost.
+_early_stop = {"requested": False}
+
+
+def _on_early_term(signum: int, frame: object) -> None:
+    _early_stop["requested"] = True
+
+
+async def _run(index: int, sock: socket.socket, config: Config, started_at: float) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    # The handler only sets the event; the coroutine does the stopping.
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    if _early_stop["requested"]:
+        stop.set()
+    summary = await serve(index, sock, config, started_at, stop)
+    log.log("worker_stop", index=index, **summary)
+
+
+def main(argv: list[str] | None = None) -> int:
+    die_with_parent()
+    child_signals()
+    signal.signal(signal.SIGTERM, _on_early_term)
+    log.setup("worker", verbose=bool(os.environ.get("QUEUE_NODE_VERBOSE")))
+    try:
+        args = _parse_args(list(sys.argv[1:] if argv is None else argv))
+    except _UsageError as exc:
+        print(f"python -m workers: {exc}", file=sys.stderr)
+        return RET_USAGE
+    set_title(f"qn-worker-{args.index}")
+    try:
+        config = _load_config()
+        started_at = float(os.environ.get(ENV_STARTED_AT) or time.time())
+        sock = socket.socket(fileno=args.listen_fd)
+    except (NodeError, ValueError, OSError) as exc:
+        print(f"python -m workers: {exc}", file=sys.stderr)
+        return RET_USAGE
+    try:
+        asyncio.run(_run(args.index, sock, config, started_at))
+    except (NodeError, OSError, ssl.SSLError) as exc:
+        log.error("worker_failed", index=args.index, error=str(exc))
+        return RET_ERROR
+    return RET_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,331 @@
+"""The HTTP API served by workers 1..N.
+
+``make_app(ctx)`` builds the aiohttp application; ``workers.__main__`` serves
+it on the listening socket the supervisor passes down, and tests serve it with
+aiohttp's test server. Everything the app needs from the rest of the node
+comes through ``WorkerContext``, so tests pass plain callables where
+production passes shared memory and the keeper's ask queue.
+
+Hazards, and what we do about them:
+
+- The store is blocking (SQLite). ``ctx.store_executor``, when given, is the
+  one thread the store was opened on and is used from; every store call goes
+  through ``_in_store`` so a slow write never stalls the event loop. Without
+  one (tests, the memory store) calls are made inline.
+- ``explain`` waits on the keeper's ask queue for up to half a second. It
+  runs on its own single thread: ``keeper.ask`` keeps one reply queue per
+  process, so two questions in flight at once would take each other's answers.
+- A batch is validated whole before anything is written: one bad row refuses
+  the batch, with the row's index in ``field`` (``rows[3].cadence_s``).
+
+Routes live in ``routes`` (a RouteTableDef); the work path adds its own table
+in ``make_app``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgpack
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from node import log
+from node.config import Config
+from node.errors import ValidationError
+from node.rows import ORIGIN_NODE, RowWrite, check_key, parse_row
+from node.store.base import BadRow, Store
+from workers import openapi
+from workers.classes import ClassId, check_class_limit, needs_stored, write_classes
+from workers.http_errors import (
+    MSGPACK_TYPES,
+    SERVED,
+    TOKEN,
+    ApiError,
+    Served,
+    auth_middleware,
+    error_middleware,
+    reply,
+)
+
+# Limits from the contract.
+MAX_BODY_BYTES = 16 * 1024 * 1024
+MAX_ROWS = 10_000
+MAX_KEYS = 10_000
+
+KEEPER_SILENT = {"available": False, "reason": "keeper did not answer"}
+
+T = TypeVar("T")
+
+
+def _nothing() -> None:
+    return None
+
+
+def _no_state() -> dict[str, Any] | None:
+    return None
+
+
+def _no_answer(key: str) -> dict[str, Any] | None:
+    return None
+
+
+def _no_classes() -> set[ClassId]:
+    return set()
+
+
+@dataclass
+class WorkerContext:
+    """What the HTTP app needs from the node. Production wiring is in
+    ``workers.__main__``; tests pass plain callables."""
+
+    config: Config
+    store: Store
+    name: str  # the node name
+    started_at: float  # the node's start, wall seconds (QUEUE_NODE_STARTED_AT)
+    # Post the keeper's wake semaphore after a committed write.
+    wake: Callable[[], None] = _nothing
+    # The state buffer as a dict ("first_publish_at", "started_at", "status",
+    # "doc", …), or None when it cannot be read.
+    keeper_state: Callable[[], dict[str, Any] | None] = _no_state
+    # The keeper's view of one key, or None when the keeper did not answer.
+    explain: Callable[[str], dict[str, Any] | None] = _no_answer
+    # The class identities (route, cadence_s, source, sitemap) the keeper reports.
+    known_classes: Callable[[], set[ClassId]] = _no_classes
+    # The thread the store lives on; None: call the store inline.
+    store_executor: Executor | None = None
+    clock: Callable[[], float] = field(default=time.time)
+
+
+CTX = web.AppKey("ctx", WorkerContext)
+ASK_POOL = web.AppKey("ask_pool", ThreadPoolExecutor)
+
+routes = web.RouteTableDef()
+
+
+def make_app(
+    ctx: WorkerContext, extra_routes: Iterable[web.AbstractRouteDef] = ()
+) -> web.Application:
+    """The API app. ``extra_routes`` (a RouteTableDef) adds endpoints: every
+    POST among them needs the token, and a GET that should needs
+    ``workers.http_errors.needs_token``."""
+    app = web.Application(
+        client_max_size=MAX_BODY_BYTES,
+        middlewares=[error_middleware, auth_middleware],
+    )
+    app[CTX] = ctx
+    app[SERVED] = Served()
+    if ctx.config.token:
+        app[TOKEN] = ctx.config.token
+    app[ASK_POOL] = ThreadPoolExecutor(1, thread_name_prefix="keeper-ask")
+    app.router.add_routes(routes)
+    app.router.add_routes(extra_routes)
+    app.on_cleanup.append(_cleanup)
+    return app
+
+
+async def _cleanup(app: web.Application) -> None:
+    app[ASK_POOL].shutdown(wait=False, cancel_futures=True)
+
+
+async def _in_store(ctx: WorkerContext, fn: Callable[..., T], *args: Any) -> T:
+    if ctx.store_executor is None:
+        return fn(*args)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(ctx.store_executor, functools.partial(fn, *args))
+
+
+def _safely(what: str, fn: Callable[..., T], *args: Any) -> T | None:
+    """Call into the keeper's side (shared memory, the ask queue). Its failure
+    is the node's problem, never the caller's: log it and answer without it."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - see docstring
+        log.warn("keeper_read_failed", what=what, error=repr(exc))
+        return None
+
+
+def _wake(ctx: WorkerContext) -> None:
+    # The write is committed; a failed nudge only delays the keeper to its
+    # next poll, so it must not turn a 200 into an error.
+    _safely("wake", ctx.wake)
+
+
+# -- bodies --------------------------------------------------------------------------
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+async def read_body(request: web.Request) -> Any:
+    """The decoded body: msgpack when Content-Type says so, JSON otherwise."""
+    length = request.content_length
+    if length is not None and length > MAX_BODY_BYTES:
+        raise ApiError(413, "body_too_large", "the request body is over 16 MiB")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, "body_too_large", "the request body is over 16 MiB") from None
+    except (
+        web.RequestPayloadError,  # a broken chunked or compressed body
+        HttpProcessingError,
+        ConnectionError,
+        asyncio.IncompleteReadError,
+    ) as exc:
+        raise ApiError(400, "bad_request", f"the request body could not be read: {exc}") from None
+    if request.content_type in MSGPACK_TYPES:
+        try:
+            return msgpack.unpackb(raw, raw=False)
+        except (ValueError, msgpack.UnpackException) as exc:
+            detail = str(exc) or type(exc).__name__  # StackError has no message
+            raise ApiError(
+                400, "invalid_msgpack", f"the body is not valid msgpack: {detail}"
+            ) from None
+    if not raw.strip():
+        raise ApiError(400, "invalid_json", "the request body is empty")
+    try:
+        return json.loads(raw, parse_constant=_no_constants)
+    except RecursionError:
+        raise ApiError(400, "invalid_json", "the body nests too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, huge ints
+        raise ApiError(400, "invalid_json", f"the body is not valid JSON: {exc}") from None
+
+
+def _expect(body: Any, kind: type, what: str, field_name: str | None) -> None:
+    if not isinstance(body, kind):
+        raise ApiError(400, "invalid_body", f"the body must be {what}", field_name)
+
+
+def parse_rows(body: Any) -> list[RowWrite]:
+    """Validate a POST /rows body whole; the first bad row refuses the batch."""
+    _expect(body, list, "a list of rows", "rows")
+    if len(body) > MAX_ROWS:
+        raise ApiError(
+            400, "too_many_rows", f"{len(body)} rows; at most {MAX_ROWS} per request", "rows"
+        )
+    writes = []
+    for i, obj in enumerate(body):
+        where = f"rows[{i}]"
+        if not isinstance(obj, dict):
+            raise ValidationError("invalid_row", "a row must be a JSON object", where)
+        try:
+            writes.append(parse_row(obj, f"{where}."))
+        except RecursionError:
+            # check_payload encodes the payload; a deep enough one (msgpack
+            # decodes deeper than JSON) runs out of stack there.
+            raise ValidationError(
+                "invalid_payload", "payload nests too deeply", f"{where}.payload"
+            ) from None
+    return writes
+
+
+def parse_delete(body: Any) -> list[str]:
+    _expect(body, dict, 'an object {"keys": [...]}', None)
+    unknown = sorted(set(body) - {"keys"})
+    if unknown:
+        raise ValidationError("unknown_field", f"unknown field {unknown[0]!r}", unknown[0])
+    if "keys" not in body:
+        raise ValidationError("missing_field", "the body needs keys", "keys")
+    keys = body["keys"]
+    _expect(keys, list, "a list of keys in keys", "keys")
+    if len(keys) > MAX_KEYS:
+        raise ApiError(
+            400, "too_many_keys", f"{len(keys)} keys; at most {MAX_KEYS} per request", "keys"
+        )
+    return [check_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
+
+
+# -- writes (run on the store's thread) ----------------------------------------------
+
+
+def write_rows(ctx: WorkerContext, writes: list[RowWrite], known: set[ClassId]) -> int:
+    """Check the class limit against the stored rows, then upsert. Nothing is
+    written when the check refuses."""
+    stored = ctx.store.get_many(needs_stored(writes))
+    batch = write_classes(ctx.config, writes, stored)
+    check_class_limit(known, batch, ctx.config.max_classes)
+    return ctx.store.upsert(writes, now=ctx.clock(), origin=ORIGIN_NODE)
+
+
+# -- handlers ------------------------------------------------------------------------
+
+
+@routes.get("/healthz")
+async def healthz(request: web.Request) -> web.Response:
+    return reply(request, {"ok": True, "pid": os.getpid(), "name": request.app[CTX].name})
+
+
+def readiness(ctx: WorkerContext) -> tuple[bool, str]:
+    state = _safely("state", ctx.keeper_state)
+    if state is None:
+        return False, "the keeper's state buffer cannot be read"
+    first = state.get("first_publish_at") or 0
+    if not isinstance(first, int | float) or first <= 0:
+        return False, "the keeper has not published yet"
+    if first < ctx.started_at:
+        return False, "the keeper has not published since the node started"
+    return True, "the keeper has published"
+
+
+@routes.get("/readyz")
+async def readyz(request: web.Request) -> web.Response:
+    ready, reason = readiness(request.app[CTX])
+    return reply(request, {"ready": ready, "reason": reason}, 200 if ready else 503)
+
+
+@routes.post("/rows")
+async def post_rows(request: web.Request) -> web.Response:
+    ctx = request.app[CTX]
+    writes = parse_rows(await read_body(request))
+    if not writes:
+        return reply(request, {"upserted": 0})
+    known = _safely("classes", ctx.known_classes) or set()
+    n = await _in_store(ctx, write_rows, ctx, writes, known)
+    if n:
+        _wake(ctx)
+    return reply(request, {"upserted": n})
+
+
+@routes.post("/rows/delete")
+async def delete_rows(request: web.Request) -> web.Response:
+    ctx = request.app[CTX]
+    keys = parse_delete(await read_body(request))
+    if not keys:
+        return reply(request, {"deleted": 0})
+    n = await _in_store(ctx, functools.partial(ctx.store.delete, origin=ORIGIN_NODE), keys)
+    if n:
+        _wake(ctx)
+    return reply(request, {"deleted": n})
+
+
+@routes.get("/rows")
+async def get_row(request: web.Request) -> web.Response:
+    ctx = request.app[CTX]
+    if "key" not in request.query:
+        raise ValidationError("missing_field", "give the row's key: /rows?key=K", "key")
+    key = check_key(request.query["key"], "key")
+    row = await _in_store(ctx, ctx.store.get, key)
+    if row is None:
+        raise ApiError(404, "not_found", "no row with this key", "key")
+    if isinstance(row, BadRow):
+        # Written by another program with values the keeper cannot schedule.
+        row_doc: dict[str, Any] = {"key": row.key, "version": row.version, "invalid": row.reason}
+    else:
+        row_doc = row.to_json()
+    loop = asyncio.get_running_loop()
+    view = await loop.run_in_executor(request.app[ASK_POOL], _safely, "explain", ctx.explain, key)
+    return reply(request, {"row": row_doc, "keeper": view or KEEPER_SILENT, "lease": None})
+
+
+@routes.get("/openapi.json")
+async def openapi_json(request: web.Request) -> web.Response:
+    return web.json_response(openapi.spec())

@@ -1,0 +1,245 @@
+"""Errors of the HTTP API: one JSON shape, stable codes, and the middleware
+that makes every failure take that shape.
+
+Every error answer is ``{"error": {"code", "message", "field"}}``. The codes
+below are the whole list (``docs/api.md`` repeats it for users); a new code
+is added here first.
+
+Rule: a request is never answered 5xx for something the caller sent. Only an
+unexpected exception (a bug; its traceback is logged) becomes 500, and a
+store that cannot be reached becomes 503. Everything a caller can get wrong
+is caught where the request is read and raised as ``ApiError`` or
+``node.errors.ValidationError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+from aiohttp import web
+
+from node.errors import StoreError, ValidationError
+
+log = logging.getLogger("queue-node.http")
+
+JSON_TYPE = "application/json"
+MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack")
+
+# code -> (HTTP status, when). The source of the table in docs/api.md.
+ERROR_CODES: dict[str, tuple[int, str]] = {
+    # the request as a whole
+    "invalid_json": (400, "the body is not valid JSON (or is empty, or nests too deeply)"),
+    "invalid_msgpack": (400, "the body is not valid msgpack"),
+    "invalid_body": (
+        400,
+        "the body is valid but of the wrong shape (a list where an object is expected, …)",
+    ),
+    "bad_request": (400, "the request could not be read (a broken chunked body, …)"),
+    "missing_field": (400, "a required field or query parameter is absent"),
+    "unknown_field": (400, "a field the endpoint does not know"),
+    "too_many_rows": (400, "more than 10,000 rows in one POST /rows"),
+    "too_many_keys": (400, "more than 10,000 keys in one POST /rows/delete"),
+    "too_many_classes": (400, "the write would create more than max_classes classes"),
+    # one row (node.rows)
+    "invalid_row": (400, "a row is not a JSON object"),
+    "invalid_key": (400, "key is not a non-empty UTF-8 string of at most 1,024 bytes"),
+    "invalid_route": (400, "route is not a non-empty string of at most 128 bytes"),
+    "invalid_cadence": (400, "cadence_s is not a whole number from 60 to 31,536,000"),
+    "invalid_sitemap": (400, "sitemap is not true or false"),
+    "invalid_due_at": (400, "due_at is not unix seconds in range"),
+    "invalid_payload": (400, "payload is not a JSON value (or nests too deeply)"),
+    "payload_too_large": (400, "payload is over 1 MiB encoded"),
+    "invalid_job": (400, "job does not match [A-Za-z0-9._:-]{1,128}"),
+    # the rest of HTTP
+    "unauthorized": (
+        401,
+        "a token is configured and the request has no or a wrong Authorization: Bearer token",
+    ),
+    "not_found": (404, "no such path, or no such row"),
+    "method_not_allowed": (405, "the path exists but not with this method"),
+    "body_too_large": (413, "the request body is over 16 MiB"),
+    "unsupported_media_type": (415, "aiohttp refused the content encoding"),
+    "internal_error": (500, "a bug: the traceback is in the worker's log"),
+    "store_unavailable": (503, "the durable store failed; retry later"),
+}
+
+# What an aiohttp HTTPException of a given status becomes.
+_CODE_FOR_STATUS = {
+    400: "bad_request",
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "body_too_large",
+    415: "unsupported_media_type",
+}
+
+# Headers of an aiohttp HTTPException worth keeping on the JSON answer.
+_KEEP_HEADERS = ("Allow", "WWW-Authenticate", "Retry-After")
+
+
+class ApiError(Exception):
+    """An error answer raised from a handler: status, code, message, field."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        field: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        assert code in ERROR_CODES, code
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.field = field
+        self.headers = headers or {}
+
+
+@dataclass
+class Served:
+    """What one worker answered, for its shutdown line."""
+
+    requests: int = 0
+    client_errors: int = 0  # 4xx
+    internal_errors: int = 0  # 500: bugs, each with a logged traceback
+
+    def count(self, status: int) -> None:
+        self.requests += 1
+        if 400 <= status < 500:
+            self.client_errors += 1
+        elif status == 500:
+            self.internal_errors += 1
+
+
+SERVED = web.AppKey("served", Served)
+TOKEN = web.AppKey("token", str)
+
+
+def wants_msgpack(request: web.Request) -> bool:
+    accept = request.headers.get("Accept", "")
+    return any(t in accept for t in MSGPACK_TYPES)
+
+
+def reply(
+    request: web.Request,
+    obj: Any,
+    status: int = 200,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    """Answer ``obj`` as JSON, or as msgpack when the request accepts it."""
+    if wants_msgpack(request):
+        body = msgpack.packb(obj, use_bin_type=True)
+        return web.Response(
+            body=body, status=status, content_type=MSGPACK_TYPES[0], headers=headers
+        )
+    return web.json_response(obj, status=status, headers=headers)
+
+
+def error_reply(
+    request: web.Request,
+    status: int,
+    code: str,
+    message: str,
+    field: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    return reply(
+        request, {"error": {"code": code, "message": message, "field": field}}, status, headers
+    )
+
+
+def _from_http_exception(request: web.Request, exc: web.HTTPException) -> web.Response:
+    code = _CODE_FOR_STATUS.get(exc.status)
+    headers = {h: exc.headers[h] for h in _KEEP_HEADERS if h in exc.headers}
+    if exc.status == 404:
+        message = f"no such path: {request.path}"
+    elif exc.status == 405:
+        allowed = headers.get("Allow", "")
+        message = f"{request.method} is not allowed on {request.path}; allowed: {allowed}"
+    elif exc.status == 413:
+        message = "the request body is over 16 MiB"
+    else:
+        message = exc.reason
+    if code is None:
+        # An aiohttp error we have no code for: keep its status (it is the
+        # caller's doing when 4xx) and give it the generic code of its class.
+        code = "bad_request" if exc.status < 500 else "internal_error"
+    return error_reply(request, exc.status, code, message, None, headers)
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Outermost: every failure becomes the JSON error shape, and every
+    answer is counted."""
+    try:
+        response = await handler(request)
+    except ApiError as exc:
+        response = error_reply(request, exc.status, exc.code, exc.message, exc.field, exc.headers)
+    except ValidationError as exc:
+        response = error_reply(request, exc.status, exc.code, exc.message, exc.field)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise  # a redirect is not an error
+        response = _from_http_exception(request, exc)
+    except StoreError as exc:
+        log.error(
+            "action=store_error method=%s path=%s error=%r", request.method, request.path, str(exc)
+        )
+        response = error_reply(request, 503, "store_unavailable", f"the store failed: {exc}")
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("action=internal_error method=%s path=%s", request.method, request.path)
+        response = error_reply(
+            request, 500, "internal_error", "unexpected error; see the worker log"
+        )
+    request.app[SERVED].count(response.status)
+    return response
+
+
+def needs_token(handler: Handler) -> Handler:
+    """Mark a GET handler as needing the token (result polls); every POST
+    needs it anyway."""
+    handler.needs_token = True  # type: ignore[attr-defined]
+    return handler
+
+
+def token_matches(header: str, token: str) -> bool:
+    scheme, _, supplied = header.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    try:
+        given = supplied.strip().encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return False
+    return hmac.compare_digest(given, token.encode("utf-8"))
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """With a token configured, every POST (and every handler marked with
+    ``needs_token``) needs ``Authorization: Bearer <token>``. Checked before
+    the body is read, so an unauthorised caller cannot make us read 16 MiB."""
+    token = request.app.get(TOKEN)
+    if token:
+        route_handler = request.match_info.handler
+        if request.method == "POST" or getattr(route_handler, "needs_token", False):
+            if not token_matches(request.headers.get("Authorization", ""), token):
+                raise ApiError(
+                    401,
+                    "unauthorized",
+                    "this node needs Authorization: Bearer <token>",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+    return await handler(request)
