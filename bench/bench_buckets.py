@@ -19,6 +19,28 @@ Memory is measured in a fresh subprocess per layout: the growth of RSS, and
 separately of tracemalloc's traced bytes, across loading the rows (the key
 strings are made inside the load, so they are counted once, as held by the
 structure).
+
+Figures (Python 3.11.7, 2 shared vCPUs; medians, 100 classes, 30-day spread):
+
+    rows                        250k packed  250k naive   1M packed   1M naive
+    bytes/row, RSS                    156.6       532.9       156.3      515.1
+    bytes/row, tracemalloc            144.5       509.7       144.6      491.8
+    apply, us/change (mean)             3.7         5.4         4.7        6.8
+    apply p99, us                       8.0         9.2         9.6       11.9
+    best(5000), ms                      3.1        12.9         2.5       15.7
+    best(5000) excl 3000+2 paused, ms   4.7        19.4         3.3       23.0
+    counts, next minute, ms             0.10        0.13        0.10       0.17
+    counts, first call, ms              0.36       29.8         0.44     231
+    coming, ms                          1.2         5.6         1.3       28.3
+    key-table doubling pause, ms       71           -         275          -
+
+With due times over 1 day instead (denser minute buckets) at 1M: packed
+156 B/row, naive 377 B/row. The naive layout pays a set (216 B and up) per
+minute bucket, and here most buckets hold one row.
+
+best(5000) misses the 1 ms target on this machine: making the 5,000 answer
+tuples alone (key, version, minute, class, rank) costs 1.3 ms here; the merge
+itself adds little. See keeper/buckets.py for the layout.
 """
 
 from __future__ import annotations
@@ -47,6 +69,7 @@ from keeper.classes import ClassTable  # noqa: E402
 from node.config import Config, RouteConfig  # noqa: E402
 
 NOW = 1_700_000_000.0
+LOAD_CHUNK = 20_000  # rows per load_rows call, as keeper/process.py walks
 SPREAD_S = 30 * 86400  # --spread-days
 ROUTES = [f"route-{i:02d}" for i in range(20)]
 # (cadence_s, sitemap): None takes the route default.
@@ -210,6 +233,42 @@ def load(buckets: Any, n: int, columns: tuple[array, array, array]) -> None:
         apply(key_of(i), i + 1, ROUTES[routes[i]], cadence_s, sitemap, dues[i])
 
 
+def walk_chunk(start: int, end: int, columns: tuple[array, array, array]) -> list[tuple]:
+    """Rows ``start..end-1`` as the store's load walk hands them over:
+    ``(key, version, route, cadence_s, sitemap, due_at)``, keys ascending and
+    made fresh (their hash not yet computed), sitemap as SQLite's 0 or 1."""
+    routes, variants, dues = columns
+    out = []
+    for i in range(start, end):
+        cadence_s, sitemap = VARIANTS[variants[i]]
+        out.append((key_of(i), i + 1, ROUTES[routes[i]], cadence_s, int(sitemap), dues[i]))
+    return out
+
+
+def load_walk(
+    buckets: Buckets, n: int, columns: tuple[array, array, array], publish_every: int = 0
+) -> tuple[float, float]:
+    """The keeper's load: ``reserve``, then ``load_rows`` a chunk at a time,
+    then the first read (``best``), which merges the values left pending.
+    With ``publish_every``, a ``best(5000)`` after every so many chunks too,
+    as the keeper publishes while it loads. Returns (seconds in load_rows,
+    seconds in those reads); building the rows (the fetch) is not timed."""
+    buckets.reserve(n)
+    in_load = in_reads = 0.0
+    for number, start in enumerate(range(0, n, LOAD_CHUNK), 1):
+        rows = walk_chunk(start, min(start + LOAD_CHUNK, n), columns)
+        t0 = time.perf_counter()
+        buckets.load_rows(rows)
+        t1 = time.perf_counter()
+        in_load += t1 - t0
+        if publish_every and number % publish_every == 0:
+            buckets.best(NOW, 5000)
+            in_reads += time.perf_counter() - t1
+    t0 = time.perf_counter()
+    buckets.best(NOW, 5000)
+    return in_load, in_reads + time.perf_counter() - t0
+
+
 def change_stream(n_rows: int, n_changes: int, seed: int = 2) -> list[tuple]:
     """(key, version, route, cadence_s, sitemap, due_at); route None = delete."""
     rnd = random.Random(seed)
@@ -280,6 +339,7 @@ def median_ms(name: str, fn: Callable[[], Any], repeat: int = 21) -> float:
 
 
 FASTEST: dict[str, float] = {}
+APPLY_LOAD = False  # --apply-load
 
 
 # -- memory (in a fresh subprocess) ---------------------------------------------------
@@ -302,7 +362,10 @@ def memory_child(layout: str, n: int, traced: bool) -> dict[str, float]:
     else:
         base = _rss()
     buckets = LAYOUTS[layout](classes)
-    load(buckets, n, columns)
+    if layout == "packed" and not APPLY_LOAD:
+        load_walk(buckets, n, columns)
+    else:
+        load(buckets, n, columns)
     gc.collect()
     used = (tracemalloc.get_traced_memory()[0] if traced else _rss()) - base
     return {"rows": len(buckets), "bytes_per_row": used / n}
@@ -311,6 +374,8 @@ def memory_child(layout: str, n: int, traced: bool) -> dict[str, float]:
 def measure_memory(layout: str, n: int, traced: bool) -> float:
     cmd = [sys.executable, __file__, "--memory-child", layout, "--rows", str(n)]
     cmd += ["--spread-days", str(SPREAD_S / 86400)]
+    if APPLY_LOAD:
+        cmd.append("--apply-load")
     if traced:
         cmd.append("--traced")
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
@@ -320,17 +385,65 @@ def measure_memory(layout: str, n: int, traced: bool) -> float:
 # -- the run -----------------------------------------------------------------------------
 
 
+def bench_load_rows(n: int, columns: tuple[array, array, array]) -> dict[str, float]:
+    """``load_rows`` against loading by ``apply`` row by row, each into fresh
+    buckets (best of three loads each: this machine is shared), and with a
+    read after every chunk (the keeper publishes once a second while it
+    loads; a read after each chunk is the worst case for the merges)."""
+    out: dict[str, float] = {}
+    runs: dict[str, list[float]] = {"rows": [], "read": [], "apply": [], "each": []}
+    for _ in range(3):
+        gc.collect()
+        buckets = Buckets(ClassTable(CONFIG))
+        in_load, in_read = load_walk(buckets, n, columns)
+        runs["rows"].append(in_load)
+        runs["read"].append(in_load + in_read)
+        del buckets
+        gc.collect()
+        buckets = Buckets(ClassTable(CONFIG))
+        buckets.reserve(n)
+        spent = 0.0
+        for start in range(0, n, LOAD_CHUNK):
+            rows = walk_chunk(start, min(start + LOAD_CHUNK, n), columns)
+            apply = buckets.apply
+            t0 = time.perf_counter()
+            for row in rows:
+                apply(*row)
+            spent += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        buckets.best(NOW, 5000)
+        runs["apply"].append(spent + time.perf_counter() - t0)
+        del buckets, rows
+    gc.collect()
+    buckets = Buckets(ClassTable(CONFIG))
+    in_load, in_reads = load_walk(buckets, n, columns, publish_every=1)
+    runs["each"].append(in_load + in_reads)
+    del buckets
+    gc.collect()
+    out["load_rows_us_per_row"] = min(runs["rows"]) / n * 1e6
+    out["load_rows_+first_read_us_per_row"] = min(runs["read"]) / n * 1e6
+    out["load_rows_read_each_chunk_us_per_row"] = min(runs["each"]) / n * 1e6
+    out["load_by_apply_+first_read_us_per_row"] = min(runs["apply"]) / n * 1e6
+    return out
+
+
 def bench_layout(layout: str, n: int, n_changes: int) -> dict[str, float]:
     columns = row_columns(n)
+    out: dict[str, float] = {}
+    if layout == "packed" and not APPLY_LOAD:
+        out.update(bench_load_rows(n, columns))
     buckets = LAYOUTS[layout](ClassTable(CONFIG))
     t0 = time.perf_counter()
-    load(buckets, n, columns)
+    if layout == "packed" and not APPLY_LOAD:
+        load_walk(buckets, n, columns)
+    else:
+        load(buckets, n, columns)
     load_s = time.perf_counter() - t0
     changes = change_stream(n, n_changes + 20_000)
     gc.collect()
     apply_s = run_changes(buckets, changes[:n_changes])
     singles = sorted(per_change_ns(buckets, changes[n_changes:]))
-    out = {
+    out |= {
         "load_us_per_row": load_s / n * 1e6,
         "apply_us": apply_s / n_changes * 1e6,
         "apply_p50_us": singles[len(singles) // 2] / 1000,
@@ -348,6 +461,20 @@ def bench_layout(layout: str, n: int, n_changes: int) -> dict[str, float]:
         "best5000_excl3000_paused2_ms",
         lambda: buckets.best(NOW, 5000, paused_routes=paused, exclude=head),
     )
+    if hasattr(buckets, "best_columns"):
+        out["best_columns5000_ms"] = median_ms(
+            "best_columns5000_ms", lambda: buckets.best_columns(NOW, 5000)
+        )
+        out["best_columns5000_excl3000_paused2_ms"] = median_ms(
+            "best_columns5000_excl3000_paused2_ms",
+            lambda: buckets.best_columns(NOW, 5000, paused_routes=paused, exclude=head),
+        )
+
+        def cold() -> None:
+            buckets._best_hint = None  # as the first call: no threshold to start from
+            buckets.best(NOW, 5000)
+
+        out["best5000_cold_ms"] = median_ms("best5000_cold_ms", cold)
     t0 = time.perf_counter()
     buckets.counts(NOW)
     out["counts_first_ms"] = (time.perf_counter() - t0) * 1000
@@ -379,11 +506,17 @@ def main(argv: list[str] | None = None) -> int:
         "--spread-days", type=float, default=30.0, help="due times spread over this many days"
     )
     parser.add_argument("--no-memory", action="store_true", help="skip the memory subprocesses")
+    parser.add_argument(
+        "--apply-load",
+        action="store_true",
+        help="load the packed layout by apply, row by row, instead of load_rows",
+    )
     parser.add_argument("--memory-child", choices=list(LAYOUTS), help=argparse.SUPPRESS)
     parser.add_argument("--traced", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    global SPREAD_S
+    global SPREAD_S, APPLY_LOAD
     SPREAD_S = args.spread_days * 86400
+    APPLY_LOAD = args.apply_load
     if args.memory_child:
         print(json.dumps(memory_child(args.memory_child, args.rows, args.traced)))
         return 0

@@ -43,6 +43,7 @@ def main() -> int:
     from keeper.ask import AskServer
     from keeper.process import Keeper
     from node.store import open_store
+    from shm.leases import LeaseTable
     from shm.ready import ReadySet
     from shm.state import StateBuffer
     from shm.wake import Wake
@@ -52,8 +53,14 @@ def main() -> int:
     state = StateBuffer.attach(config.name)
     wake = Wake.attach(config.name)
     asks = AskServer(config.name)
+    leases = LeaseTable.attach(config.name)
     keeper = Keeper(
-        config, store, ready, state, test_hooks=os.environ.get("QUEUE_NODE_TEST_HOOKS") == "1"
+        config,
+        store,
+        ready,
+        state,
+        test_hooks=os.environ.get("QUEUE_NODE_TEST_HOOKS") == "1",
+        leases=leases,
     )
     keeper.start(time.time())
     log.log("keeper_start", feed_seq=keeper.feed_seq)
@@ -85,6 +92,7 @@ def main() -> int:
         repairs=keeper.stats.verify["repairs"] + keeper.stats.verify["top_repairs"],
     )
     asks.close()
+    leases.close()
     store.close()
     return RET_OK
 

@@ -14,6 +14,7 @@ find its class empty and need room under ``max_classes``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from node.config import Config
@@ -65,6 +66,12 @@ class ClassTable:
         if cid is None:
             cid = self._create(route, cadence_s, bool(sitemap))
         return cid
+
+    def known(self, triples: Iterable[tuple[str, int | None, bool]]) -> list[int | None]:
+        """``class_of`` for many rows at once, without creating: the id of
+        each ``(route, cadence_s, sitemap)`` whose class exists, else None.
+        One dict lookup a row (the bulk load resolves a chunk with it)."""
+        return list(map(self._lookup.get, triples))
 
     def _create(self, route: str, cadence_s: int | None, sitemap: bool) -> int:
         info = self._describe(self._config, route, cadence_s, sitemap)

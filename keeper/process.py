@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
 from typing import Any
 
 import msgpack
@@ -58,6 +57,8 @@ TOP_CHECK_EVERY_S = 60.0
 VERIFY_CHUNK = 2_000
 # Minutes of flow kept (the contract's "last hour").
 FLOW_MINUTES = 60
+# Claimers that drain the set ask for a republish; never more often than this.
+LOW_WATER_MIN_S = 0.01
 # Lag samples kept per origin (a ring: the figures follow recent load).
 LAG_SAMPLES = 10_000
 # Class rows in the state document; more are summarised and flagged truncated.
@@ -138,8 +139,12 @@ class Keeper:
         state: Any,
         *,
         test_hooks: bool = False,
+        leases: Any = None,
     ) -> None:
         self.config = config
+        # The lease table (shm/leases.py), once the work path runs: its
+        # leased, held and parked keys are left out of every publish.
+        self.leases = leases
         self.store = store
         self.ready = ready
         self.state = state
@@ -151,8 +156,9 @@ class Keeper:
         self.feed_seq = 0
         self.stats = _Stats()
         self.paused_routes: frozenset[str] = frozenset()
-        # The work path plugs its leased / held / parked keys in here.
-        self.exclude: Any = None
+        # Keys left out of the last publish because they were leased, held or
+        # parked: a new write of one of them clears its misses and hold.
+        self.exclude: set[str] = set()
         self._load_after: str | None = None
         self._loading = True
         self._tombstones: dict[str, int] = {}
@@ -165,7 +171,7 @@ class Keeper:
         self.next_state = 0.0
         self.next_trim = 0.0
         self.next_verify = 0.0
-        self.low_water = False
+        self._published_at = 0.0
 
     # -- start -----------------------------------------------------------
 
@@ -173,6 +179,7 @@ class Keeper:
         """Subscribe first, then walk: the feed position is taken before the
         first row is read, so nothing written during the walk is missed."""
         self.feed_seq = self.store.last_seq()
+        self.buckets.reserve(self.store.count())
         self.stats.load["started_at"] = now
         self._t_start = time.perf_counter()
         self.paused_routes = frozenset(self.store.get_meta("paused_routes", []) or [])
@@ -187,7 +194,7 @@ class Keeper:
         self.drain_feed(now)
         if self._loading:
             self._load_step(now)
-        if now >= self.next_publish or self.low_water:
+        if self.ready_low(now) or now >= self.next_publish:
             self.publish(now)
         if now >= self.next_state:
             self.write_state(now)
@@ -212,6 +219,7 @@ class Keeper:
         remove = self.buckets.remove
         loading = self._loading
         tombstones = self._tombstones
+        exclude = self.exclude if self.leases is not None else ()
         for _ in range(FEED_BATCHES_PER_TICK):
             batch = changes(self.feed_seq, FEED_BATCH)
             if not batch:
@@ -234,6 +242,9 @@ class Keeper:
                 except TooManyClasses:
                     remove(ch.key)
                     self.stats.apply["refused_classes"] += 1
+                if ch.key in exclude and ch.origin != ORIGIN_WRITEBACK:
+                    # A new write of a key with misses clears them.
+                    self.leases.clear_on_write(ch.key)
                 if ch.op == OP_INSERT:
                     flow["added"] += 1
                 elif ch.origin == ORIGIN_WRITEBACK:
@@ -271,12 +282,15 @@ class Keeper:
     # -- loading --------------------------------------------------------------
 
     def _load_step(self, now: float) -> None:
-        rows = self.store.walk(self._load_after, LOAD_CHUNK)
-        self._apply_walked(rows, count_as_load=True)
-        if rows:
-            self._load_after = rows[-1].key
-        walked = self.stats.load["rows"]
-        if len(rows) < LOAD_CHUNK:
+        rows, bad, after = self.store.walk_schedule(self._load_after, LOAD_CHUNK)
+        load = self.stats.load
+        load["rows"] += len(rows) + len(bad)
+        load["unreadable"] += len(bad)
+        _applied, refused = self.buckets.load_rows(rows, self._tombstones)
+        self.stats.apply["refused_classes"] += refused
+        self._load_after = after
+        walked = load["rows"]
+        if after is None:
             self._loading = False
             self._tombstones = {}
             self.drain_feed(now)
@@ -288,30 +302,23 @@ class Keeper:
         else:
             self.state.heartbeat(now, "loading", False, f"walking {walked} rows")
 
-    def _apply_walked(self, rows: Iterable[Any], count_as_load: bool) -> None:
-        apply = self.buckets.apply
-        tombstones = self._tombstones
-        load = self.stats.load
-        for row in rows:
-            if count_as_load:
-                load["rows"] += 1
-            if isinstance(row, BadRow):
-                load["unreadable"] += 1
-                continue
-            dead = tombstones.get(row.key)
-            if dead is not None and dead >= row.version:
-                continue
-            try:
-                apply(row.key, row.version, row.route, row.cadence_s, row.sitemap, row.due_at)
-            except TooManyClasses:
-                self.stats.apply["refused_classes"] += 1
-
     # -- publishing -----------------------------------------------------------
+
+    def ready_low(self, now: float) -> bool:
+        """Claimers asked for a republish (the set runs low): honoured at
+        most every LOW_WATER_MIN_S, and only once the first load step is in."""
+        if self._published_at + LOW_WATER_MIN_S > now:
+            return False
+        take = getattr(self.ready, "take_low_water", None)
+        return bool(take is not None and take())
 
     def publish(self, now: float) -> None:
         t0 = time.perf_counter()
+        if self.leases is not None:
+            self.exclude = self.leases.excluded_keys(now)
         entries = self.buckets.best(
-            now, self.config.ready_size, paused_routes=self.paused_routes, exclude=self.exclude
+            now, self.config.ready_size, paused_routes=self.paused_routes,
+            exclude=self.exclude or None,
         )
         self.ready.publish(entries, now)
         ms = (time.perf_counter() - t0) * 1000
@@ -323,7 +330,7 @@ class Keeper:
         if pub["count"] == 1:
             self.stats.load["first_publish_s"] = round(time.perf_counter() - self._t_start, 4)
         self._published = entries
-        self.low_water = False
+        self._published_at = now
         self.next_publish = now + self.config.publish_interval_s
         self.state.heartbeat(now, self.status, self.exact, self._phase(), published=True)
         if not self._loading:

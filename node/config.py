@@ -72,6 +72,8 @@ class Config:
     publish_interval_s: float = 1.0
     state_interval_s: float = 5.0
     state_group: str | None = None
+    # Lease-table slots: bounds live + held + parked keys, not rows.
+    lease_capacity: int = 65_536
     defaults: RouteConfig = RouteConfig()
     routes: dict[str, RouteConfig] = field(default_factory=dict)
     config_file: Path | None = None
@@ -150,6 +152,7 @@ OPTIONS: dict[str, str] = {
     "publish_interval_s": _DURATION,
     "state_interval_s": _DURATION,
     "state_group": _STR,
+    "lease_capacity": _INT,
 }
 
 # name -> (low, high) for numeric options
@@ -165,6 +168,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "drain_timeout_s": (0, 3600),
     "publish_interval_s": (0.01, 60),
     "state_interval_s": (0.1, 300),
+    "lease_capacity": (16, 1 << 22),
 }
 
 

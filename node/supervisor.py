@@ -29,6 +29,7 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from node import log
 from node.config import Config
@@ -132,23 +133,48 @@ class Supervisor:
         self.config_path = path
 
     def _create_segments(self) -> None:
+        from shm.leases import LeaseTable
         from shm.ready import ReadySet
         from shm.state import StateBuffer
         from shm.wake import Wake
 
         self.ready = ReadySet.create(self.name, self.config.ready_size)
+        self.leases = LeaseTable.create(
+            self.name, capacity=self.config.lease_capacity, max_misses=self.config.max_misses
+        )
+        self._load_saved_leases()
         self.state = StateBuffer.create(
             self.name, group=self.config.state_group, started_at=self.started_at
         )
         self.wake = Wake.create(self.name)
 
+    @property
+    def leases_file(self) -> Path:
+        return self.data_dir / "leases.msgpack"
+
+    def _load_saved_leases(self) -> None:
+        """Restart trusts evidence: a table a crash left in shared memory is
+        reattached as it is; otherwise the leases a clean shutdown saved are
+        put back, and the file is kept until the next clean save."""
+        if self.leases.segment.reattached:
+            log.log("leases_reattached", live=self.leases.live_count())
+            return
+        if self.leases_file.exists():
+            placed = self.leases.load(self.leases_file)
+            log.log("leases_loaded", placed=placed, path=str(self.leases_file))
+
+    def _save_leases(self) -> None:
+        saved = self.leases.save(self.leases_file, time.time())
+        log.log("leases_saved", entries=saved, path=str(self.leases_file))
+
     def _unlink_segments(self) -> None:
         from keeper.ask import unlink_all
+        from shm.leases import LeaseTable
         from shm.ready import ReadySet
         from shm.state import StateBuffer
         from shm.wake import Wake
 
-        for seg in (self.ready, self.state, self.wake):
+        for seg in (self.ready, self.state, self.wake, self.leases):
             try:
                 seg.close()
             except Exception as exc:  # noqa: BLE001 - shutting down; say and go on
@@ -156,6 +182,7 @@ class Supervisor:
         ReadySet.unlink(self.name)
         StateBuffer.unlink(self.name)
         Wake.unlink(self.name)
+        LeaseTable.unlink(self.name)
         unlink_all(self.name)
 
     # -- children -------------------------------------------------------------------
@@ -345,6 +372,7 @@ class Supervisor:
                         child.proc.wait(timeout=0.05)
                     except subprocess.TimeoutExpired:
                         pass
+        self._save_leases()
         self._unlink_segments()
         try:
             (self.data_dir / "node.json").unlink()

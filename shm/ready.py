@@ -1,8 +1,10 @@
 """The ready set: the best K due keys, published by the keeper, read by claimers.
 
 ``/queue-node.<name>.ready``. The supervisor creates and unlinks it; the keeper
-is its only writer (publishing from two processes at once would break the
-seqlocks); claimers and the console attach and close.
+is its only writer of entries (publishing from two processes at once would
+break the seqlocks); claimers and the console attach and close. Claimers write
+two words only: a slot's ``claim_cursor`` and the header's ``low_water``, both
+with atomic read-modify-writes (``shm._atomic``).
 
 Double-buffered. The keeper writes the slot that is *not* active, under that
 slot's seqlock, then flips ``active``, then bumps the ``generation`` futex word
@@ -23,7 +25,11 @@ Layout (little-endian, every field naturally aligned)::
                                      slot generation; woken on every publish
     32      4     capacity      I    entries per slot (K)
     36      4     heap_size     I    key bytes per slot: K * 256 + 65536
-    40      24    reserved
+    40      8     low_water     Q    1: a claimer found the active set nearly
+                                     drained and asks for a republish; the
+                                     keeper takes it (swaps it back to 0),
+                                     and every publish clears it
+    48      16    reserved
     64            slot 0, then slot 1 at 64 + slot_stride
 
     slot (slot_stride = 64 + 32 * capacity + heap_size, rounded up to 64)
@@ -31,10 +37,12 @@ Layout (little-endian, every field naturally aligned)::
     +4      4     count         I    entries in this slot
     +8      8     generation    Q    publishes since the segment was created
     +16     8     published_at  d    wall seconds
-    +24     8     claim_cursor  Q    RESERVED SEAM for the work path: the index
-                                     of the next entry to hand out, advanced by
-                                     compare-and-swap in a later issue. Reset
-                                     to 0 on every publish; nothing reads it yet.
+    +24     8     claim_cursor  Q    the index of the next entry to hand out:
+                                     claimers fetch-add it (``take``), so two
+                                     never take the same entry of one set. It
+                                     may run past ``count`` (the set is
+                                     drained). Reset to 0 by every publish of
+                                     the slot.
     +32     4     heap_used     I    key bytes written
     +36     4     flags         I    bit 0: every key is ASCII
     +40     24    reserved
@@ -51,6 +59,15 @@ Layout (little-endian, every field naturally aligned)::
 
 A set whose keys overflow the heap is published short (``publish`` returns
 how many entries it wrote), never with a torn key.
+
+Taking entries (``take``): read the active slot's seq (even), fetch-add its
+cursor, copy the entries taken, and check the seq again. A slot republished
+meanwhile (the keeper lapped the claimer: two publishes, at least 10 ms apart,
+inside one take) is retried on the new active slot; the entries the lost add
+skipped in the new set wait for the next publish. That is the only way an
+entry of a set can go unclaimed while claimers ask for work, and it costs a
+second's delay, never a double grant: every grant is checked against its row
+and the lease table anyway.
 """
 
 from __future__ import annotations
@@ -61,10 +78,19 @@ import time
 from bisect import bisect_right
 from collections.abc import Sequence
 from itertools import accumulate, repeat
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+from node.errors import NodeError
 from shm import segment
 from shm.segment import HEADER_SIZE, U32, Segment, SnapshotUnstable, segment_name
+
+try:
+    from shm import _atomic
+except ImportError as _exc:  # reported when a claimer first takes, with what to do
+    _atomic = None  # type: ignore[assignment]
+    _ATOMIC_IMPORT_ERROR: ImportError | None = _exc
+else:
+    _ATOMIC_IMPORT_ERROR = None
 
 LAYOUT_VERSION = 1
 KIND = "ready"
@@ -73,11 +99,13 @@ ACTIVE_OFFSET = HEADER_SIZE  # 24
 GENERATION_OFFSET = 28
 READY_FIELDS = struct.Struct("<II")  # capacity, heap_size at 32
 READY_FIELDS_OFFSET = 32
+LOW_WATER_OFFSET = 40
 FIRST_SLOT = 64
 
 SLOT = struct.Struct("<IIQdQII")  # seq, count, generation, published_at, cursor, heap_used, flags
 SLOT_HEADER_SIZE = 64
 SLOT_GENERATION = 8  # offset inside a slot
+LOW_WATER = struct.Struct("<Q")
 CLAIM_CURSOR = 24  # offset inside a slot
 FLAG_ASCII = 1
 
@@ -97,6 +125,8 @@ CHUNK = 256
 # A reader gives up after this many torn copies in a row. Each try is one copy
 # of at most a slot; the keeper would have to lap the reader this many times.
 READ_RETRIES = 1000
+
+ENTRY = struct.Struct("<" + ENTRY_FORMAT)
 
 _STRUCTS = {1 << i: struct.Struct("<" + ENTRY_FORMAT * (1 << i)) for i in range(CHUNK.bit_length())}
 
@@ -149,7 +179,11 @@ class ReadySet:
         self._heap_at = SLOT_HEADER_SIZE + ENTRY_SIZE * self.capacity  # inside a slot
         self._stamped_pid = 0
         self._flat = [0] * (6 * CHUNK)
-        #: torn copies retried by this handle's snapshots (a health figure).
+        # The atomics view (claim cursor, low_water), made on first use: a
+        # reader that only snapshots never needs the C extension. It holds a
+        # buffer export of the mapping, so ``close`` releases it first.
+        self._view: Any = None
+        #: torn copies retried by this handle's snapshots and takes (a health figure).
         self.retries = 0
 
     # -- lifecycle (the supervisor creates and unlinks; everyone else attaches) --
@@ -178,6 +212,9 @@ class ReadySet:
         return segment.unlink(segment_name(node, KIND))
 
     def close(self) -> None:
+        if self._view is not None:
+            self._view.release()
+            self._view = None
         self.segment.close()
 
     def __enter__(self) -> ReadySet:
@@ -249,6 +286,10 @@ class ReadySet:
         count, heap_used, flags = self._write_chunks(mm, base, chunks)
         SLOT.pack_into(mm, base, seq, count, generation, now, 0, heap_used, flags)  # cursor 0
         U32.pack_into(mm, base, (seq + 1) & 0xFFFFFFFF)
+        # A fresh set answers any pending request for one. Cleared before the
+        # flip: a claimer still on the old set may set it again, which costs
+        # one spare publish, never a lost request about the new set.
+        LOW_WATER.pack_into(mm, LOW_WATER_OFFSET, 0)
         U32.pack_into(mm, ACTIVE_OFFSET, slot)
         U32.pack_into(mm, GENERATION_OFFSET, generation & 0xFFFFFFFF)
         self.segment.futex_wake(GENERATION_OFFSET)
@@ -308,6 +349,105 @@ class ReadySet:
         mm = self.segment.mm
         active = U32.unpack_from(mm, ACTIVE_OFFSET)[0] & 1
         return struct.unpack_from("<Q", mm, self._slot_base(active) + SLOT_GENERATION)[0]
+
+    def _atomics(self) -> Any:
+        if self._view is None:
+            if _atomic is None:
+                raise NodeError(
+                    "the C extension shm._atomic is not built (claims need its atomic "
+                    "fetch-add); run `pip install -e .` with gcc and the Python headers "
+                    f"installed ({_ATOMIC_IMPORT_ERROR})"
+                )
+            if self.segment.read_only:
+                raise NodeError(
+                    f"{self.segment.name} is mapped read-only: it cannot be claimed from"
+                )
+            self._view = _atomic.View(self.segment.mm)
+        return self._view
+
+    def take(self, n: int) -> tuple[int, list[ReadyEntry]]:
+        """Take the next ``n`` entries of the published set, in rank order:
+        ``(generation, entries)``, fewer than ``n`` when the set runs out
+        (none once it is drained; wait for the next publish with
+        ``wait_publish(generation, ...)``).
+
+        No two takes of one set get the same entry, in any process (a
+        fetch-add on the slot's claim cursor). Raises SnapshotUnstable if the
+        keeper laps this reader ``READ_RETRIES`` times in a row.
+        """
+        if n <= 0:
+            return self.generation, []
+        view = self._view if self._view is not None else self._atomics()
+        mm = self.segment.mm
+        capacity = self.capacity
+        for _ in range(READ_RETRIES):
+            base = FIRST_SLOT + (U32.unpack_from(mm, ACTIVE_OFFSET)[0] & 1) * self._stride
+            seq, count, generation, _at, _cursor, _used, flags = SLOT.unpack_from(mm, base)
+            if not seq & 1:
+                start = view.add64(base + CLAIM_CURSOR, n)
+                end = min(start + n, count, capacity)
+                entries: list[ReadyEntry] | None = []
+                if start < end:
+                    entries = self._copy_entries(mm, base, start, end, flags)
+                if U32.unpack_from(mm, base)[0] == seq and entries is not None:
+                    return generation, entries
+            self.retries += 1
+            os.sched_yield()
+        raise SnapshotUnstable(
+            f"{self.segment.name}: no consistent take in {READ_RETRIES} tries; "
+            f"the keeper (pid {self.segment.writer_pid}) rewrites faster than it can be read"
+        )
+
+    def _copy_entries(
+        self, mm: Any, base: int, start: int, end: int, flags: int
+    ) -> list[ReadyEntry] | None:
+        """Entries ``start:end`` of the slot at ``base``; None when what was
+        read cannot be a published set (a torn copy: the caller retries)."""
+        at = base + SLOT_HEADER_SIZE + ENTRY_SIZE * start
+        fields = list(ENTRY.iter_unpack(mm[at : at + ENTRY_SIZE * (end - start)]))
+        lo = fields[0][0]
+        hi = fields[-1][0] + fields[-1][1]
+        if not 0 <= lo <= hi <= self.heap_size:
+            return None
+        heap_at = base + self._heap_at
+        heap = mm[heap_at + lo : heap_at + hi]
+        try:
+            if flags & FLAG_ASCII:
+                text = heap.decode("ascii")
+                return [
+                    ReadyEntry(text[o - lo : o - lo + k], version, due, cid, rank)
+                    for o, k, cid, version, due, rank in fields
+                ]
+            return [
+                ReadyEntry(heap[o - lo : o - lo + k].decode(), version, due, cid, rank)
+                for o, k, cid, version, due, rank in fields
+            ]
+        except UnicodeDecodeError:
+            return None
+
+    def remaining(self) -> int:
+        """Entries of the published set not yet taken (a racy count: a hint)."""
+        mm = self.segment.mm
+        base = self._slot_base(U32.unpack_from(mm, ACTIVE_OFFSET)[0] & 1)
+        _seq, count, _gen, _at, cursor, _used, _flags = SLOT.unpack_from(mm, base)
+        count = min(count, self.capacity)
+        return count - min(cursor, count)
+
+    def request_publish(self) -> bool:
+        """A claimer found the set nearly drained: ask the keeper for a fresh
+        one. True when this call raised the flag (then post the keeper's wake
+        semaphore); False when a request was already pending."""
+        view = self._view if self._view is not None else self._atomics()
+        return view.load64(LOW_WATER_OFFSET) == 0 and view.cas64(LOW_WATER_OFFSET, 0, 1) == 0
+
+    def take_low_water(self) -> bool:
+        """Keeper: whether a claimer asked for a republish; clears the request."""
+        return self._atomics().cas64(LOW_WATER_OFFSET, 1, 0) == 1
+
+    @property
+    def low_water(self) -> bool:
+        """Whether a republish request is pending (for tests and the console)."""
+        return LOW_WATER.unpack_from(self.segment.mm, LOW_WATER_OFFSET)[0] != 0
 
     def wait_publish(self, after_generation: int, timeout_s: float | None) -> int:
         """Block until the generation differs from ``after_generation``; return it.

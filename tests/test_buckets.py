@@ -5,6 +5,7 @@ make every split, join, probe collision and backward shift happen often."""
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import ExitStack
 from random import Random
 from typing import Any
 from unittest.mock import patch
@@ -19,6 +20,7 @@ from keeper.buckets import Buckets, minute_of
 from keeper.classes import SOURCE_ROUTE, SOURCE_ROW, ClassInfo, ClassTable
 from node.config import Config, RouteConfig
 from node.errors import TooManyClasses
+from shm.ready import ReadySet
 
 BASE = 1_700_000_000.0
 ROUTES = ("pages", "feeds", "other")  # "other" is not configured: [defaults]
@@ -135,10 +137,23 @@ def check_equal(buckets: Buckets, model: Model, now: float) -> None:
     assert got_oldest == oldest
 
 
+def best_via_columns(buckets: Buckets, *args: Any, **kwargs: Any) -> list[tuple]:
+    columns = buckets.best_columns(*args, **kwargs)
+    assert all(type(column) is list for column in columns)
+    assert len({len(column) for column in columns}) == 1
+    return list(zip(*columns, strict=True))
+
+
 def check_best(
-    buckets: Buckets, model: Model, now: float, k: int, paused: frozenset, exclude: set
+    buckets: Buckets,
+    model: Model,
+    now: float,
+    k: int,
+    paused: frozenset,
+    exclude: set,
+    best: Any = Buckets.best,
 ) -> None:
-    got = buckets.best(now, k, paused_routes=paused, exclude=exclude or None)
+    got = best(buckets, now, k, paused_routes=paused, exclude=exclude or None)
     now_minute = minute_of(now)
     eligible = {
         key: model.rank(key, now)
@@ -186,6 +201,21 @@ operations = st.lists(
     st.one_of(applies, applies, applies, removes, checks), min_size=1, max_size=80
 )
 block_loads = st.sampled_from([2, 3, 4, 1000])
+# (BEST_SLACK_MIN, BEST_SLACK_SHIFT, BEST_STEPS): no slack makes the threshold
+# search land on exact counts (and give up on ties), one step makes it fall
+# back to the bracket's low end, a wide slack takes many extra candidates.
+searches = st.sampled_from([(0, 30, 40), (0, 30, 1), (1, 30, 3), (2, 1, 2), (32, 5, 40)])
+# A threshold left by an earlier call: the search starts from it.
+hints = st.one_of(st.none(), st.floats(-5, 200))
+
+
+def searching(search: tuple[int, int, int]) -> ExitStack:
+    stack = ExitStack()
+    for name, value in zip(
+        ("BEST_SLACK_MIN", "BEST_SLACK_SHIFT", "BEST_STEPS"), search, strict=True
+    ):
+        stack.enter_context(patch.object(buckets_module, name, value))
+    return stack
 
 
 def run(buckets: Buckets, model: Model, ops: list[tuple[Any, ...]]) -> None:
@@ -218,42 +248,44 @@ def test_buckets_equal_a_brute_force_model(ops, now, load):
     paused=st.frozensets(st.sampled_from(ROUTES), max_size=2),
     exclude=st.sets(st.sampled_from(KEYS), max_size=10),
     load=block_loads,
-    runs=st.sampled_from([(1, 1), (1, 2), (2, 5), (16, 64)]),
+    search=searches,
+    hint=hints,
 )
-def test_best_is_the_brute_force_top_k(ops, now, k, paused, exclude, load, runs):
+def test_best_is_the_brute_force_top_k(ops, now, k, paused, exclude, load, search, hint):
     buckets = Buckets(ClassTable(CONFIG), block_load=load)
     model = Model(CONFIG)
     run(buckets, model, ops)
-    # Short runs reach the phase after the k-th best is known with few rows.
-    with (
-        patch.object(buckets_module, "RUN_MIN", runs[0]),
-        patch.object(buckets_module, "RUN_MAX", runs[1]),
-    ):
-        check_best(buckets, model, now, k, paused, exclude)
+    with searching(search):
+        for best in (Buckets.best, best_via_columns):
+            buckets._best_hint = hint
+            check_best(buckets, model, now, k, paused, exclude, best)
 
 
-def test_best_takes_a_whole_minute_bucket_across_blocks():
+@pytest.mark.parametrize("best", [Buckets.best, best_via_columns])
+def test_best_takes_a_whole_minute_bucket_across_blocks(best):
     buckets = Buckets(ClassTable(CONFIG), block_load=2)
     model = Model(CONFIG)
     for i, key in enumerate(KEYS):
         due = BASE - 600 + (i % 3) * 60  # three crowded minutes, many blocks each
         buckets.apply(key, 1, "pages", None, i % 2 == 0, due)
         model.apply(key, 1, "pages", None, i % 2 == 0, due)
-    for k in (1, 7, 13, 14, 20, 40, 41):
-        check_best(buckets, model, BASE, k, frozenset(), set())
-        check_best(buckets, model, BASE, k, frozenset(), set(KEYS[::3]))
+    for search in ((0, 30, 40), (32, 5, 40)):  # ties at the edge: no exact count
+        with searching(search):
+            for k in (1, 7, 13, 14, 20, 40, 41):
+                check_best(buckets, model, BASE, k, frozenset(), set(), best)
+                check_best(buckets, model, BASE, k, frozenset(), set(KEYS[::3]), best)
 
 
 @settings(max_examples=25, deadline=None)
 @given(
     seed=st.integers(0, 2**32),
     k=st.sampled_from([1, 7, 60, 250, 900]),
-    runs=st.sampled_from([(1, 2), (2, 5), (16, 64)]),
+    search=searches,
     excluding=st.booleans(),
 )
-def test_best_on_many_interleaved_rows(seed, k, runs, excluding):
-    """Hundreds of rows in classes whose ranks interleave, so the merge goes
-    on after the k-th best is known and runs straddle the answer's edge."""
+def test_best_on_many_interleaved_rows(seed, k, search, excluding):
+    """Hundreds of rows in classes whose ranks interleave, so the threshold
+    cuts through every class and the heads taken straddle blocks."""
     rnd = Random(seed)
     buckets = Buckets(ClassTable(CONFIG), block_load=8)
     model = Model(CONFIG)
@@ -270,12 +302,11 @@ def test_best_on_many_interleaved_rows(seed, k, runs, excluding):
         buckets.apply(*args)
         model.apply(*args)
     exclude = {key for key in model.rows if rnd.random() < 0.3} if excluding else set()
-    with (
-        patch.object(buckets_module, "RUN_MIN", runs[0]),
-        patch.object(buckets_module, "RUN_MAX", runs[1]),
-    ):
-        check_best(buckets, model, BASE, k, frozenset(), exclude)
-        check_best(buckets, model, BASE, k, frozenset({"feeds"}), exclude)
+    with searching(search):
+        for best in (Buckets.best, best_via_columns):
+            for now, paused in ((BASE, ()), (BASE, {"feeds"}), (BASE + 7, ()), (BASE + 7, ())):
+                # (again from the threshold just found, a little later)
+                check_best(buckets, model, now, k, frozenset(paused), exclude, best)
 
 
 route_configs = st.builds(
@@ -408,3 +439,251 @@ def test_many_rows_through_table_growth_and_deletes(seed):
     assert buckets.counts(BASE)["due"]["total"] == sum(
         1 for row in model.rows.values() if row[4] <= minute_of(BASE)
     )
+
+
+# -- the bulk load ----------------------------------------------------------------
+
+
+def check_orders(buckets: Buckets, flush: bool = True) -> None:
+    """Every class's order is sorted, its blocks within bounds and its maxes,
+    sizes, pending values and the columns in step; and again once the
+    pending values are merged in."""
+    load = buckets._block_load
+    placed = set()
+    for cid, order in buckets._order.items():
+        values = list(order)
+        assert values == sorted(values)
+        assert order.maxes == [block[-1] for block in order.blocks]
+        assert all(0 < len(block) <= 2 * load for block in order.blocks)
+        assert not order.pending or buckets._dirty[cid] is order
+        values += order.pending
+        assert order.size == len(values) == len(set(values))
+        for value in values:
+            slot = value & buckets_module.SLOT_MASK
+            assert buckets._cids[slot] == cid
+            assert buckets._mins[slot] == value >> buckets_module.SLOT_BITS
+            placed.add(slot)
+    live = {slot for slot, key in enumerate(buckets._keys) if key is not None}
+    assert placed == live
+    assert set(buckets._free) == set(range(len(buckets._keys))) - live
+    if flush:
+        buckets._flush()
+        check_orders(buckets, flush=False)
+
+
+walked_rows = st.tuples(
+    st.sampled_from(KEYS),
+    st.integers(1, 25),
+    st.sampled_from(ROUTES),
+    cadences,
+    st.sampled_from([False, True, 0, 1]),  # SQLite hands back 0 and 1
+    due_times,
+)
+chunks = st.tuples(
+    st.lists(walked_rows, max_size=30, unique_by=lambda row: row[0]),
+    st.sampled_from(["ascending", "ascending", "as drawn", "doubled"]),
+    st.booleans(),  # merge the pending values at once, or leave them to the next read
+)
+loads = st.tuples(st.just("load"), chunks)
+feed_deletes = st.tuples(st.just("feed delete"), st.sampled_from(KEYS), st.integers(1, 25))
+load_operations = st.lists(
+    st.one_of(loads, loads, applies, removes, feed_deletes, checks), min_size=1, max_size=40
+)
+
+
+def walk_order(rows: list[tuple], how: str) -> list[tuple]:
+    if how == "ascending":
+        return sorted(rows)
+    if how == "doubled" and rows:  # a key twice: the row-by-row path
+        return [*rows, (rows[0][0], rows[0][1] + 1, *rows[0][2:])]
+    return rows
+
+
+def run_load(buckets: Buckets, model: Model, ops: list[tuple[Any, ...]]) -> None:
+    """The keeper's load: walked chunks between feed changes; a delete seen
+    during the load removes the row and leaves a tombstone."""
+    tombstones: dict[str, int] = {}
+    for op in ops:
+        if op[0] == "load":
+            rows, how, flush = op[1]
+            rows = walk_order(rows, how)
+            want = 0
+            for row in rows:
+                if tombstones.get(row[0], 0) < row[1]:
+                    want += model.apply(*row)
+            assert buckets.load_rows(rows, tombstones) == (want, 0)
+            check_orders(buckets, flush)
+        elif op[0] == "feed delete":
+            _op, key, seq = op
+            assert buckets.remove(key) == model.remove(key, None)
+            tombstones[key] = seq
+        elif op[0] == "check":
+            check_equal(buckets, model, op[1])
+            check_best(buckets, model, op[1], 12, frozenset(), set())
+        else:
+            run(buckets, model, [op])
+
+
+@SETTINGS
+@given(ops=load_operations, now=nows, load=block_loads, capacity=st.sampled_from([0, 40]))
+def test_load_rows_equal_a_brute_force_model(ops, now, load, capacity):
+    buckets = Buckets(ClassTable(CONFIG), capacity=capacity, block_load=load)
+    model = Model(CONFIG)
+    run_load(buckets, model, ops)
+    check_equal(buckets, model, now)
+    check_orders(buckets)
+
+
+def test_load_rows_never_overwrite_newer():
+    buckets = Buckets(ClassTable(CONFIG))
+    assert buckets.apply("b", 10, "pages", None, False, BASE)
+    walked = [
+        ("a", 3, "pages", None, False, BASE),
+        ("b", 9, "feeds", 60, True, BASE + 600),  # older than the row held
+        ("c", 5, "pages", None, False, BASE),  # deleted at seq 7 during the walk
+        ("d", 8, "pages", None, False, BASE),  # deleted at seq 7, written again at 8
+    ]
+    assert buckets.load_rows(walked, {"c": 7, "d": 7}) == (2, 0)
+    assert buckets.get("b") == (minute_of(BASE), buckets.classes.class_of("pages", None, False), 10)
+    assert "c" not in buckets and buckets.get("d")[2] == 8
+    # The same version again changes nothing; a newer one moves the row.
+    assert buckets.load_rows([("a", 3, "feeds", None, False, BASE + 60)]) == (0, 0)
+    assert buckets.load_rows([("a", 4, "feeds", None, False, BASE + 60)]) == (1, 0)
+    assert buckets.get("a")[0] == minute_of(BASE) + 1
+    assert len(buckets) == 3
+    check_orders(buckets)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**32),
+    max_classes=st.integers(1, 6),
+    doubled=st.booleans(),
+)
+def test_load_rows_refuse_classes_as_apply_does(seed, max_classes, doubled):
+    """Rows whose class would pass max_classes are counted as refused, and
+    classes left empty make room, exactly as ``apply`` row by row does."""
+    rnd = Random(seed)
+    config = Config(max_classes=max_classes)
+    bulk, single = Buckets(ClassTable(config)), Buckets(ClassTable(config))
+    version = 0
+    for _chunk in range(6):
+        rows = []
+        for key in sorted(rnd.sample(KEYS, rnd.randint(0, 12))):
+            version += 1
+            route = rnd.choice(ROUTES)
+            rows.append((key, version, route, rnd.choice([60, 120, 180]), False, BASE))
+        if doubled and rows:
+            rows.append(rows[0])
+        assert bulk.load_rows(rows) == single._load_one_by_one(rows)
+        for key in rnd.sample(KEYS, 4):  # empty some classes
+            assert bulk.remove(key) == single.remove(key)
+
+        def held(b: Buckets) -> dict:
+            return {k: (m, v, identity(b.classes.info(c))) for k, m, c, v in b.items()}
+
+        assert held(bulk) == held(single)
+        assert bulk.counts(BASE) == single.counts(BASE)
+        check_orders(bulk)
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**32), load=st.sampled_from([2, 8, 64]))
+def test_load_rows_through_growth_merges_and_moves(seed, load):
+    """Thousands of rows in chunks of every size against the model: the key
+    table grows inside a chunk, orders are rebuilt, merged per block and
+    inserted into, held rows move, freed slots are reused."""
+    rnd = Random(seed)
+    buckets = Buckets(ClassTable(CONFIG), block_load=load)
+    model = Model(CONFIG)
+    keys = [f"key-{i:05d}" for i in range(4000)]
+    version = 0
+    start = 0
+    while start < len(keys):
+        size = rnd.choice([1, 7, 60, 300, 900])
+        rows = []
+        for key in keys[start : start + size]:
+            version += 1
+            due = BASE + rnd.randint(-2000, 2000) * 60
+            rows.append((key, version, rnd.choice(ROUTES), rnd.choice([None, 60]), False, due))
+        walked = keys[:start]
+        start = min(start + size, len(keys))
+        # Feed changes between chunks: moves of rows walked already, deletes.
+        for _ in range(rnd.randint(0, 20)):
+            version += 1
+            key = keys[rnd.randrange(start)]
+            if rnd.random() < 0.3:
+                assert buckets.remove(key) == model.remove(key, None)
+            else:
+                args = (key, version, "feeds", None, True, BASE + rnd.randint(-50, 50) * 60)
+                assert buckets.apply(*args) == model.apply(*args)
+        # A walked chunk also revisits a few rows, some newer than held.
+        for key in rnd.sample(walked, min(5, len(walked))):
+            rows.append((key, rnd.randint(1, version + 5), "pages", 60, True, BASE))
+        rows.sort()
+        want = sum(model.apply(*row) for row in rows)
+        assert buckets.load_rows(rows) == (want, 0)
+    check_orders(buckets)
+    assert {k: (m, v) for k, m, _c, v in buckets.items()} == {
+        k: (row[4], row[0]) for k, row in model.rows.items()
+    }
+    check_equal(buckets, model, BASE)
+    check_best(buckets, model, BASE, 500, frozenset(), set())
+
+
+def test_reserve_keeps_the_key_table_through_a_load(monkeypatch):
+    buckets = Buckets(ClassTable(CONFIG))
+    buckets.reserve(5000)
+    cells = len(buckets._table)
+    monkeypatch.setattr(buckets, "_rehash", lambda cells: pytest.fail("rehashed"))
+    rows = [(f"k{i:05d}", 1, "pages", None, False, BASE + i) for i in range(5000)]
+    for start in range(0, 5000, 1000):
+        assert buckets.load_rows(rows[start : start + 1000]) == (1000, 0)
+    for i in range(5000):  # ... and through applying as many one by one
+        buckets.remove(f"k{i:05d}")
+        assert buckets.apply(f"k{i:05d}", 2, "pages", None, False, BASE)
+    assert len(buckets._table) == cells and len(buckets) == 5000
+
+
+# -- best as columns -------------------------------------------------------------------
+
+
+@SETTINGS
+@given(
+    ops=load_operations,
+    now=nows,
+    k=st.integers(0, 30),
+    paused=st.frozensets(st.sampled_from(ROUTES), max_size=2),
+    exclude=st.sets(st.sampled_from(KEYS), max_size=10),
+    search=searches,
+)
+def test_best_columns_are_best(ops, now, k, paused, exclude, search):
+    """The same rows as ``best``, rank for rank, also with values pending."""
+    buckets = Buckets(ClassTable(CONFIG), block_load=3)
+    model = Model(CONFIG)
+    run_load(buckets, model, ops)
+    with searching(search):
+        columns = best_via_columns(buckets, now, k, paused, exclude or None)
+    entries = buckets.best(now, k, paused, exclude or None)
+    assert [entry[4] for entry in columns] == [entry[4] for entry in entries]
+    edge = entries[-1][4] if entries else None  # rows tied with the last may differ
+    assert {e for e in columns if e[4] != edge} == {e for e in entries if e[4] != edge}
+    check_best(buckets, model, now, k, paused, exclude, best_via_columns)
+
+
+def test_best_columns_publish_as_best_does(node_name):
+    buckets = Buckets(ClassTable(CONFIG), block_load=8)
+    rnd = Random(5)
+    for i in range(2000):
+        route, cadence = rnd.choice(ROUTES), rnd.choice([None, 60, 900])
+        buckets.apply(f"row-{i}", i + 1, route, cadence, rnd.random() < 0.3, BASE - i * 37)
+    columns = buckets.best_columns(BASE, 700)
+    ready = ReadySet.create(node_name, capacity=1000)
+    try:
+        assert ready.publish_columns(*columns, BASE) == 700
+        assert [tuple(e) for e in ready.snapshot().entries] == list(zip(*columns, strict=True))
+        ranks = [entry.rank for entry in ready.snapshot().entries]
+        assert ranks == [entry[4] for entry in buckets.best(BASE, 700)]
+    finally:
+        ready.close()
+        ReadySet.unlink(node_name)

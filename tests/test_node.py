@@ -257,3 +257,56 @@ def test_env_overrides_file_and_flag_overrides_env(tmp_path):
     assert (c.lease_s, c.ready_size) == (45, 100)
     c = load_config({"lease_s": "2m"}, env={"QUEUE_NODE_LEASE_S": "45"}, config_file=cfg)
     assert c.lease_s == 120
+
+
+def test_keeper_exact_after_100k_mixed_writes_while_running(node):
+    """100,000 writes (inserts, updates, deletes) through the node while it
+    runs, plus another program writing the file: the keeper equals the table
+    row for row."""
+    import random
+
+    node.start()
+    rnd = random.Random(11)
+    now = time.time()
+    keys = [f"https://example.com/p/{i:07d}" for i in range(20_000)]
+    written = 0
+    conn = sqlite3.connect(node.data_dir / "schedule.db", timeout=10)
+    try:
+        while written < 100_000:
+            batch = [
+                {"key": rnd.choice(keys), "route": rnd.choice(["a", "b", "c"]),
+                 "due_at": now + rnd.uniform(-86400, 86400), "sitemap": rnd.random() < 0.3}
+                for _ in range(2000)
+            ]
+            status, _ = node.request("POST", "/rows", batch)
+            assert status == 200
+            doomed = rnd.sample(keys, 200)
+            status, _ = node.request("POST", "/rows/delete", {"keys": doomed})
+            assert status == 200
+            with conn:
+                conn.execute("UPDATE schedule SET due_at = due_at + 60 WHERE key = ?",
+                             (rnd.choice(keys),))
+            written += 2201
+    finally:
+        conn.close()
+    _wait_exact(node, timeout_s=60)
+    assert node.stop() == 0
+
+
+def test_sighup_reclassifies_route_defaults(node, tmp_path):
+    cfg = tmp_path / "node.toml"
+    cfg.write_text("[routes.pages]\ncadence_s = 3600\n")
+    node.args += ["--config", str(cfg)]
+    node.start()
+    node.request("POST", "/rows", [{"key": "p", "route": "pages", "due_at": time.time() - 600}])
+
+    def cadence():
+        status, body = node.request("GET", "/rows?key=p")
+        keeper = body.get("keeper", {}) if status == 200 else {}
+        return keeper.get("class", {}).get("cadence_s") if keeper.get("held") else None
+
+    assert wait_for(cadence, 20, "the keeper to hold p") == 3600
+    cfg.write_text("[routes.pages]\ncadence_s = 600\n")
+    os.kill(node.proc.pid, signal.SIGHUP)
+    wait_for(lambda: cadence() == 600, 20, "cadence 600 after SIGHUP")
+    assert node.stop() == 0

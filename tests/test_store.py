@@ -578,3 +578,44 @@ def test_processes_opening_a_new_file_at_once_migrate_it_once(tmp_path):
         )
     finally:
         conn.close()
+
+
+def test_walk_schedule_matches_walk(store):
+    """The keeper's load walk sees the same rows as walk(), in chunks."""
+    from node.rows import RowWrite
+
+    store.upsert(
+        [RowWrite(key=f"k{i:04d}", route="r", cadence_s=None if i % 2 else 3600,
+                  sitemap=i % 3 == 0, due_at=1000.0 + i) for i in range(250)],
+        now=1000.0,
+    )
+    seen, after = [], None
+    while True:
+        rows, bad, after = store.walk_schedule(after, 100)
+        seen += rows
+        assert bad == []
+        if after is None:
+            break
+    expected = [(r.key, r.version, r.route, r.cadence_s, r.sitemap, r.due_at)
+                for r in store.walk(None, 1000)]
+    assert [tuple(s) for s in seen] == expected
+
+
+def test_walk_schedule_sets_bad_rows_apart(tmp_path):
+    import sqlite3
+
+    from node.rows import RowWrite
+    from node.store.base import BadRow
+    from node.store.sqlite import SQLiteStore
+
+    store = SQLiteStore(str(tmp_path / "s.db"))
+    store.upsert([RowWrite(key=k, route="r", due_at=5.0) for k in "abc"], now=5.0)
+    other = sqlite3.connect(tmp_path / "s.db")
+    with other:
+        other.execute("UPDATE schedule SET cadence_s = 5 WHERE key = 'b'")
+    other.close()
+    rows, bad, after = store.walk_schedule(None, 10)
+    assert [r[0] for r in rows] == ["a", "c"]
+    assert len(bad) == 1 and isinstance(bad[0], BadRow) and bad[0].key == "b"
+    assert after is None
+    store.close()

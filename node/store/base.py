@@ -70,6 +70,25 @@ class Store(abc.ABC):
         when None). A row whose stored values are not schedulable comes back
         as a ``BadRow`` so the walk can count it and go on."""
 
+    def walk_schedule(
+        self, after: str | None, limit: int
+    ) -> tuple[list[tuple], list[BadRow], str | None]:
+        """The keeper's load walk: like ``walk`` but only the scheduling
+        fields, as plain tuples ``(key, version, route, cadence_s, sitemap,
+        due_at)``, with unschedulable rows apart. Returns ``(rows, bad,
+        last_key)``; ``last_key`` is None when the walk is done (fewer than
+        ``limit`` rows came back) — otherwise pass it as ``after``.
+
+        Backends override this for speed; this default is built on walk()."""
+        found = self.walk(after, limit)
+        rows = [
+            (r.key, r.version, r.route, r.cadence_s, r.sitemap, r.due_at)
+            for r in found
+            if not isinstance(r, BadRow)
+        ]
+        bad = [r for r in found if isinstance(r, BadRow)]
+        return rows, bad, (found[-1].key if len(found) >= limit else None)
+
     @abc.abstractmethod
     def count(self) -> int:
         """Rows in the table."""

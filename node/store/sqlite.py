@@ -148,6 +148,14 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 _ROW_COLUMNS = "key, route, cadence_s, sitemap, due_at, payload, job, version"
+_SCHEDULE_COLUMNS = (
+    "key, version, route, cadence_s, sitemap = 1, due_at, "
+    "(typeof(route) = 'text' AND route <> ''"
+    " AND (cadence_s IS NULL OR (typeof(cadence_s) = 'integer'"
+    " AND cadence_s BETWEEN 60 AND 31536000))"
+    " AND sitemap IN (0, 1)"
+    " AND typeof(due_at) IN ('real', 'integer') AND due_at BETWEEN 0 AND 32503680000.0)"
+)
 _CHANGE_COLUMNS = "seq, op, key, origin, route, cadence_s, sitemap, due_at, at"
 
 QUERIES: dict[str, str] = {
@@ -164,6 +172,13 @@ QUERIES: dict[str, str] = {
     "get": f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key = ?",
     "walk_all": f"SELECT {_ROW_COLUMNS} FROM schedule ORDER BY key LIMIT ?",
     "walk_after": f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key > ? ORDER BY key LIMIT ?",
+    # Scheduling fields only, with a validity flag computed by SQLite (the
+    # same rules as node.rows.stored_row_is_valid); rows come back as
+    # (key, version, route, cadence_s, sitemap, due_at, ok).
+    "walk_schedule_all": f"SELECT {_SCHEDULE_COLUMNS} FROM schedule ORDER BY key LIMIT ?",
+    "walk_schedule_after": (
+        f"SELECT {_SCHEDULE_COLUMNS} FROM schedule WHERE key > ? ORDER BY key LIMIT ?"
+    ),
     "count": "SELECT count(*) FROM schedule",
     "changes": f"SELECT {_CHANGE_COLUMNS} FROM changes WHERE seq > ? ORDER BY seq LIMIT ?",
     "last_seq": "SELECT seq FROM sqlite_sequence WHERE name = 'changes'",
@@ -500,6 +515,36 @@ class SQLiteStore(Store):
             except sqlite3.Error as exc:
                 raise _wrap(exc, "walk") from exc
         return [_row(stored) for stored in found]
+
+    def walk_schedule(
+        self, after: str | None, limit: int
+    ) -> tuple[list[tuple], list[BadRow], str | None]:
+        # The load walk reads 250k-1M rows at start: no payload, no Row
+        # objects, one validity check per row inline.
+        if limit <= 0:
+            return [], [], after
+        conn = self._c()
+        with self._lock:
+            try:
+                if after is None:
+                    found = conn.execute(QUERIES["walk_schedule_all"], (limit,)).fetchall()
+                else:
+                    found = conn.execute(QUERIES["walk_schedule_after"], (after, limit)).fetchall()
+            except sqlite3.Error as exc:
+                raise _wrap(exc, "walk") from exc
+        bad: list[BadRow] = []
+        if all(stored[6] for stored in found):
+            rows = [stored[:6] for stored in found]
+        else:
+            rows = []
+            for stored in found:
+                if stored[6]:
+                    rows.append(stored[:6])
+                else:
+                    key, version, route, cadence_s, sitemap, due_at, _ok = stored
+                    bad.append(BadRow(key, version, bad_reason(route, cadence_s, sitemap, due_at)))
+        last = found[-1][0] if len(found) >= limit else None
+        return rows, bad, last
 
     def count(self) -> int:
         conn = self._c()

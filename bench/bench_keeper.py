@@ -1,0 +1,275 @@
+"""Keeper figures for issue 2, measured on a real SQLite file.
+
+    .venv/bin/python bench/bench_keeper.py feed    --rows 250000
+    .venv/bin/python bench/bench_keeper.py startup --rows 250000
+    .venv/bin/python bench/bench_keeper.py lag     --rows 250000 --rate 15000 --seconds 10
+
+- feed: keeper work per applied change, reading the change feed included
+  (a burst of mixed inserts, updates and deletes, applied by drain_feed);
+- startup: time from the exec of `python -m node run` to the first publish
+  and to live-and-exact;
+- lag: commit-to-applied lag p50/p99 while a producer writes through the
+  node's HTTP API at --rate rows/s and another program writes the file
+  directly, as the keeper itself measures it (apply time minus the time the
+  change was logged), and the keeper's own µs per applied change under that
+  load.
+
+Results are printed as JSON lines and appended to bench/results/keeper.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import ROUTES, key_of, seed  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+def _report(doc: dict) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    doc = {"at": time.strftime("%Y-%m-%dT%H:%M:%S"), **doc}
+    line = json.dumps(doc)
+    print(line, flush=True)
+    with open(RESULTS / "keeper.jsonl", "a") as f:
+        f.write(line + "\n")
+
+
+def _seeded(rows: int, now: float) -> Path:
+    return seed(RESULTS / f"schedule-{rows}.db", rows, now)
+
+
+def _copy(src: Path, dst_dir: Path) -> Path:
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    dst = dst_dir / "schedule.db"
+    conn = sqlite3.connect(src)
+    conn.execute(f"VACUUM INTO '{dst}'")
+    conn.close()
+    return dst
+
+
+def bench_feed(args: argparse.Namespace) -> None:
+    from keeper.process import Keeper
+    from node.config import Config
+    from node.rows import RowWrite
+    from node.store import open_store
+    from shm.ready import ReadySet
+    from shm.state import StateBuffer
+
+    now = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        db = _copy(_seeded(args.rows, now), Path(tmp))
+        store = open_store(f"sqlite:///{db}")
+        name = f"bench-{uuid.uuid4().hex[:8]}"
+        ready = ReadySet.create(name, 5000)
+        state = StateBuffer.create(name, started_at=now)
+        try:
+            keeper = Keeper(Config(name=name, data_dir=Path(tmp)), store, ready, state)
+            keeper.start(now)
+            while keeper.status == "loading":
+                keeper.tick(now)
+            rnd = random.Random(7)
+            changes = args.changes
+            done = 0
+            applied_s = 0.0
+            applied = 0
+            while done < changes:
+                batch = []
+                for _ in range(5000):
+                    i = rnd.randrange(args.rows + args.rows // 10)
+                    batch.append(
+                        RowWrite(key=key_of(i), route=rnd.choice(ROUTES),
+                                 due_at=now + rnd.uniform(-86400, 86400))
+                    )
+                store.upsert(batch, now=now)
+                store.delete([key_of(rnd.randrange(args.rows)) for _ in range(500)])
+                done += 5500
+                t0 = time.perf_counter()
+                applied += keeper.drain_feed(now)
+                applied_s += time.perf_counter() - t0
+            _report({
+                "bench": "feed", "rows": args.rows, "changes": applied,
+                "apply_us_per_change": round(applied_s * 1e6 / applied, 3),
+            })
+        finally:
+            ready.close()
+            state.close()
+            ReadySet.unlink(name)
+            StateBuffer.unlink(name)
+            store.close()
+
+
+def _start_node(data_dir: Path, name: str, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "node", "run", "--data-dir", str(data_dir), "--name", name,
+         "--http", "127.0.0.1:0", "--workers", "1", *extra],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(data_dir / "node.log", "ab"),
+    )
+
+
+def _stop_node(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def bench_startup(args: argparse.Namespace) -> None:
+    from node.errors import NodeError
+    from shm.state import StateBuffer
+
+    now = time.time()
+    src = _seeded(args.rows, now)
+    for attempt in range(args.repeat):
+        with tempfile.TemporaryDirectory() as tmp:
+            data = Path(tmp)
+            _copy(src, data)
+            name = f"bench-{uuid.uuid4().hex[:8]}"
+            t_exec = time.time()
+            proc = _start_node(data, name)
+            state = None
+            first_publish = live_exact = None
+            deadline = time.monotonic() + 120
+            try:
+                while time.monotonic() < deadline:
+                    if state is None:
+                        try:
+                            state = StateBuffer.attach(name)
+                        except NodeError:
+                            time.sleep(0.001)  # polling the segment's appearance
+                            continue
+                    doc = state.read()
+                    if first_publish is None and doc["first_publish_at"]:
+                        first_publish = doc["first_publish_at"] - t_exec
+                    if doc["status"] == "live" and doc["exact"]:
+                        live_exact = time.time() - t_exec
+                        break
+                    state.wait_status_change(state.status_gen, 0.05)
+                if first_publish is None and state is not None:
+                    fp = state.read()["first_publish_at"]
+                    first_publish = fp - t_exec if fp else None
+            finally:
+                if state is not None:
+                    state.close()
+                _stop_node(proc)
+            _report({
+                "bench": "startup", "rows": args.rows, "attempt": attempt,
+                "first_publish_s": round(first_publish, 3) if first_publish else None,
+                "live_exact_s": round(live_exact, 3) if live_exact else None,
+            })
+
+
+def bench_lag(args: argparse.Namespace) -> None:
+    from keeper.ask import ask
+    from node.errors import NodeError
+    from shm.state import StateBuffer
+
+    now = time.time()
+    src = _seeded(args.rows, now)
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp)
+        db = _copy(src, data)
+        name = f"bench-{uuid.uuid4().hex[:8]}"
+        proc = _start_node(data, name)
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    info = json.loads((data / "node.json").read_text())
+                    state = StateBuffer.attach(name)
+                    break
+                except (FileNotFoundError, json.JSONDecodeError, NodeError):
+                    if time.monotonic() > deadline:
+                        raise SystemExit("node did not start") from None
+                    time.sleep(0.01)  # polling the node's appearance
+            while not (state.read()["status"] == "live" and state.read()["exact"]):
+                state.wait_status_change(state.status_gen, 0.1)
+            state.close()
+            url = f"http://{info['http']}/rows"
+            stop = threading.Event()
+            sent = {"node": 0, "outside": 0}
+
+            def outside_writer() -> None:
+                conn = sqlite3.connect(db, timeout=10)
+                rnd = random.Random(3)
+                while not stop.is_set():
+                    with conn:
+                        due = now + rnd.uniform(-3600, 3600)
+                        key = key_of(rnd.randrange(args.rows))
+                        conn.execute("UPDATE schedule SET due_at = ? WHERE key = ?", (due, key))
+                    sent["outside"] += 1
+                    stop.wait(0.01)
+                conn.close()
+
+            t = threading.Thread(target=outside_writer)
+            t.start()
+            rnd = random.Random(5)
+            per_request = 100
+            interval = per_request / args.rate
+            t_end = time.monotonic() + args.seconds
+            next_at = time.monotonic()
+            while time.monotonic() < t_end:
+                body = json.dumps([
+                    {"key": key_of(rnd.randrange(args.rows)), "route": rnd.choice(ROUTES),
+                     "due_at": now + rnd.uniform(-86400, 86400)}
+                    for _ in range(per_request)
+                ]).encode()
+                req = urllib.request.Request(url, data=body, method="POST",
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=30) as resp:
+                    resp.read()
+                sent["node"] += per_request
+                next_at += interval
+                delay = next_at - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)  # pacing the producer to the target rate
+            stop.set()
+            t.join()
+            elapsed = args.seconds
+            stats = None
+            for _ in range(50):
+                stats = ask(name, {"op": "stats"}, timeout_s=2)
+                if stats:
+                    break
+            _report({
+                "bench": "lag", "rows": args.rows, "target_rate": args.rate,
+                "achieved_rate": round(sent["node"] / elapsed), "outside_writes": sent["outside"],
+                "lag": stats["lag"] if stats else None,
+            })
+        finally:
+            _stop_node(proc)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["feed", "startup", "lag"])
+    parser.add_argument("--rows", type=int, default=250_000)
+    parser.add_argument("--changes", type=int, default=110_000)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--rate", type=int, default=15_000)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    args = parser.parse_args()
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    {"feed": bench_feed, "startup": bench_startup, "lag": bench_lag}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()

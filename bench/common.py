@@ -1,0 +1,58 @@
+"""Shared helpers for the bench scripts: seeding a schedule file quickly."""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+import time
+from pathlib import Path
+
+ROUTES = [f"route{i:02d}" for i in range(20)]
+CADENCES = [None, None, 900, 3600, 86400, 604800]
+
+
+def key_of(i: int) -> str:
+    """A key of about 55 characters, like a real item URL."""
+    return f"https://example.com/items/{i:010d}/some-slug-text-{i % 97:02d}"
+
+
+def seed(path: Path, rows: int, now: float, seed_value: int = 1) -> Path:
+    """A schedule file with ``rows`` rows (about 100 classes, due times over
+    30 days, a third of them due). Made once per size and reused."""
+    from node.store import open_store
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        conn = sqlite3.connect(path)
+        try:
+            if conn.execute("SELECT count(*) FROM schedule").fetchone()[0] == rows:
+                return path
+        finally:
+            conn.close()
+        for suffix in ("", "-wal", "-shm"):
+            Path(str(path) + suffix).unlink(missing_ok=True)
+    store = open_store(f"sqlite:///{path}")
+    from node.rows import RowWrite
+
+    rnd = random.Random(seed_value)
+    t0 = time.perf_counter()
+    batch = []
+    for i in range(rows):
+        batch.append(
+            RowWrite(
+                key=key_of(i),
+                route=rnd.choice(ROUTES),
+                cadence_s=rnd.choice(CADENCES),
+                sitemap=rnd.random() < 0.3,
+                due_at=now + rnd.uniform(-10 * 86400, 20 * 86400),
+            )
+        )
+        if len(batch) == 10_000:
+            store.upsert(batch, now=now)
+            batch = []
+    if batch:
+        store.upsert(batch, now=now)
+    store.trim_changes(store.last_seq())
+    store.close()
+    print(f"seeded {rows} rows in {time.perf_counter() - t0:.1f} s -> {path}", flush=True)
+    return path

@@ -1,0 +1,15 @@
+"""Only the C extension lives here; everything else is in pyproject.toml.
+
+``shm._atomic`` gives the lease table compare-and-swap on shared memory
+(shm/leases.py; why and the figures: docs/leases.md). It builds with any C
+compiler that has GCC's ``__atomic`` builtins (gcc, clang) and Python headers;
+``pip install -e .`` builds it in place.
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension("shm._atomic", sources=["shm/_atomic.c"], extra_compile_args=["-O2"]),
+    ],
+)

@@ -1,0 +1,43 @@
+# Type stub for the C extension shm/_atomic.c (see its comments).
+from typing import Any
+
+class View:
+    def __init__(self, buffer: Any) -> None: ...
+    def load64(self, off: int, /) -> int: ...
+    def store64(self, off: int, value: int, /) -> None: ...
+    def cas64(self, off: int, expected: int, desired: int, /) -> int: ...
+    def add64(self, off: int, delta: int, /) -> int: ...
+    def load32(self, off: int, /) -> int: ...
+    def max32(self, off: int, value: int, /) -> int: ...
+    def find_hash(
+        self,
+        states_off: int,
+        hashes_off: int,
+        count: int,
+        start: int,
+        n: int,
+        hash: int,
+        code_mask: int,
+        /,
+    ) -> list[int]: ...
+    def find_code(
+        self, states_off: int, count: int, start: int, n: int, code_mask: int, /
+    ) -> int: ...
+    def find_u64(self, off: int, count: int, start: int, value: int, /) -> int: ...
+    def scan_codes(
+        self, states_off: int, count: int, code_mask: int, /
+    ) -> list[tuple[int, int]]: ...
+    def scan_f64(
+        self,
+        states_off: int,
+        count: int,
+        code_mask: int,
+        base: int,
+        stride: int,
+        off0: int,
+        off1: int,
+        limit: float,
+        above: bool,
+        /,
+    ) -> list[tuple[int, int]]: ...
+    def release(self) -> None: ...

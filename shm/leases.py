@@ -1,0 +1,1301 @@
+"""The lease table: exclusive, time-limited grants of keys, in shared memory.
+
+``/queue-node.<name>.leases``. The supervisor creates it (reattaching what a
+crash left), loads the leases a clean shutdown saved, and at the next clean
+shutdown saves them and unlinks it. Every process of the node attaches and may
+write: claimers grant, HTTP workers complete, release and renew, the keeper
+sweeps expiries and reads the excluded keys for its publish.
+
+No locks. Every change to a slot is a compare-and-swap on the slot's state
+word (``shm._atomic``, a C extension; why: docs/leases.md): a process takes a
+slot by swapping its word to UPDATING (or CLAIMING, for a slot it is giving a
+new key) with its pid in it, writes, and publishes the next state with a
+second swap. A process that dies holding a slot leaves its pid there; anyone
+who meets the slot and finds that pid dead (or reused, see ``_owner_alive``)
+swaps it back. An update writes the *inactive* copy of the slot's record and
+flips to it when it publishes, so rolling back a dead updater is just
+restoring the old word: the old record is intact. A live holder is never
+robbed, however long it takes: were it robbed and then resumed, it would write
+over the next holder's record.
+
+Finding a key: open addressing, linear probing from ``hash % capacity`` (a
+64-bit blake2b of the key's UTF-8; Python's ``hash`` differs per process).
+Freed slots keep no tombstone chains: a probe for key K visits
+``maxdist[home] + 1`` slots, where ``maxdist[home]`` is the farthest any key
+with that home was ever placed. So a probe is short at any occupancy, and a
+new key may take any free slot in the whole table: a grant is refused only
+when every slot is taken.
+
+One key, one slot. Two processes may insert the same new key at once. Each
+writes its key into its CLAIMING slot, raises ``maxdist`` to cover it, makes
+the slot keyed (UPDATING, a full barrier), draws a ticket from the lease-id
+counter, and only then probes for another keyed slot with the same key. Of two
+such inserts at least one sees the other (Dekker); one that sees a settled
+slot, or an insert with a lower ticket, backs off. If only one of two sees the
+other, the unseen one drew the lower ticket, so exactly one insert proceeds.
+
+Layout (little-endian, every field naturally aligned)::
+
+    segment header
+    offset  size  field           format
+    0       24    common header (magic, layout, writer pid, owner pid, size;
+                  see shm/segment.py)
+    24      4     capacity        I    slots, a power of two
+    28      4     long_blocks     I    overflow blocks for keys over 208 bytes
+    32      4     max_misses      I    misses in a row before a key is parked
+    36      4     reserved
+    40      8     next_lease_id   Q    fetch-add (lease ids, insert tickets);
+                                       seeded with wall microseconds
+    48      8     refused_full    Q    grants refused because every slot was taken
+    56      8     grants          Q
+    64      8     reclaimed       Q    slots taken back from dead processes
+    72      8     backoffs        Q    concurrent inserts of one key resolved
+    80      8     released        Q    leases handed back without a result
+    88      8     expired         Q    leases the sweep found past their expiry
+    96      8     completed       Q    results that ended a live lease
+    104     8     late_expired    Q    results accepted for an expired lease
+                                       (it moves from expired to finished)
+    112     8     late_released   Q    results accepted for a released lease
+    120     8     reserved
+    128           states:  capacity x Q   state words (below)
+    ...           hashes:  capacity x Q   key hash, valid while the slot is keyed
+    ...           maxdist: capacity x I   per home slot, padded to 64
+    ...           owners:  long_blocks x Q  block owner: slot index + 1, 0 free
+    ...           slots:   capacity x 512 bytes (below), from a multiple of 64
+    ...           blocks:  long_blocks x 816 bytes: a long key's bytes 208..1023
+
+    state word (Q)
+    bits   0-3   code    0 EMPTY, 1 FREE, 2 CLAIMING, 3 UPDATING, 4 IDLE,
+                         5 LEASED, 6 HELD, 7 PARKED
+    bits   4-7   prev    UPDATING only: the code to restore on rollback
+    bit    8     copy    which record copy is current
+    bits   9-30  pid     CLAIMING/UPDATING: the holder (pids fit 22 bits)
+    bits  31-43  tag     the holder's start time in clock ticks, mod 8192
+    bits  44-63  seq     +1 at every change (a reader's consistency check)
+
+    slot (512 bytes)
+    +0      2     key_len         H    UTF-8 bytes, 1..1024
+    +2      2     reserved
+    +4      4     block           I    overflow block index + 1; 0 none
+    +8      8     ticket          Q    an insert's rank among racing inserts of
+                                       one key (lower wins); 0 until drawn
+    +16     208   key             208s the key's first 208 bytes
+    +224    144   record copy 0
+    +368    144   record copy 1
+
+    record (144 bytes)
+    +0      8     lease_id        Q
+    +8      8     granted_at      d    wall seconds
+    +16     8     expires_at      d
+    +24     8     held_until      d    0 when not held
+    +32     8     lease_s         d    the lease's length, for the hold
+    +40     8     cadence_s       d    the row's cadence: the hold's cap
+    +48     4     misses          I    in a row
+    +52     1     ended           B    how the last lease ended (Ended)
+    +53     1     consumer_len    B
+    +54     1     error_len       B
+    +55     1     reserved
+    +56     32    consumer        32s  UTF-8, truncated
+    +88     48    last_error      48s  UTF-8, truncated
+    +136    8     version         Q    the row's version when it was granted
+                                       (the write-back of its next due time is
+                                       conditional on it)
+
+States: EMPTY never used; FREE given back; CLAIMING a process is giving the
+slot a new key; UPDATING a process is changing it (``prev`` says what it was,
+and its current record still stands); IDLE keyed, nothing live, no misses (any
+new key may take the slot); LEASED; HELD missed, not leased, grantable once
+``held_until`` passes; PARKED. A key's bytes and hash change only while a
+process holds its slot CLAIMING.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import os
+import signal
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import msgpack
+
+from node.errors import NodeError
+from shm import segment
+from shm.segment import HEADER_SIZE, Segment, pid_alive, segment_name
+
+try:
+    from shm import _atomic
+except ImportError as _exc:  # reported when a table is opened, with what to do
+    _atomic = None  # type: ignore[assignment]
+    _ATOMIC_IMPORT_ERROR: ImportError | None = _exc
+else:
+    _ATOMIC_IMPORT_ERROR = None
+
+LAYOUT_VERSION = 2
+KIND = "leases"
+FILE_FORMAT = "queue-node.leases"
+FILE_VERSION = 2
+
+# Slots for live, held and parked keys. Completed keys free theirs, so this
+# bounds leases plus misses, not rows.
+DEFAULT_CAPACITY = 65_536
+MAX_CAPACITY = 1 << 22
+DEFAULT_MAX_MISSES = 10
+MAX_KEY_BYTES = 1024
+# Keys up to INLINE_KEY bytes live in the slot; longer ones continue in an
+# overflow block. URLs are rarely longer, so one block per 8 slots by default.
+INLINE_KEY = 208
+BLOCK_SIZE = MAX_KEY_BYTES - INLINE_KEY  # 816
+CONSUMER_BYTES = 32
+ERROR_BYTES = 48
+# How long complete/release/renew/unhold wait for a live process that holds
+# the key's slot mid-change (microseconds, normally) before answering BUSY.
+BUSY_WAIT_S = 0.5
+# Attempts of a grant that loses an insert race, before it answers BUSY.
+INSERT_RETRIES = 4
+# Torn reads of one slot in a row before a reader treats it as busy.
+READ_RETRIES = 100
+
+# -- layout -------------------------------------------------------------------
+
+TABLE_FIELDS = struct.Struct("<III")  # capacity, long_blocks, max_misses at 24
+TABLE_FIELDS_OFFSET = HEADER_SIZE
+NEXT_LEASE_ID = 40
+REFUSED_FULL = 48
+GRANTS = 56
+RECLAIMED = 64
+BACKOFFS = 72
+RELEASED = 80
+EXPIRED = 88
+COMPLETED = 96
+LATE_EXPIRED = 104
+LATE_RELEASED = 112
+# The lifetime counters of the ledger that live in this table, by name.
+COUNTERS = {
+    "grants": GRANTS,
+    "released": RELEASED,
+    "expired": EXPIRED,
+    "completed": COMPLETED,
+    "late_expired": LATE_EXPIRED,
+    "late_released": LATE_RELEASED,
+    "refused_full": REFUSED_FULL,
+}
+STATES = 128
+
+SLOT_SIZE = 512
+KEY_META = struct.Struct("<HHI")  # key_len, reserved, block
+TICKET_AT = 8
+KEY_AT = 16
+COPY_AT = (224, 368)
+RECORD = struct.Struct("<QdddddIBBBx32s48sQ")
+EXPIRES_AT = 16  # offsets inside a record, for the scans
+HELD_UNTIL = 24
+assert RECORD.size == 144 and KEY_AT + INLINE_KEY == COPY_AT[0]
+
+EMPTY, FREE, CLAIMING, UPDATING, IDLE, LEASED, HELD, PARKED = range(8)
+CODE_NAMES = ("empty", "free", "claiming", "updating", "idle", "leased", "held", "parked")
+
+
+def _mask(*codes: int) -> int:
+    return sum(1 << c for c in codes)
+
+
+KEYED = _mask(UPDATING, IDLE, LEASED, HELD, PARKED)
+REUSABLE = _mask(EMPTY, FREE, IDLE)
+BUSY_CODES = (CLAIMING, UPDATING)
+SEQ_SHIFT = 44
+SEQ_MASK = (1 << 20) - 1
+TAG_MASK = (1 << 13) - 1
+
+
+def _word(code: int, copy: int, seq: int, prev: int = 0, owner: int = 0) -> int:
+    """A state word; ``owner`` is the holder's pid and tag, already shifted."""
+    return code | prev << 4 | copy << 8 | owner | (seq & SEQ_MASK) << SEQ_SHIFT
+
+
+def _next(w: int, code: int, copy: int, prev: int = 0, owner: int = 0) -> int:
+    return _word(code, copy, (w >> SEQ_SHIFT) + 1, prev, owner)
+
+
+def _copy(w: int) -> int:
+    return (w >> 8) & 1
+
+
+class _Layout(NamedTuple):
+    capacity: int
+    long_blocks: int
+    hashes: int
+    maxdist: int
+    owners: int
+    slots: int
+    blocks: int
+    size: int
+
+
+def _layout(capacity: int, long_blocks: int) -> _Layout:
+    hashes = STATES + 8 * capacity
+    maxdist = hashes + 8 * capacity
+    owners = (maxdist + 4 * capacity + 63) // 64 * 64
+    slots = (owners + 8 * long_blocks + 63) // 64 * 64
+    blocks = slots + SLOT_SIZE * capacity
+    return _Layout(
+        capacity,
+        long_blocks,
+        hashes,
+        maxdist,
+        owners,
+        slots,
+        blocks,
+        blocks + BLOCK_SIZE * long_blocks,
+    )
+
+
+def segment_size_for(capacity: int, long_blocks: int | None = None) -> int:
+    return _layout(capacity, capacity // 8 if long_blocks is None else long_blocks).size
+
+
+# -- public types ---------------------------------------------------------------
+
+
+class AtomicsMissing(NodeError):
+    """The ``shm._atomic`` extension is not built."""
+
+
+class SlotTakenOver(NodeError):
+    """Another process took a slot this process held: it judged this process
+    dead. Cannot happen unless pids are shared across hosts or namespaces."""
+
+
+class Refuse(enum.Enum):
+    LEASED = "leased"  # a lease on the key is live (or expired, not yet swept)
+    HELD = "held"  # the key missed and its hold has not passed
+    PARKED = "parked"  # max_misses misses in a row: until unhold or a new write
+    FULL = "full"  # every slot is taken (counted in the header)
+    BUSY = "busy"  # another process is changing this key's slot right now
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """What ``grant`` answers instead of a Lease. Falsy, like None."""
+
+    reason: Refuse
+
+    def __bool__(self) -> bool:
+        return False
+
+
+class Lease(NamedTuple):
+    key: str
+    lease_id: int
+    consumer: str
+    granted_at: float
+    expires_at: float
+    misses: int  # misses in a row before this lease
+    version: int = 0  # the row's version when granted
+    cadence_s: float = 0.0  # the row's cadence when granted
+
+
+class Outcome(enum.Enum):
+    COMPLETED = "completed"  # complete: the lease was live (or expired, unswept)
+    LATE = "late"  # complete: it had expired or been released; not granted since
+    REPEAT = "repeat"  # complete: this lease already ended with a result
+    RELEASED = "released"  # release: a miss recorded
+    RENEWED = "renewed"  # renew: expires_at = now + lease_s
+    ENDED = "ended"  # release/renew: the lease is no longer live; nothing changed
+    SUPERSEDED = "superseded"  # the key was granted to a newer lease since
+    UNKNOWN = "unknown"  # the table has no such lease for this key
+    BUSY = "busy"  # a live process kept the slot longer than BUSY_WAIT_S
+
+
+class Ended(enum.IntEnum):
+    """How a key's last lease ended (``ended`` in the record)."""
+
+    LIVE = 0
+    RESULT = 1
+    RELEASED = 2
+    EXPIRED = 3
+
+
+class Expired(NamedTuple):
+    key: str
+    lease_id: int
+    consumer: str
+    expires_at: float
+    misses: int
+    held_until: float
+    parked: bool
+
+
+class Hold(NamedTuple):
+    key: str
+    lease_id: int
+    misses: int
+    held_until: float
+    parked: bool
+    last_error: str
+
+
+class _Record(NamedTuple):
+    lease_id: int
+    granted_at: float
+    expires_at: float
+    held_until: float
+    lease_s: float
+    cadence_s: float
+    misses: int
+    ended: int
+    consumer_len: int
+    error_len: int
+    consumer: bytes
+    error: bytes
+    version: int
+
+    @property
+    def consumer_str(self) -> str:
+        return self.consumer[: self.consumer_len].decode("utf-8", "replace")
+
+    @property
+    def error_str(self) -> str:
+        return self.error[: self.error_len].decode("utf-8", "replace")
+
+
+_BLANK = _Record(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0, 0, b"", b"", 0)
+
+
+def _truncated(text: str | None, limit: int) -> bytes:
+    raw = (text or "").encode()[:limit]
+    return raw.decode("utf-8", "ignore").encode()  # never half a character
+
+
+def _hash(key: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+
+
+def _key_bytes(key: str) -> bytes:
+    raw = key.encode()
+    if not 0 < len(raw) <= MAX_KEY_BYTES:
+        raise ValueError(f"a key is 1 to {MAX_KEY_BYTES} UTF-8 bytes, not {len(raw)}")
+    return raw
+
+
+def hold_s(misses: int, lease_s: float, cadence_s: float) -> float:
+    """After ``misses`` misses in a row: 2, 4, 8, ... lease lengths, capped at the cadence."""
+    return min(2.0 ** min(misses, 60) * lease_s, cadence_s)
+
+
+# -- who holds a slot ------------------------------------------------------------
+
+_TEST_STOP = os.environ.get("QUEUE_NODE_TEST_LEASE_STOP", "")  # "<point>:<stop|exit>"
+
+
+def _test_stop(point: str) -> None:
+    """Tests only: die, stop or pause between taking a slot and publishing it."""
+    where, _, how = _TEST_STOP.partition(":")
+    if where == point:
+        if how == "exit":
+            os._exit(17)
+        elif how == "pause":
+            time.sleep(0.0005)  # widens a race window
+        else:
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot); None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])  # field 22 of stat(5), counting from after the comm
+
+
+def _owner_alive(w: int) -> bool:
+    """Whether the process named in a CLAIMING/UPDATING word still runs.
+
+    The word carries the pid and 13 bits of the process's start time, so a pid
+    reused by a later process reads as dead, unless it started a multiple of
+    8192 ticks (82 s at 100 Hz) after the holder, to the tick.
+    """
+    pid = (w >> 9) & 0x3FFFFF
+    if not pid_alive(pid):
+        return False
+    ticks = _start_ticks(pid)
+    if ticks is None:
+        return os.path.exists(f"/proc/{pid}")  # unreadable: assume it runs
+    return ticks & TAG_MASK == (w >> 31) & TAG_MASK
+
+
+_me: tuple[int, int] = (0, 0)
+
+
+def _owner_bits() -> int:
+    """This process as a state word's pid and tag (recomputed after a fork)."""
+    global _me
+    pid = os.getpid()
+    if _me[0] != pid:
+        if pid >= 1 << 22:
+            raise NodeError(f"pid {pid} does not fit the lease table's 22 bits")
+        _me = (pid, pid << 9 | ((_start_ticks(pid) or 0) & TAG_MASK) << 31)
+    return _me[1]
+
+
+def _require_atomics() -> None:
+    if _atomic is None:
+        raise AtomicsMissing(
+            "the C extension shm._atomic is not built (it gives the lease table "
+            "compare-and-swap); run `pip install -e .` with gcc and the Python headers "
+            f"installed ({_ATOMIC_IMPORT_ERROR})"
+        )
+
+
+def _pause(deadline: float) -> None:
+    """One step of waiting for another process to finish with a slot: a
+    yield while the wait is young (holders take microseconds), then short
+    sleeps, so that waiting on a stopped holder does not burn a CPU."""
+    if deadline - time.monotonic() > BUSY_WAIT_S - 0.001:
+        os.sched_yield()
+    else:
+        time.sleep(0.0002)
+
+
+def _bump(view: Any, offset: int) -> None:
+    view.add64(offset, 1)
+
+
+# -- the table ---------------------------------------------------------------------
+
+
+class LeaseTable:
+    def __init__(self, seg: Segment) -> None:
+        self.segment = seg
+        self.mm = seg.mm
+        self._view = _atomic.View(seg.mm)
+        capacity, long_blocks, _ = TABLE_FIELDS.unpack_from(seg.mm, TABLE_FIELDS_OFFSET)
+        self._lay = _layout(capacity, long_blocks)
+        self.capacity = capacity
+        self._cap_mask = capacity - 1
+
+    # -- lifecycle (the supervisor creates, loads, saves and unlinks) -------------
+
+    @classmethod
+    def create(
+        cls,
+        node: str,
+        capacity: int = DEFAULT_CAPACITY,
+        long_blocks: int | None = None,
+        max_misses: int = DEFAULT_MAX_MISSES,
+        now: float | None = None,
+    ) -> LeaseTable:
+        """Supervisor: create the table, or reattach the one a crash left.
+
+        ``capacity`` is rounded up to a power of two. A table a crash left is
+        reattached whatever capacity is asked for now: its leases are evidence
+        (``.segment.reattached`` says so). ``max_misses`` always takes effect.
+        """
+        _require_atomics()
+        if not 1 <= capacity <= MAX_CAPACITY:
+            raise ValueError(f"lease table capacity {capacity} is not between 1 and {MAX_CAPACITY}")
+        if not 1 <= max_misses <= 1000:
+            raise ValueError(f"max_misses {max_misses} is not between 1 and 1000")
+        capacity = max(16, 1 << (capacity - 1).bit_length())
+        blocks = capacity // 8 if long_blocks is None else long_blocks
+        name = segment_name(node, KIND)
+        try:
+            with segment.attach(name, LAYOUT_VERSION) as old:
+                capacity, blocks, _ = TABLE_FIELDS.unpack_from(old.mm, TABLE_FIELDS_OFFSET)
+        except NodeError:
+            pass
+        seed = int((time.time() if now is None else now) * 1e6)
+
+        def init(mm) -> None:
+            TABLE_FIELDS.pack_into(mm, TABLE_FIELDS_OFFSET, capacity, blocks, max_misses)
+            struct.pack_into("<Q", mm, NEXT_LEASE_ID, seed)
+
+        seg = segment.create_or_reattach(
+            name, segment_size_for(capacity, blocks), LAYOUT_VERSION, init=init
+        )
+        struct.pack_into("<I", seg.mm, TABLE_FIELDS_OFFSET + 8, max_misses)
+        return cls(seg)
+
+    @classmethod
+    def attach(cls, node: str) -> LeaseTable:
+        _require_atomics()
+        return cls(segment.attach(segment_name(node, KIND), LAYOUT_VERSION))
+
+    @staticmethod
+    def unlink(node: str) -> bool:
+        """Supervisor only, after ``save``."""
+        return segment.unlink(segment_name(node, KIND))
+
+    def close(self) -> None:
+        self._view.release()
+        self.segment.close()
+
+    def __enter__(self) -> LeaseTable:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<LeaseTable {self.segment.name} {self.capacity} slots>"
+
+    @property
+    def max_misses(self) -> int:
+        return TABLE_FIELDS.unpack_from(self.mm, TABLE_FIELDS_OFFSET)[2]
+
+    # -- slots --------------------------------------------------------------------
+
+    def _state(self, idx: int) -> int:
+        return self._view.load64(STATES + 8 * idx)
+
+    def _cas(self, idx: int, old: int, new: int) -> bool:
+        return self._view.cas64(STATES + 8 * idx, old, new) == old
+
+    def _slot(self, idx: int) -> int:
+        return self._lay.slots + SLOT_SIZE * idx
+
+    def _read_key(self, idx: int) -> bytes | None:
+        """The slot's key bytes as they are now (torn unless the caller checks)."""
+        at = self._slot(idx)
+        key_len, _, block = KEY_META.unpack_from(self.mm, at)
+        if not 0 < key_len <= MAX_KEY_BYTES:
+            return None
+        key = self.mm[at + KEY_AT : at + KEY_AT + min(key_len, INLINE_KEY)]
+        if key_len > INLINE_KEY:
+            if not 0 < block <= self._lay.long_blocks:
+                return None
+            start = self._lay.blocks + BLOCK_SIZE * (block - 1)
+            key += self.mm[start : start + key_len - INLINE_KEY]
+        return key
+
+    def _read_record(self, idx: int, copy: int) -> _Record:
+        return _Record._make(RECORD.unpack_from(self.mm, self._slot(idx) + COPY_AT[copy]))
+
+    def _write_record(self, idx: int, copy: int, rec: _Record) -> None:
+        RECORD.pack_into(self.mm, self._slot(idx) + COPY_AT[copy], *rec)
+
+    def _stable(self, idx: int) -> tuple[int, bytes, _Record] | None:
+        """(word, key, current record) of a keyed slot, read consistently;
+        None when it is not keyed, or kept changing under the reader."""
+        for _ in range(READ_RETRIES):
+            w = self._state(idx)
+            if not (KEYED >> (w & 15)) & 1:
+                return None
+            key = self._read_key(idx)
+            rec = self._read_record(idx, _copy(w))
+            if self._state(idx) == w and key is not None:
+                return w, key, rec
+        return None
+
+    def _lookup(self, key: bytes, h64: int) -> tuple[int, int, _Record] | None:
+        """The slot keyed to ``key``: (index, word, record), or None.
+
+        A slot a dead process left UPDATING is rolled back on the way.
+        """
+        home = h64 & self._cap_mask
+        while True:
+            span = self._view.load32(self._lay.maxdist + 4 * home) + 1
+            for idx in self._view.find_hash(
+                STATES, self._lay.hashes, self.capacity, home, span, h64, KEYED
+            ):
+                got = self._stable(idx)
+                if got is None or got[1] != key:
+                    continue
+                w, _, rec = got
+                if w & 15 == UPDATING and not _owner_alive(w):
+                    self._reclaim(idx, w)
+                    break  # look again
+                return idx, w, rec
+            else:
+                return None
+
+    def _take(self, idx: int, w: int, point: str = "update") -> int | None:
+        """Hold a keyed slot (UPDATING, this process); the held word, or None."""
+        own = _next(w, UPDATING, _copy(w), prev=w & 15, owner=_owner_bits())
+        if not self._cas(idx, w, own):
+            return None
+        if _TEST_STOP:
+            _test_stop(point)
+        return own
+
+    def _publish(self, idx: int, own: int, code: int, copy: int) -> None:
+        if not self._cas(idx, own, _next(own, code, copy)):
+            raise SlotTakenOver(f"{self.segment.name}: slot {idx} was taken while held")
+
+    def _rollback(self, idx: int, own: int) -> None:
+        """Give back a held slot unchanged (an insert's slot becomes FREE)."""
+        prev = (own >> 4) & 15
+        if own & 15 == CLAIMING or prev == FREE:
+            self._free_blocks_of(idx)
+            prev = FREE
+        self._publish(idx, own, prev, _copy(own))
+
+    def _reclaim(self, idx: int, w: int) -> None:
+        """Undo what a dead process left half done: the old record is intact."""
+        back = FREE if w & 15 == CLAIMING else (w >> 4) & 15
+        if self._cas(idx, w, _next(w, back, _copy(w))):
+            _bump(self._view, RECLAIMED)
+
+    def _update(self, idx: int, own: int, rec: _Record, code: int) -> None:
+        """Write the inactive copy and publish it with ``code``."""
+        copy = 1 - _copy(own)
+        self._write_record(idx, copy, rec)
+        if _TEST_STOP:
+            _test_stop("written")
+        self._publish(idx, own, code, copy)
+
+    def _hold_key(self, key: bytes, h64: int) -> tuple[int, int, _Record] | Outcome:
+        """Hold the key's slot, waiting out a live holder up to BUSY_WAIT_S:
+        (index, held word, current record), or UNKNOWN / BUSY."""
+        deadline = time.monotonic() + BUSY_WAIT_S
+        while True:
+            found = self._lookup(key, h64)
+            if found is None:
+                return Outcome.UNKNOWN
+            idx, w, rec = found
+            if w & 15 != UPDATING:
+                own = self._take(idx, w)
+                if own is not None:
+                    return idx, own, rec
+            if time.monotonic() > deadline:
+                return Outcome.BUSY
+            _pause(deadline)
+
+    # -- long keys ------------------------------------------------------------------
+
+    def _alloc_block(self, idx: int) -> int:
+        """Index + 1 of an overflow block now owned by slot ``idx``; 0 if none is free."""
+        n = self._lay.long_blocks
+        start = idx % n if n else 0
+        for _ in range(n):
+            j = self._view.find_u64(self._lay.owners, n, start, 0)
+            if j < 0:
+                return 0
+            if self._view.cas64(self._lay.owners + 8 * j, 0, idx + 1) == 0:
+                return j + 1
+            start = j + 1
+        return 0
+
+    def _free_blocks_of(self, idx: int) -> None:
+        """Free every block slot ``idx`` owns (the caller holds the slot)."""
+        n = self._lay.long_blocks
+        while (j := self._view.find_u64(self._lay.owners, n, 0, idx + 1)) >= 0:
+            self._view.cas64(self._lay.owners + 8 * j, idx + 1, 0)
+
+    # -- grant ----------------------------------------------------------------------
+
+    def grant(
+        self,
+        key: str,
+        consumer: str,
+        lease_s: float,
+        now: float,
+        cadence_s: float,
+        version: int = 0,
+    ) -> Lease | Refused:
+        """Lease ``key`` to ``consumer`` until ``now + lease_s``, or say why not.
+
+        ``cadence_s`` (the row's) caps the hold after a miss; ``version`` (the
+        row's, as the claimer read it) is kept for the write-back of the next
+        due time. An expired lease not yet swept by ``expire`` still refuses
+        (LEASED).
+        """
+        if not (lease_s > 0 and cadence_s > 0):
+            raise ValueError(f"lease_s {lease_s} and cadence_s {cadence_s} must be positive")
+        kb = _key_bytes(key)
+        h64 = _hash(kb)
+        holder = _truncated(consumer, CONSUMER_BYTES)
+        for _ in range(INSERT_RETRIES):
+            found = self._lookup(kb, h64)
+            if found is not None:
+                got = self._grant_existing(found, now)
+                if isinstance(got, Refused):
+                    return got
+                if got is None:
+                    continue  # the slot changed under us: look again
+                idx, own, rec = got
+                lease_id = self._next_id()
+                rec = rec._replace(
+                    lease_id=lease_id,
+                    granted_at=now,
+                    expires_at=now + lease_s,
+                    lease_s=lease_s,
+                    cadence_s=cadence_s,
+                    ended=Ended.LIVE,
+                    consumer_len=len(holder),
+                    consumer=holder,
+                    version=version,
+                )
+                try:
+                    self._update(idx, own, rec, LEASED)
+                except BaseException:
+                    self._rollback(idx, own)
+                    raise
+                _bump(self._view, GRANTS)
+                return Lease(
+                    key, lease_id, consumer, now, now + lease_s, rec.misses, version, cadence_s
+                )
+            rec = _BLANK._replace(
+                granted_at=now,
+                expires_at=now + lease_s,
+                lease_s=lease_s,
+                cadence_s=cadence_s,
+                consumer_len=len(holder),
+                consumer=holder,
+                version=version,
+            )
+            placed = self._insert(kb, h64, rec, LEASED, fresh_id=True)
+            if isinstance(placed, Refused):
+                return placed
+            if placed:
+                _bump(self._view, GRANTS)
+                return Lease(key, placed, consumer, now, now + lease_s, 0, version, cadence_s)
+        return Refused(Refuse.BUSY)
+
+    def _next_id(self) -> int:
+        return self._view.add64(NEXT_LEASE_ID, 1) + 1
+
+    def _grant_existing(
+        self, found: tuple[int, int, _Record], now: float
+    ) -> Refused | tuple[int, int, _Record] | None:
+        idx, w, rec = found
+        code = w & 15
+        if code == UPDATING:
+            return Refused(Refuse.BUSY)
+        if code == LEASED:
+            return Refused(Refuse.LEASED)
+        if code == PARKED:
+            return Refused(Refuse.PARKED)
+        if code == HELD and rec.held_until > now:
+            return Refused(Refuse.HELD)
+        # IDLE, or a hold that has passed. ``rec`` was read under ``w``, and
+        # the swap succeeds only if ``w`` is still there: it is still true.
+        own = self._take(idx, w)
+        return None if own is None else (idx, own, rec)
+
+    def _insert(
+        self, key: bytes, h64: int, rec: _Record, code: int, fresh_id: bool = False
+    ) -> int | Refused:
+        """Give ``key`` a slot with ``rec`` published as ``code``.
+
+        The insert's ticket when placed (with ``fresh_id``, also the record's
+        lease id); 0 when another process was placing the same key first (look
+        it up again); Refused(FULL) when no slot (or overflow block) is free.
+        """
+        home = h64 & self._cap_mask
+        got = self._claim_free(home)
+        if got is None:
+            _bump(self._view, REFUSED_FULL)
+            return Refused(Refuse.FULL)
+        idx, w, own = got
+        copy = 1 - _copy(own)
+        try:
+            if not self._write_key(idx, w, key, h64):
+                self._rollback(idx, own)
+                _bump(self._view, REFUSED_FULL)
+                return Refused(Refuse.FULL)
+            self._write_record(idx, copy, rec)
+            self._view.max32(self._lay.maxdist + 4 * home, (idx - home) & self._cap_mask)
+            # Keyed from here on (a full barrier); then the ticket; then the probe.
+            keyed = _next(own, UPDATING, _copy(own), prev=FREE, owner=_owner_bits())
+            if not self._cas(idx, own, keyed):
+                raise SlotTakenOver(f"{self.segment.name}: slot {idx} was taken while held")
+            own = keyed
+            ticket = self._next_id()
+            if fresh_id:
+                self._write_record(idx, copy, rec._replace(lease_id=ticket))
+            self._view.store64(self._slot(idx) + TICKET_AT, ticket)
+            if _TEST_STOP:
+                _test_stop("keyed")
+            if self._placed_before(key, h64, home, idx, ticket):
+                _bump(self._view, BACKOFFS)
+                self._rollback(idx, own)
+                return 0
+            self._publish(idx, own, code, copy)
+        except BaseException:
+            self._rollback(idx, own)
+            raise
+        return ticket
+
+    def _claim_free(self, home: int) -> tuple[int, int, int] | None:
+        """Hold (CLAIMING) the first free slot from ``home``, searching the
+        whole table: (index, its word before, held word), or None when full."""
+        start, left = home, self.capacity
+        second_pass = False
+        while True:
+            idx = -1
+            if left > 0:
+                idx = self._view.find_code(STATES, self.capacity, start, left, REUSABLE)
+            if idx < 0:
+                # Before refusing: take back what dead processes hold, and look
+                # once more (a slot freed behind the cursor counts too).
+                if second_pass:
+                    return None
+                self._reclaim_dead()
+                second_pass, start, left = True, home, self.capacity
+                continue
+            w = self._state(idx)
+            if (REUSABLE >> (w & 15)) & 1:
+                own = _next(w, CLAIMING, _copy(w), owner=_owner_bits())
+                if self._cas(idx, w, own):
+                    if _TEST_STOP:
+                        _test_stop("insert")
+                    return idx, w, own
+            passed = (idx - start) % self.capacity + 1
+            start, left = (idx + 1) & self._cap_mask, left - passed
+
+    def _write_key(self, idx: int, w: int, key: bytes, h64: int) -> bool:
+        """Write the key into a held slot, freeing what its last key used."""
+        at = self._slot(idx)
+        if w & 15 == IDLE:
+            block = KEY_META.unpack_from(self.mm, at)[2]
+            if block:
+                self._view.cas64(self._lay.owners + 8 * (block - 1), idx + 1, 0)
+        elif w & 15 == FREE:
+            self._free_blocks_of(idx)  # a dead or backed-off insert may have left one
+        block = 0
+        if len(key) > INLINE_KEY:
+            block = self._alloc_block(idx)
+            if not block:
+                return False
+            start = self._lay.blocks + BLOCK_SIZE * (block - 1)
+            self.mm[start : start + len(key) - INLINE_KEY] = key[INLINE_KEY:]
+        self._view.store64(self._lay.hashes + 8 * idx, h64)
+        self._view.store64(at + TICKET_AT, 0)  # not drawn yet
+        KEY_META.pack_into(self.mm, at, len(key), 0, block)
+        head = key[:INLINE_KEY]
+        self.mm[at + KEY_AT : at + KEY_AT + len(head)] = head
+        return True
+
+    def _placed_before(self, key: bytes, h64: int, home: int, mine: int, ticket: int) -> bool:
+        """Whether another slot holds ``key`` ahead of this insert (so it backs off)."""
+        span = self._view.load32(self._lay.maxdist + 4 * home) + 1
+        for idx in self._view.find_hash(
+            STATES, self._lay.hashes, self.capacity, home, span, h64, KEYED
+        ):
+            if idx != mine and self._ahead(idx, key, ticket):
+                return True
+        return False
+
+    def _ahead(self, idx: int, key: bytes, ticket: int) -> bool:
+        """Whether slot ``idx`` holds ``key`` settled, or in an insert with a
+        lower ticket. Waits (up to BUSY_WAIT_S) for a racing insert to draw its
+        ticket; a slot that will not hold still counts as ahead."""
+        deadline = time.monotonic() + BUSY_WAIT_S
+        while True:
+            w = self._state(idx)
+            if not (KEYED >> (w & 15)) & 1:
+                return False
+            same = self._read_key(idx) == key
+            theirs = self._view.load64(self._slot(idx) + TICKET_AT)
+            if self._state(idx) == w:
+                if not same:
+                    return False
+                if w & 15 != UPDATING or (w >> 4) & 15 != FREE:
+                    return True  # settled: the key is placed
+                if theirs:
+                    return theirs < ticket
+                if not _owner_alive(w):
+                    self._reclaim(idx, w)
+                    return False
+            if time.monotonic() > deadline:
+                return True
+            _pause(deadline)
+
+    def _reclaim_dead(self) -> bool:
+        """Roll back every slot a dead process holds; whether any was."""
+        found = False
+        for idx, w in self._view.scan_codes(STATES, self.capacity, _mask(*BUSY_CODES)):
+            if not _owner_alive(w):
+                self._reclaim(idx, w)
+                found = True
+        return found
+
+    # -- ending leases --------------------------------------------------------------
+
+    def complete(self, key: str, lease_id: int, now: float) -> Outcome:
+        """A result for ``lease_id``: ends it and clears the key's misses,
+        hold and parking. See Outcome for the answers."""
+        kb = _key_bytes(key)
+        held = self._hold_key(kb, _hash(kb))
+        if isinstance(held, Outcome):
+            return held
+        idx, own, rec = held
+        code = (own >> 4) & 15
+        if rec.lease_id != lease_id:
+            self._rollback(idx, own)
+            return Outcome.SUPERSEDED if lease_id < rec.lease_id else Outcome.UNKNOWN
+        if code == IDLE and rec.ended == Ended.RESULT:
+            self._rollback(idx, own)
+            return Outcome.REPEAT
+        outcome = Outcome.COMPLETED if code == LEASED else Outcome.LATE
+        self._update(idx, own, rec._replace(misses=0, held_until=0.0, ended=Ended.RESULT), IDLE)
+        if outcome is Outcome.COMPLETED:
+            _bump(self._view, COMPLETED)
+        elif rec.ended == Ended.RELEASED:
+            _bump(self._view, LATE_RELEASED)
+        else:
+            _bump(self._view, LATE_EXPIRED)
+        return outcome
+
+    def peek(self, key: str, lease_id: int) -> tuple[Outcome, Lease | None]:
+        """What ``complete`` would answer now, changing nothing, with the
+        lease's record (its version and cadence) when it would be accepted.
+
+        The ledger asks before it makes a result durable, so that a result
+        for a key granted to someone else since is refused before it is
+        written; ``complete`` after the write settles it for good."""
+        kb = _key_bytes(key)
+        found = self._lookup(kb, _hash(kb))
+        if found is None:
+            return Outcome.UNKNOWN, None
+        _, w, rec = found
+        code = (w >> 4) & 15 if w & 15 == UPDATING else w & 15
+        if rec.lease_id != lease_id:
+            return (Outcome.SUPERSEDED if lease_id < rec.lease_id else Outcome.UNKNOWN), None
+        if code == IDLE and rec.ended == Ended.RESULT:
+            return Outcome.REPEAT, None
+        lease = Lease(
+            key,
+            rec.lease_id,
+            rec.consumer_str,
+            rec.granted_at,
+            rec.expires_at,
+            rec.misses,
+            rec.version,
+            rec.cadence_s,
+        )
+        return (Outcome.COMPLETED if code == LEASED else Outcome.LATE), lease
+
+    def release(self, key: str, lease_id: int, now: float, error: str | None = None) -> Outcome:
+        """The holder hands the lease back without a result: a miss.
+
+        misses + 1; held until ``now + hold_s(misses, ...)``; parked at max_misses.
+        """
+        kb = _key_bytes(key)
+        held = self._hold_key(kb, _hash(kb))
+        if isinstance(held, Outcome):
+            return held
+        idx, own, rec = held
+        if rec.lease_id != lease_id or (own >> 4) & 15 != LEASED:
+            self._rollback(idx, own)
+            if rec.lease_id == lease_id:
+                return Outcome.ENDED
+            return Outcome.SUPERSEDED if lease_id < rec.lease_id else Outcome.UNKNOWN
+        rec, code = self._missed(rec, now, Ended.RELEASED)
+        message = _truncated(error, ERROR_BYTES)
+        self._update(idx, own, rec._replace(error_len=len(message), error=message), code)
+        _bump(self._view, RELEASED)
+        return Outcome.RELEASED
+
+    def _missed(self, rec: _Record, now: float, how: Ended) -> tuple[_Record, int]:
+        misses = rec.misses + 1
+        held_until = now + hold_s(misses, rec.lease_s, rec.cadence_s)
+        code = PARKED if misses >= self.max_misses else HELD
+        return rec._replace(misses=misses, held_until=held_until, ended=how), code
+
+    def renew(self, key: str, lease_id: int, lease_s: float, now: float) -> Outcome:
+        """Extend a live lease to ``now + lease_s``. A lease past its expiry is
+        over (ENDED) even before the sweep has seen it."""
+        if not lease_s > 0:
+            raise ValueError(f"lease_s {lease_s} must be positive")
+        kb = _key_bytes(key)
+        held = self._hold_key(kb, _hash(kb))
+        if isinstance(held, Outcome):
+            return held
+        idx, own, rec = held
+        if rec.lease_id != lease_id or (own >> 4) & 15 != LEASED or rec.expires_at <= now:
+            self._rollback(idx, own)
+            if rec.lease_id == lease_id:
+                return Outcome.ENDED
+            return Outcome.SUPERSEDED if lease_id < rec.lease_id else Outcome.UNKNOWN
+        self._update(idx, own, rec._replace(expires_at=now + lease_s, lease_s=lease_s), LEASED)
+        return Outcome.RENEWED
+
+    def expire(self, now: float) -> list[Expired]:
+        """Sweep: every lease past its expiry becomes a miss (held or parked).
+
+        Each expiry is returned by exactly one sweep, whoever runs it: the
+        state swap decides. Also rolls back slots that dead processes hold.
+        """
+        for idx, w in self._view.scan_codes(STATES, self.capacity, _mask(*BUSY_CODES)):
+            if not _owner_alive(w):
+                self._reclaim(idx, w)
+        out: list[Expired] = []
+        for idx, w in self._scan_field(_mask(LEASED), EXPIRES_AT, now, above=False):
+            rec = self._read_record(idx, _copy(w))
+            if rec.expires_at > now:
+                continue  # changed since the scan
+            key = self._read_key(idx)
+            own = self._take(idx, w)
+            if own is None or key is None:  # changed since the scan: next sweep
+                if own is not None:
+                    self._rollback(idx, own)
+                continue
+            rec, code = self._missed(rec, now, Ended.EXPIRED)
+            self._update(idx, own, rec, code)
+            _bump(self._view, EXPIRED)
+            out.append(
+                Expired(
+                    key.decode(),
+                    rec.lease_id,
+                    rec.consumer_str,
+                    rec.expires_at,
+                    rec.misses,
+                    rec.held_until,
+                    code == PARKED,
+                )
+            )
+        return out
+
+    # -- clearing misses ------------------------------------------------------------
+
+    def unhold(self, keys) -> int:
+        """An operator clears the hold and parking of ``keys``; how many changed."""
+        return sum(self._clear(_key_bytes(key)) for key in keys)
+
+    def clear_on_write(self, key: str) -> bool:
+        """A new write of the row clears its misses, hold and parking."""
+        return self._clear(_key_bytes(key))
+
+    def _clear(self, kb: bytes) -> bool:
+        h64 = _hash(kb)
+        if self._lookup(kb, h64) is None:  # the common case: nothing to clear
+            return False
+        held = self._hold_key(kb, h64)
+        if isinstance(held, Outcome):
+            return False
+        idx, own, rec = held
+        code = (own >> 4) & 15
+        if rec.misses == 0 and code not in (HELD, PARKED):
+            self._rollback(idx, own)
+            return False
+        self._update(
+            idx, own, rec._replace(misses=0, held_until=0.0), LEASED if code == LEASED else IDLE
+        )
+        return True
+
+    # -- readers --------------------------------------------------------------------
+
+    def is_excluded(self, key: str, now: float) -> bool:
+        """Whether the keeper should leave ``key`` out of the ready set."""
+        kb = _key_bytes(key)
+        found = self._lookup(kb, _hash(kb))
+        if found is None:
+            return False
+        _, w, rec = found
+        return _excluded(w, rec, now)
+
+    def excluded_keys(self, now: float) -> set[str]:
+        """Every key that is leased, held (until after ``now``), parked or mid-change."""
+        out = set()
+        candidates = self._view.scan_codes(STATES, self.capacity, _mask(UPDATING, LEASED, PARKED))
+        candidates += self._scan_field(_mask(HELD), HELD_UNTIL, now, above=True)
+        for idx, w in candidates:
+            key = self._read_key(idx)
+            if key is None or self._state(idx) != w:  # changed since the scan
+                got = self._stable(idx)
+                if got is None or not _excluded(got[0], got[2], now):
+                    continue
+                key = got[1]
+            out.add(key.decode())
+        return out
+
+    def _scan_field(self, codes: int, field: int, limit: float, above: bool) -> list:
+        """(index, word) of the slots in ``codes`` whose current record's f64
+        at ``field`` is above (or at most) ``limit``; one pass in C."""
+        return self._view.scan_f64(
+            STATES,
+            self.capacity,
+            codes,
+            self._lay.slots,
+            SLOT_SIZE,
+            COPY_AT[0] + field,
+            COPY_AT[1] + field,
+            limit,
+            above,
+        )
+
+    def live(self, limit: int = 1000) -> list[Lease]:
+        """Live leases (expired ones not yet swept included), oldest grant first."""
+        out = []
+        for _code, key, rec in self._scan(_mask(LEASED)):
+            out.append(
+                Lease(
+                    key.decode(),
+                    rec.lease_id,
+                    rec.consumer_str,
+                    rec.granted_at,
+                    rec.expires_at,
+                    rec.misses,
+                )
+            )
+        out.sort(key=lambda lease: lease.granted_at)
+        return out[:limit]
+
+    def held(self, limit: int = 1000) -> list[Hold]:
+        """Keys with misses that are not leased: held (even if the hold has
+        passed) and parked, parked first, then by held_until."""
+        out = []
+        for code, key, rec in self._scan(_mask(HELD, PARKED)):
+            out.append(
+                Hold(
+                    key.decode(),
+                    rec.lease_id,
+                    rec.misses,
+                    rec.held_until,
+                    code == PARKED,
+                    rec.error_str,
+                )
+            )
+        out.sort(key=lambda hold: (not hold.parked, hold.held_until))
+        return out[:limit]
+
+    def _scan(self, codes: int):
+        """(code, key, record) of the slots whose code is in ``codes``. A slot
+        held mid-change counts as what it was: its record is still current."""
+        for idx, _ in self._view.scan_codes(STATES, self.capacity, codes | _mask(UPDATING)):
+            got = self._stable(idx)
+            if got is None:
+                continue
+            w, key, rec = got
+            code = (w >> 4) & 15 if w & 15 == UPDATING else w & 15
+            if (codes >> code) & 1:
+                yield code, key, rec
+
+    def stats(self) -> dict[str, Any]:
+        counts = dict.fromkeys(CODE_NAMES, 0)
+        with memoryview(self.mm)[STATES : STATES + 8 * self.capacity] as raw:
+            with raw.cast("Q") as words:
+                for w in words.tolist():
+                    counts[CODE_NAMES[w & 15]] += 1
+            with memoryview(self.mm)[self._lay.maxdist : self._lay.owners] as md:
+                with md.cast("I") as dists:
+                    max_probe = max(dists.tolist()) + 1
+            with memoryview(self.mm)[self._lay.owners : self._lay.slots] as ow:
+                with ow.cast("Q") as owners:
+                    blocks_used = sum(1 for o in owners.tolist()[: self._lay.long_blocks] if o)
+        header = struct.unpack_from("<QQQQQ", self.mm, NEXT_LEASE_ID)
+        return {
+            "capacity": self.capacity,
+            "slots": counts,
+            "long_blocks": self._lay.long_blocks,
+            "long_blocks_used": blocks_used,
+            "max_probe": max_probe,
+            "max_misses": self.max_misses,
+            "next_lease_id": header[0] + 1,
+            "refused_full": header[1],
+            "grants": header[2],
+            "reclaimed": header[3],
+            "backoffs": header[4],
+            **self.counters(),
+        }
+
+    def counters(self) -> dict[str, int]:
+        """The lifetime counters this table keeps (see COUNTERS)."""
+        return {name: self._view.load64(offset) for name, offset in COUNTERS.items()}
+
+    def live_count(self) -> int:
+        """Leases live now (expired ones not yet swept included): in flight."""
+        return len(self._view.scan_codes(STATES, self.capacity, _mask(LEASED)))
+
+    # -- a clean shutdown and the next start -----------------------------------------
+
+    def save(self, path: str | os.PathLike[str], now: float) -> int:
+        """Write the leased, held and parked keys to ``path`` (msgpack),
+        atomically; how many. The supervisor calls it after the workers stop."""
+        entries = [
+            [key, code, *rec[:8], rec.consumer_str, rec.error_str, rec.version]
+            for code, key, rec in self._scan(_mask(LEASED, HELD, PARKED))
+        ]
+        doc = {
+            "format": FILE_FORMAT,
+            "version": FILE_VERSION,
+            "saved_at": now,
+            "next_lease_id": self._view.load64(NEXT_LEASE_ID),
+            "counters": self.counters(),
+            "entries": entries,
+        }
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(msgpack.packb(doc, use_bin_type=True))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        return len(entries)
+
+    def load(self, path: str | os.PathLike[str]) -> int:
+        """Put back what ``save`` wrote; how many entries were placed.
+
+        A key the table already has keeps what the table says (shared memory
+        is the newer evidence). Lease ids continue after the saved ones. A
+        file that is not a lease file of this version is a NodeError naming it.
+        """
+        saved_next, counters, entries = _read_lease_file(Path(path))
+        # Lifetime counters continue from the saved ones, unless this table
+        # already counts (it was reattached: shared memory is newer evidence).
+        if not any(self.counters().values()):
+            for name, value in counters.items():
+                if name in COUNTERS:
+                    self._view.store64(COUNTERS[name], int(value))
+        current = self._view.load64(NEXT_LEASE_ID)
+        while current < saved_next:
+            seen = self._view.cas64(NEXT_LEASE_ID, current, saved_next)
+            current = saved_next if seen == current else seen
+        placed = 0
+        for key, code, rec in entries:
+            h64 = _hash(key)
+            for _ in range(INSERT_RETRIES):
+                if self._lookup(key, h64) is not None:
+                    break
+                done = self._insert(key, h64, rec, code)
+                if isinstance(done, Refused):
+                    break
+                if done:
+                    placed += 1
+                    break
+        return placed
+
+
+def _read_lease_file(path: Path) -> tuple[int, dict, list[tuple[bytes, int, _Record]]]:
+    try:
+        doc = msgpack.unpackb(path.read_bytes(), raw=False)
+        if doc.get("format") != FILE_FORMAT or doc.get("version") != FILE_VERSION:
+            raise ValueError(
+                f"format {doc.get('format')!r} version {doc.get('version')!r}, "
+                f"expected {FILE_FORMAT!r} version {FILE_VERSION}"
+            )
+        entries = []
+        for key, code, *fields, consumer, error, version in doc["entries"]:
+            if code not in (LEASED, HELD, PARKED) or len(fields) != 8:
+                raise ValueError(f"entry for {key!r}: state {code}, {len(fields)} fields")
+            _key_bytes(key.decode())
+            holder = _truncated(consumer, CONSUMER_BYTES)
+            message = _truncated(error, ERROR_BYTES)
+            rec = _Record._make([*fields, len(holder), len(message), holder, message, version])
+            entries.append((bytes(key), code, rec))
+        return int(doc["next_lease_id"]), dict(doc.get("counters") or {}), entries
+    except (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException) as exc:
+        raise NodeError(f"{path} is not a lease file this node can load: {exc}") from exc
+
+
+def _excluded(w: int, rec: _Record, now: float) -> bool:
+    code = w & 15
+    if code == HELD:
+        return rec.held_until > now
+    return code != IDLE

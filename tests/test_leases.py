@@ -1,0 +1,719 @@
+"""The lease table between real processes: exclusivity, dying holders, holds,
+parking, a full table, saving and reattaching.
+
+Children are real processes (multiprocessing's 'spawn' context, or a separate
+interpreter through subprocess when a child needs the test hook's environment).
+Nothing sleeps to synchronise: a test waits for a child's state, or polls a
+condition up to a deadline. Table time is passed in (``now``); only the
+contention test runs on the wall clock, because its leases really expire.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from node.errors import NodeError
+from shm import leases, segment
+from shm.leases import (
+    AtomicsMissing,
+    Lease,
+    LeaseTable,
+    Outcome,
+    Refuse,
+    Refused,
+    hold_s,
+)
+from shm.segment import segment_name
+
+SPAWN = multiprocessing.get_context("spawn")
+ROOT = Path(__file__).resolve().parent.parent
+DEADLINE_S = 20.0
+T0 = 1_700_000_000.0
+LATER = T0 + 1e6  # every hold in these tests has passed
+
+
+@pytest.fixture
+def node():
+    name = f"t{uuid.uuid4().hex[:12]}"
+    yield name
+    segment.unlink(segment_name(name, "leases"))
+
+
+@pytest.fixture
+def table(node):
+    t = LeaseTable.create(node, capacity=1024, max_misses=4)
+    yield t
+    t.close()
+
+
+def _wait_until(predicate, what: str, deadline_s: float = DEADLINE_S) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {deadline_s} s waiting for {what}")
+        time.sleep(0.002)  # a polling interval, not synchronisation
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return "gone"
+    return stat[stat.rfind(b")") + 2 :].split()[0].decode()
+
+
+def _grant(t: LeaseTable, key: str, now: float, lease_s: float = 10.0, cadence_s: float = 3600.0):
+    return t.grant(key, "tester", lease_s, now, cadence_s)
+
+
+# -- one process ---------------------------------------------------------------
+
+
+def test_a_granted_key_is_refused_until_its_lease_ends(table):
+    lease = _grant(table, "k", T0)
+    assert isinstance(lease, Lease) and lease.expires_at == T0 + 10
+    again = _grant(table, "k", T0 + 1)
+    assert again == Refused(Refuse.LEASED) and not again
+    assert table.complete("k", lease.lease_id, T0 + 2) is Outcome.COMPLETED
+    second = _grant(table, "k", T0 + 3)
+    assert second and second.lease_id > lease.lease_id and second.misses == 0
+
+
+def test_completion_outcomes(table):
+    first = _grant(table, "k", T0)
+    assert table.complete("k", first.lease_id, T0 + 1) is Outcome.COMPLETED
+    assert table.complete("k", first.lease_id, T0 + 2) is Outcome.REPEAT
+    second = _grant(table, "k", T0 + 3)
+    assert table.complete("k", first.lease_id, T0 + 4) is Outcome.SUPERSEDED
+    assert table.complete("k", second.lease_id + 1000, T0 + 4) is Outcome.UNKNOWN
+    assert table.complete("other", second.lease_id, T0 + 4) is Outcome.UNKNOWN
+    # Expired and swept, not granted since: the result is still accepted and
+    # clears the miss.
+    [expired] = table.expire(T0 + 100)
+    assert expired.lease_id == second.lease_id and expired.misses == 1
+    assert table.complete("k", second.lease_id, T0 + 101) is Outcome.LATE
+    assert table.held() == []
+    third = _grant(table, "k", T0 + 102)
+    assert third and third.misses == 0
+
+
+def test_lifetime_counters_balance_each_lease_ending_once(table):
+    """routed = completed + (expired - late_expired) + (released - late_released) + live."""
+    a = table.grant("a", "t", 10, T0, 3600, version=7)
+    assert a.version == 7 and a.cadence_s == 3600
+    b = table.grant("b", "t", 10, T0, 3600)
+    c = table.grant("c", "t", 10, T0, 3600)
+    table.grant("d", "t", 10, T0, 3600)
+    assert table.complete("a", a.lease_id, T0 + 1) is Outcome.COMPLETED
+    assert table.release("b", b.lease_id, T0 + 1, "boom") is Outcome.RELEASED
+    assert {e.key for e in table.expire(T0 + 11)} == {"c", "d"}
+    assert table.complete("c", c.lease_id, T0 + 12) is Outcome.LATE
+    assert table.complete("b", b.lease_id, T0 + 12) is Outcome.LATE
+    n = table.counters()
+    assert n == {"grants": 4, "released": 1, "expired": 2, "completed": 1,
+                 "late_expired": 1, "late_released": 1, "refused_full": 0}
+    finished = n["completed"] + n["late_expired"] + n["late_released"]
+    expired = n["expired"] - n["late_expired"]
+    released = n["released"] - n["late_released"]
+    assert n["grants"] == finished + expired + released + table.live_count()
+
+
+def test_peek_says_what_complete_would_and_changes_nothing(table):
+    lease = table.grant("k", "t", 10, T0, 600, version=42)
+    outcome, seen = table.peek("k", lease.lease_id)
+    assert outcome is Outcome.COMPLETED and seen.version == 42 and seen.cadence_s == 600
+    assert table.peek("k", lease.lease_id + 5)[0] is Outcome.UNKNOWN
+    assert table.live_count() == 1
+    table.expire(T0 + 11)
+    assert table.peek("k", lease.lease_id)[0] is Outcome.LATE
+    again = table.grant("k", "t", 10, LATER, 600)
+    assert table.peek("k", lease.lease_id)[0] is Outcome.SUPERSEDED
+    assert table.complete("k", again.lease_id, LATER + 1) is Outcome.COMPLETED
+    assert table.peek("k", again.lease_id)[0] is Outcome.REPEAT
+
+
+def test_counters_survive_save_and_load(node, tmp_path):
+    with LeaseTable.create(node, capacity=64) as t:
+        lease = t.grant("k", "t", 10, T0, 3600, version=3)
+        t.grant("j", "t", 10, T0, 3600)
+        t.complete("j", t.live()[1].lease_id if t.live()[1].key == "j" else t.live()[0].lease_id,
+                   T0 + 1)
+        t.save(tmp_path / "leases.msgpack", T0 + 2)
+        before = t.counters()
+    LeaseTable.unlink(node)
+    with LeaseTable.create(node, capacity=64) as t:
+        assert t.load(tmp_path / "leases.msgpack") == 1
+        assert t.counters() == before
+        assert t.peek("k", lease.lease_id)[1].version == 3
+
+
+def test_an_expired_lease_not_yet_swept_still_completes_and_is_never_swept(table):
+    lease = _grant(table, "k", T0)
+    assert _grant(table, "k", T0 + 50) == Refused(Refuse.LEASED)  # expired, unswept
+    assert table.complete("k", lease.lease_id, T0 + 50) is Outcome.COMPLETED
+    assert table.expire(T0 + 60) == []
+
+
+def test_renew(table):
+    lease = _grant(table, "k", T0)
+    assert table.renew("k", lease.lease_id, 30, T0 + 5) is Outcome.RENEWED
+    assert table.expire(T0 + 20) == []
+    assert table.live()[0].expires_at == T0 + 35
+    assert table.renew("k", lease.lease_id, 30, T0 + 36) is Outcome.ENDED  # past expiry
+    assert table.renew("k", lease.lease_id + 1, 30, T0 + 5) is Outcome.UNKNOWN
+
+
+def test_hold_schedule_doubles_and_is_capped_at_the_cadence(table):
+    lease_s, cadence_s = 10.0, 100.0
+    now = T0
+    expected = [20.0, 40.0, 80.0]
+    for misses, hold in enumerate(expected, start=1):
+        lease = table.grant("k", "c", lease_s, now, cadence_s)
+        assert lease and lease.misses == misses - 1
+        assert table.release("k", lease.lease_id, now, error=f"boom {misses}") is Outcome.RELEASED
+        [held] = table.held()
+        assert (held.misses, held.held_until, held.last_error) == (
+            misses,
+            now + hold,
+            f"boom {misses}",
+        )
+        assert table.grant("k", "c", lease_s, now + hold - 0.001, cadence_s) == Refused(Refuse.HELD)
+        assert table.is_excluded("k", now + hold - 0.001)
+        assert not table.is_excluded("k", now + hold)
+        now += hold
+    assert hold_s(4, lease_s, cadence_s) == cadence_s
+    assert hold_s(1000, lease_s, cadence_s) == cadence_s
+
+
+def test_an_expiry_is_a_miss_and_parking_follows_max_misses(table):
+    now = T0
+    for misses in range(1, 5):  # the table's max_misses is 4
+        lease = table.grant("k", "c", 10, now, 3600)
+        assert lease, f"refused before miss {misses}: {lease}"
+        [expired] = table.expire(now + 10)
+        assert (expired.key, expired.lease_id, expired.misses) == ("k", lease.lease_id, misses)
+        assert expired.parked == (misses == 4)
+        now = expired.held_until
+    assert table.grant("k", "c", 10, now + 1e6, 3600) == Refused(Refuse.PARKED)
+    assert table.is_excluded("k", now + 1e6)
+    [held] = table.held()
+    assert held.parked and held.misses == 4
+    assert table.unhold(["k", "never-seen"]) == 1
+    assert table.held() == []
+    lease = table.grant("k", "c", 10, now, 3600)
+    assert lease and lease.misses == 0
+
+
+def test_a_new_write_clears_misses_hold_and_parking(table):
+    lease = _grant(table, "k", T0)
+    table.release("k", lease.lease_id, T0)
+    assert table.is_excluded("k", T0 + 1)
+    assert table.clear_on_write("k") is True
+    assert not table.is_excluded("k", T0 + 1)
+    assert table.clear_on_write("k") is False  # nothing left to clear
+    assert table.clear_on_write("no-such-key") is False
+    assert _grant(table, "k", T0 + 1)
+
+
+def test_excluded_keys_are_leased_held_and_parked_only(node):
+    with LeaseTable.create(node, capacity=64, max_misses=2) as t:
+        _grant(t, "leased", T0)
+        for key, at in (("held", T0), ("hold-passed", T0 - 100)):
+            lease = _grant(t, key, at)
+            t.release(key, lease.lease_id, at)  # held for 20 s
+        for at in (T0 - 1000, T0):
+            lease = _grant(t, "parked", at)
+            t.release("parked", lease.lease_id, at)
+        done = _grant(t, "done", T0)
+        t.complete("done", done.lease_id, T0)
+        long_key = "ü" * 512  # 1,024 bytes, past the inline part
+        _grant(t, long_key, T0)
+        assert t.excluded_keys(T0 + 1) == {"leased", "held", "parked", long_key}
+        for key in ("leased", "held", "parked", long_key):
+            assert t.is_excluded(key, T0 + 1)
+        for key in ("hold-passed", "done", "never-seen"):
+            assert not t.is_excluded(key, T0 + 1)
+        assert [(h.key, h.parked) for h in t.held()] == [
+            ("parked", True),
+            ("hold-passed", False),
+            ("held", False),
+        ]
+        assert {lease.key for lease in t.live()} == {"leased", long_key}
+
+
+def test_long_keys_are_kept_whole_and_compared_whole(node):
+    with LeaseTable.create(node, capacity=64, long_blocks=2) as t:
+        a, b = "a" * 1000 + "1", "a" * 1000 + "2"
+        assert _grant(t, a, T0) and _grant(t, b, T0)
+        assert _grant(t, a, T0) == Refused(Refuse.LEASED)
+        # Both overflow blocks are taken: a third long key is refused as full.
+        assert _grant(t, "c" * 300, T0) == Refused(Refuse.FULL)
+        assert t.stats()["refused_full"] == 1
+        assert _grant(t, "short", T0)
+        with pytest.raises(ValueError):
+            _grant(t, "x" * 1025, T0)
+        with pytest.raises(ValueError):
+            _grant(t, "", T0)
+
+
+def test_a_full_table_refuses_and_counts(node):
+    with LeaseTable.create(node, capacity=16) as t:
+        got = [_grant(t, f"key-{i}", T0) for i in range(16)]
+        assert all(got)
+        assert _grant(t, "one-too-many", T0) == Refused(Refuse.FULL)
+        assert _grant(t, "and-another", T0) == Refused(Refuse.FULL)
+        assert t.stats()["refused_full"] == 2
+        t.complete("key-7", got[7].lease_id, T0)
+        assert _grant(t, "one-too-many", T0)
+
+
+def test_low_occupancy_never_refuses(node):
+    rnd = random.Random(7)
+    with LeaseTable.create(node, capacity=4096) as t:
+        fill = int(0.9 * 4096)
+        for i in range(fill):
+            assert _grant(t, f"resident-{i}", T0), f"refused at {i} of {fill}"
+        for _ in range(2000):
+            key = f"new-{rnd.getrandbits(64):x}"
+            lease = _grant(t, key, T0)
+            assert lease, f"refused {key} at 90% occupancy: {lease}"
+            assert t.complete(key, lease.lease_id, T0) is Outcome.COMPLETED
+        # Every last slot can be taken; only then is a grant refused.
+        for i in range(4096 - fill):
+            assert _grant(t, f"top-up-{i}", T0), f"refused with {4096 - fill - i} slots left"
+        assert _grant(t, "one-too-many", T0) == Refused(Refuse.FULL)
+        stats = t.stats()
+        assert stats["refused_full"] == 1
+        assert stats["slots"]["leased"] == 4096
+
+
+def test_save_and_load_round_trip(node, tmp_path):
+    path = tmp_path / "leases.msgpack"
+    with LeaseTable.create(node, capacity=256, max_misses=2) as t:
+        live = [_grant(t, f"live-{i}", T0) for i in range(5)]
+        held = _grant(t, "held", T0)
+        t.release("held", held.lease_id, T0, error="gpu fell over")
+        first = _grant(t, "parked", T0)
+        t.release("parked", first.lease_id, T0)
+        second = _grant(t, "parked", T0 + 20)
+        t.release("parked", second.lease_id, T0 + 20)  # the second miss: parked
+        done = _grant(t, "done", T0)
+        t.complete("done", done.lease_id, T0)  # idle: not saved
+        before = (t.live(), t.held())
+        assert [h.parked for h in before[1]] == [True, False]
+        assert t.save(path, now=T0 + 30) == 7
+    LeaseTable.unlink(node)
+    with LeaseTable.create(node, capacity=256, max_misses=2) as t:
+        assert not t.segment.reattached
+        assert t.load(path) == 7
+        assert (t.live(), t.held()) == before
+        assert _grant(t, "live-0", T0) == Refused(Refuse.LEASED)
+        assert _grant(t, "parked", T0 + 1e6) == Refused(Refuse.PARKED)
+        assert t.complete("live-3", live[3].lease_id, T0 + 31) is Outcome.COMPLETED
+        fresh = _grant(t, "brand-new", T0 + 31)
+        assert fresh.lease_id > max(lease.lease_id for lease in live)
+        assert t.load(path) == 0  # every key is there already: the table wins
+    doc = msgpack.unpackb(path.read_bytes())
+    assert doc["format"] == "queue-node.leases" and len(doc["entries"]) == 7
+
+
+def test_a_file_that_is_not_a_lease_file_is_refused_by_name(table, tmp_path):
+    for name, content in (
+        ("garbage", b"\xc1\xc1 not msgpack"),
+        ("foreign", msgpack.packb({"format": "something-else", "version": 1})),
+        ("bad-entry", msgpack.packb({**_HEADER_DOC, "entries": [[b"k", 99, 1, 2]]})),
+    ):
+        path = tmp_path / name
+        path.write_bytes(content)
+        with pytest.raises(NodeError, match=name):
+            table.load(path)
+    assert table.live() == []
+
+
+_HEADER_DOC = {"format": "queue-node.leases", "version": 1, "next_lease_id": 5, "saved_at": 0}
+
+
+def test_missing_extension_is_a_clear_error(node, monkeypatch):
+    monkeypatch.setattr(leases, "_atomic", None)
+    with pytest.raises(AtomicsMissing, match="pip install -e"):
+        LeaseTable.create(node)
+    assert not Path("/dev/shm", segment_name(node, "leases").lstrip("/")).exists()
+
+
+def test_the_atomics_check_offsets():
+    import mmap
+
+    from shm import _atomic
+
+    mm = mmap.mmap(-1, 64)
+    view = _atomic.View(mm)
+    try:
+        assert view.cas64(8, 0, 5) == 0 and view.load64(8) == 5
+        assert view.cas64(8, 0, 7) == 5 and view.load64(8) == 5
+        assert view.add64(8, 2) == 5 and view.load64(8) == 7
+        assert view.max32(16, 9) == 0 and view.max32(16, 3) == 9 and view.load32(16) == 9
+        for bad in (-8, 4, 64, 60):
+            with pytest.raises(ValueError):
+                view.load64(bad)
+        with pytest.raises(ValueError):
+            view.find_code(0, 9, 0, 9, 1)  # 72 bytes do not fit
+        with pytest.raises(ValueError):
+            view.scan_f64(0, 2, 1, 0, 32, 0, 32, 0.0, True)  # slot 1's field ends at 72
+        # Two words (codes 5, the second on copy 1), then 16-byte slots from 16.
+        words = (5, 5 | 1 << 8)
+        struct.pack_into("<QQdddd", mm, 0, *words, 1.0, -1.0, -1.0, 9.0)
+        assert view.scan_f64(0, 2, 1 << 5, 16, 16, 0, 8, 4.0, True) == [(1, words[1])]
+        assert view.scan_f64(0, 2, 1 << 5, 16, 16, 0, 8, 4.0, False) == [(0, words[0])]
+        assert view.scan_f64(0, 2, 1 << 4, 16, 16, 0, 8, 4.0, False) == []
+    finally:
+        view.release()
+        mm.close()
+
+
+# -- many processes --------------------------------------------------------------
+
+
+def _claimer(node: str, seed: int, grants: int, keys: int, log_path: str) -> None:
+    """Grant random keys on the wall clock; end each lease by completing,
+    releasing or abandoning it; sweep now and then. Logs every lease it got
+    and every expiry its sweeps counted, with monotonic nanoseconds taken
+    inside the real holding period (after the grant, before the end)."""
+    rnd = random.Random(seed)
+    table = LeaseTable.attach(node)
+    held_log, swept_log = [], []
+    me = f"claimer-{seed}"
+    got = attempts = 0
+    deadline = time.monotonic() + 120
+    while got < grants and time.monotonic() < deadline:
+        attempts += 1
+        if attempts % 16 == 0:
+            started = time.monotonic_ns()
+            for exp in table.expire(time.time()):
+                swept_log.append((exp.key, exp.lease_id, started))
+        key = f"key-{rnd.randrange(keys)}"
+        lease = table.grant(key, me, 0.004, time.time(), 0.008)
+        if not lease:
+            continue
+        got += 1
+        start = time.monotonic_ns()
+        action = rnd.random()
+        if action < 0.2:
+            held_log.append((key, lease.lease_id, start, None, "abandoned"))
+            continue
+        end = time.monotonic_ns()
+        if action < 0.8:
+            outcome = table.complete(key, lease.lease_id, time.time())
+        else:
+            outcome = table.release(key, lease.lease_id, time.time(), error="no")
+        held_log.append((key, lease.lease_id, start, end, outcome.value))
+    table.close()
+    with open(log_path, "wb") as f:
+        f.write(msgpack.packb({"held": held_log, "swept": swept_log, "got": got}))
+
+
+def _exclusive_claims(node: str, tmp_path: Path, procs: int, grants: int) -> None:
+    with LeaseTable.create(node, capacity=64, max_misses=1000) as table:
+        paths = [tmp_path / f"claimer-{i}.msgpack" for i in range(procs)]
+        children = [
+            SPAWN.Process(target=_claimer, args=(node, i, grants, 48, str(path)))
+            for i, path in enumerate(paths)
+        ]
+        for child in children:
+            child.start()
+        for child in children:
+            child.join(timeout=300)
+        for child in children:
+            assert child.exitcode == 0, f"claimer exited {child.exitcode}"
+        final_sweep = time.monotonic_ns()
+        leftover = table.expire(time.time() + 3600)
+        stats = table.stats()
+    docs = [msgpack.unpackb(path.read_bytes()) for path in paths]
+    total = sum(doc["got"] for doc in docs)
+    assert total == procs * grants
+    assert stats["grants"] == total
+    starts, ends = _lease_spans(docs, [(exp.lease_id, final_sweep) for exp in leftover])
+    # Every lease ended exactly once: by its holder, or by one sweep.
+    assert set(ends) == set(starts)
+    assert all(len(ends[lease_id]) == 1 for lease_id in starts), "a lease ended twice"
+    # Each span lies inside its lease's real holding period. A holder that was
+    # descheduled past its lease's expiry and sweep logs its start after the
+    # sweep's: such an empty span says nothing and is left out.
+    by_key: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
+    for lease_id, (key, start) in starts.items():
+        if start < ends[lease_id][0]:
+            by_key[key].append((start, ends[lease_id][0], lease_id))
+    spans = sum(map(len, by_key.values()))
+    assert spans > 0.6 * total, f"only {spans} of {total} leases have a span to check"
+    overlaps = []
+    for key, key_spans in by_key.items():
+        key_spans.sort()
+        for (_s1, e1, id1), (s2, _e2, id2) in zip(key_spans, key_spans[1:], strict=False):
+            if s2 < e1:
+                overlaps.append((key, id1, id2, e1 - s2))
+    assert not overlaps, f"{len(overlaps)} overlapping leases, first: {overlaps[:3]}"
+
+
+def _lease_spans(docs: list[dict], final: list[tuple[int, int]]):
+    """From the claimers' logs: lease id -> (key, start), lease id -> [ends]."""
+    starts: dict[int, tuple[str, int]] = {}
+    ends: dict[int, list[int]] = defaultdict(list)
+    for doc in docs:
+        for key, lease_id, start, end, outcome in doc["held"]:
+            assert lease_id not in starts, f"lease id {lease_id} granted twice"
+            starts[lease_id] = (key, start)
+            if outcome in ("completed", "released"):
+                ends[lease_id].append(end)
+        for _key, lease_id, swept_at in doc["swept"]:
+            ends[lease_id].append(swept_at)
+    for lease_id, swept_at in final:
+        ends[lease_id].append(swept_at)
+    return starts, ends
+
+
+@pytest.mark.timeout(60)
+def test_claimers_never_hold_one_key_at_once(node, tmp_path):
+    _exclusive_claims(node, tmp_path, procs=8, grants=2_500)  # 20,000 grants
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_claimers_never_hold_one_key_at_once_200k(node, tmp_path):
+    _exclusive_claims(node, tmp_path, procs=8, grants=25_000)
+
+
+def _counting_claimer(node: str, seed: int, grants: int, counters_path: str) -> None:
+    """Leases that never expire, each ended by its holder. Around each one the
+    holder counts itself in a per-key counter (a file mapped by every claimer):
+    +1 after the grant returned, -1 before the end is asked for, both inside
+    the real holding period. Any count above one is two holders at once."""
+    import mmap
+
+    from shm import _atomic
+
+    rnd = random.Random(seed)
+    table = LeaseTable.attach(node)
+    with open(counters_path, "r+b") as f:
+        mm = mmap.mmap(f.fileno(), 0)
+    counters = _atomic.View(mm)
+    keys = len(mm) // 8 - 1  # the last word counts collisions
+    got = 0
+    deadline = time.monotonic() + 120
+    while got < grants and time.monotonic() < deadline:
+        k = rnd.randrange(keys)
+        lease = table.grant(f"key-{k}", "c", 3600, time.time(), 0.001)
+        if not lease:
+            continue
+        got += 1
+        if counters.add64(8 * k, 1) != 0:
+            counters.add64(8 * keys, 1)
+        counters.add64(8 * k, (1 << 64) - 1)  # -1
+        if rnd.random() < 0.7:
+            outcome = table.complete(lease.key, lease.lease_id, time.time())
+            assert outcome is Outcome.COMPLETED, outcome
+        else:
+            outcome = table.release(lease.key, lease.lease_id, time.time())
+            assert outcome is Outcome.RELEASED, outcome
+    counters.release()
+    mm.close()
+    table.close()
+    if got < grants:
+        raise SystemExit(f"only {got} grants before the deadline")
+
+
+@pytest.mark.timeout(60)
+def test_holders_counted_around_each_lease_never_meet(node, tmp_path):
+    keys = 24
+    counters = tmp_path / "counters"
+    counters.write_bytes(bytes(8 * (keys + 1)))
+    # Fewer slots than keys: keys keep losing their idle slots to others and
+    # being inserted again, racing each other for free slots.
+    with LeaseTable.create(node, capacity=16, max_misses=1000) as table:
+        children = [
+            SPAWN.Process(target=_counting_claimer, args=(node, i, 2_500, str(counters)))
+            for i in range(8)
+        ]
+        for child in children:
+            child.start()
+        for child in children:
+            child.join(timeout=60)
+            assert child.exitcode == 0
+        words = memoryview(counters.read_bytes()).cast("Q").tolist()
+        assert words == [0] * (keys + 1), f"{words[-1]} grants found another holder"
+        stats = table.stats()
+        assert stats["grants"] == 8 * 2_500
+        assert table.live() == []
+
+
+def _racer(node: str, keys: int, out_path: str, go) -> None:
+    table = LeaseTable.attach(node)
+    go.wait(DEADLINE_S)
+    won = []
+    for i in range(keys):
+        while True:
+            lease = table.grant(f"fresh-{i}", str(os.getpid()), 3600, T0, 3600)
+            if lease:
+                won.append(i)
+            if lease or lease.reason is not Refuse.BUSY:
+                break
+    table.close()
+    Path(out_path).write_bytes(msgpack.packb(won))
+
+
+@pytest.mark.timeout(60)
+def test_racing_inserts_of_new_keys_have_exactly_one_winner(node, tmp_path, monkeypatch):
+    # Every insert pauses between claiming a free slot and writing its key, so
+    # racers walking the same keys meet inside each other's insert often.
+    monkeypatch.setenv("QUEUE_NODE_TEST_LEASE_STOP", "insert:pause")
+    keys = 1500
+    with LeaseTable.create(node, capacity=4096) as table:
+        go = SPAWN.Event()
+        paths = [str(tmp_path / f"racer-{i}") for i in range(6)]
+        children = [SPAWN.Process(target=_racer, args=(node, keys, p, go)) for p in paths]
+        for child in children:
+            child.start()
+        go.set()
+        for child in children:
+            child.join(timeout=DEADLINE_S)
+            assert child.exitcode == 0
+        winners = defaultdict(int)
+        for path in paths:
+            for i in msgpack.unpackb(Path(path).read_bytes()):
+                winners[i] += 1
+        assert winners == dict.fromkeys(range(keys), 1)
+        assert len(table.live(limit=keys + 1)) == keys
+        assert table.stats()["backoffs"] > 0, "the racers never met: the test shows nothing"
+
+
+# -- dying mid-grant ------------------------------------------------------------------
+
+_STOPPED_GRANT = textwrap.dedent(
+    """
+    import sys
+    from shm.leases import LeaseTable
+    table = LeaseTable.attach(sys.argv[1])
+    lease = table.grant(sys.argv[2], "child", 60, float(sys.argv[3]), 3600)
+    print("granted" if lease else "refused", flush=True)
+    """
+)
+
+
+def _stopped_child(node: str, key: str, point: str) -> subprocess.Popen:
+    env = dict(os.environ, QUEUE_NODE_TEST_LEASE_STOP=f"{point}:stop", PYTHONPATH=str(ROOT))
+    child = subprocess.Popen(
+        [sys.executable, "-c", _STOPPED_GRANT, node, key, repr(LATER)],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    _wait_until(
+        lambda: _proc_state(child.pid) == "T" or child.poll() is not None,
+        f"the child to stop at {point}",
+    )
+    assert child.poll() is None, f"the child never reached {point}: {child.communicate()}"
+    return child
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("point", ["update", "written", "keyed"])
+def test_a_grant_killed_while_it_holds_the_slot_does_not_wedge_the_key(node, point):
+    with LeaseTable.create(node, capacity=64) as table:
+        missed = None
+        if point != "keyed":  # the key has a slot already: the child updates it
+            missed = _grant(table, "k", T0)
+            table.release("k", missed.lease_id, T0, error="first miss")
+        child = _stopped_child(node, "k", point)
+        try:
+            # Stopped, not dead: its slot is left alone, whatever the wait.
+            assert _grant(table, "k", LATER) == Refused(Refuse.BUSY)
+            assert table.is_excluded("k", LATER)
+        finally:
+            child.kill()
+            child.communicate(timeout=DEADLINE_S)
+        if missed is not None:
+            # Rolled back to the record before the grant, untouched by the
+            # child's writes (they went to the other copy).
+            [hold] = [h for h in table.held() if h.key == "k"]
+            assert (hold.lease_id, hold.misses, hold.last_error) == (
+                missed.lease_id,
+                1,
+                "first miss",
+            )
+        lease = _grant(table, "k", LATER)
+        assert lease, f"the key stayed wedged: {lease}"
+        assert lease.misses == (0 if missed is None else 1)
+        assert table.stats()["reclaimed"] == 1
+        assert _grant(table, "k", LATER) == Refused(Refuse.LEASED)
+
+
+@pytest.mark.timeout(60)
+def test_a_grant_killed_while_claiming_a_free_slot_loses_only_that_slot_until_a_sweep(node):
+    with LeaseTable.create(node, capacity=16) as table:
+        child = _stopped_child(node, "k", "insert")
+        try:
+            assert _grant(table, "k", T0), "a claim without a key blocks nothing"
+        finally:
+            child.kill()
+            child.communicate(timeout=DEADLINE_S)
+        assert table.stats()["slots"]["claiming"] == 1
+        assert table.expire(T0) == []
+        stats = table.stats()
+        assert stats["slots"]["claiming"] == 0 and stats["reclaimed"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_insert_resumed_after_losing_the_race_backs_off(node):
+    """Regression shape of the insert race: one process claims a free slot and
+    stops; another inserts the same key; the first resumes and must not lease
+    it too."""
+    with LeaseTable.create(node, capacity=64) as table:
+        child = _stopped_child(node, "k", "insert")
+        lease = _grant(table, "k", LATER)
+        assert lease
+        os.kill(child.pid, signal.SIGCONT)
+        out, _ = child.communicate(timeout=DEADLINE_S)
+        assert out.strip() == "refused"
+        assert child.returncode == 0
+        assert [(x.key, x.lease_id) for x in table.live()] == [("k", lease.lease_id)]
+        assert table.stats()["backoffs"] == 1
+
+
+# -- crash and restart -------------------------------------------------------------------
+
+
+def _create_grant_and_die(node: str) -> None:
+    table = LeaseTable.create(node, capacity=128)
+    for i in range(10):
+        table.grant(f"k{i}", "gpu-0", 600, T0, 3600)
+    os._exit(0)  # no close, no save, no unlink: a crash
+
+
+@pytest.mark.timeout(60)
+def test_the_restarted_node_reattaches_to_the_leases_a_crash_left(node):
+    child = SPAWN.Process(target=_create_grant_and_die, args=(node,))
+    child.start()
+    child.join(DEADLINE_S)
+    assert child.exitcode == 0
+    with LeaseTable.create(node, capacity=4096) as table:  # another capacity: ignored
+        assert table.segment.reattached and table.capacity == 128
+        assert table.segment.owner_pid == os.getpid()
+        live = table.live()
+        assert sorted(lease.key for lease in live) == [f"k{i}" for i in range(10)]
+        assert _grant(table, "k3", T0 + 1) == Refused(Refuse.LEASED)
+        k3 = next(lease for lease in live if lease.key == "k3")
+        assert table.complete("k3", k3.lease_id, T0 + 2) is Outcome.COMPLETED
+        assert _grant(table, "k3", T0 + 3)
