@@ -6,7 +6,8 @@ targets, and against a plain dict-and-sets layout for comparison:
 
 Targets: apply one change <= 10 us; <= 160 B per row at 1,000,000 rows with
 ~55-character keys (key strings and every structure included); best 5,000
-<= 1 ms; counts <= 1 ms at 1,000,000 rows.
+<= 1 ms; counts <= 1 ms at 1,000,000 rows; the load walk <= 1 us a row on
+top of the fetch.
 
 Workload: 20 routes x 5 (cadence, sitemap) variants = 100 classes, due times
 spread evenly over 30 days around now, so half the rows are a due backlog;
@@ -15,32 +16,66 @@ characters). The change stream mixes 50 % reschedules (new due time, same
 class), 10 % class changes, 20 % inserts and 20 % deletes, with fresh key
 strings as the feed would deliver them (their hash not yet computed).
 
+The packed layout is loaded as the keeper loads it: ``reserve``, then
+``load_rows`` 20,000 rows at a time (the rows built as the store's walk hands
+them over, outside the timing), then a first ``best`` (which merges the
+values the load left pending). ``--apply-load`` loads it by ``apply`` row by
+row instead, as before ``load_rows`` existed. ``load_by_apply_+first_read``
+times the same walk fed to ``apply``, for comparison in the same run.
+
 Memory is measured in a fresh subprocess per layout: the growth of RSS, and
 separately of tracemalloc's traced bytes, across loading the rows (the key
 strings are made inside the load, so they are counted once, as held by the
 structure).
 
-Figures (Python 3.11.7, 2 shared vCPUs; medians, 100 classes, 30-day spread):
+Figures (Python 3.11.7, 2 vCPUs shared with other work while measured, so
+single figures move by 20-50 % between runs; timed reads are medians, the
+fastest repeat in brackets; 100 classes, 30-day spread):
 
-    rows                        250k packed  250k naive   1M packed   1M naive
-    bytes/row, RSS                    156.6       532.9       156.3      515.1
-    bytes/row, tracemalloc            144.5       509.7       144.6      491.8
-    apply, us/change (mean)             3.7         5.4         4.7        6.8
-    apply p99, us                       8.0         9.2         9.6       11.9
-    best(5000), ms                      3.1        12.9         2.5       15.7
-    best(5000) excl 3000+2 paused, ms   4.7        19.4         3.3       23.0
-    counts, next minute, ms             0.10        0.13        0.10       0.17
-    counts, first call, ms              0.36       29.8         0.44     231
-    coming, ms                          1.2         5.6         1.3       28.3
-    key-table doubling pause, ms       71           -         275          -
+    rows                                  250k packed   1M packed   (before load_rows)
+    bytes/row, RSS, loaded by load_rows         166.7       158.1
+    bytes/row, RSS, --apply-load                -           155.3    156.6 / 156.3
+    bytes/row, tracemalloc                      144.8       145.4    144.5 / 144.6
+    load_rows, us/row                           1.16        0.91
+    load_rows + first read, us/row              1.54        1.11
+    ... and a read after every chunk            2.39        1.96
+    load by apply + first read, us/row          3.38        2.67
+    load by apply, no reserve (old figure)      2.57*       5.83*    4.8 (250k)
+    apply, us/change (mean)                     6.2         4.9      3.7 / 4.7
+    apply p99, us                               9.5         10.8     8.0 / 9.6
+    best(5000), ms                              2.7 (2.3)   2.5 (2.4)   3.1 / 2.5
+    best(5000) excl 3000+2 paused, ms           3.9 (3.0)   3.3 (3.1)   4.7 / 3.3
+    best_columns(5000), ms                      3.7 (3.3)   3.5 (3.1)
+    best_columns excl 3000+2 paused, ms         5.5 (4.9)   4.1 (3.8)
+    best(5000), first call (no hint), ms        3.1 (2.7)   2.7 (2.5)
+    counts, next minute, ms                     0.10        0.10
+    counts, first call, ms                      0.06**      0.06**   0.36 / 0.44
+    coming, ms                                  1.2         1.3
+    key-table doubling pause, ms                67          294
 
-With due times over 1 day instead (denser minute buckets) at 1M: packed
-156 B/row, naive 377 B/row. The naive layout pays a set (216 B and up) per
-minute bucket, and here most buckets hold one row.
+(*) ``load_us_per_row``: at 250k the bench's own load by load_rows, at 1M the
+``--apply-load`` run's. (**) ``best`` now brings the due counts to the
+minute itself, so the counts call after it is no longer the first to.
+Earlier, less loaded runs of the same code: load_rows 0.90 us/row at 250k
+(1.08 with the first read, 2.34 by apply); best(5000) 2.2 ms fastest at 250k.
+The naive layout (unchanged): 533 / 515 B/row RSS at 250k / 1M, apply 5.4 /
+6.8 us, best(5000) 12.9 / 15.7 ms, counts' first call 30 / 231 ms. With due
+times over 1 day instead (denser minute buckets) at 1M: packed 156 B/row,
+naive 377 B/row. The naive layout pays a set (216 B and up) per minute
+bucket, and here most buckets hold one row.
 
-best(5000) misses the 1 ms target on this machine: making the 5,000 answer
-tuples alone (key, version, minute, class, rank) costs 1.3 ms here; the merge
-itself adds little. See keeper/buckets.py for the layout.
+load_rows meets its 1 us a row for the calls themselves; the merge of the
+pending values at the first read adds about 0.2 us a row (one sort a class),
+and a read after every chunk, the worst case, about 1 us. The keeper reads
+(publishes) once a second while it loads.
+
+best(5000) misses the 1 ms target on this machine, by about 2x: the
+threshold search and the sort take little; making the 5,000 answers is most
+of it, about 0.4 us an answer, whether as tuples (one comprehension a class)
+or as columns (slices, an index sort and a gather per column: measured no
+faster, and slower with an exclude set). best_columns is best transposed, so
+best + ReadySet.publish stays the cheaper pair; publish_columns saves 0.2 ms
+of the publish but the transpose costs 0.4. See keeper/buckets.py.
 """
 
 from __future__ import annotations
@@ -264,6 +299,7 @@ def load_walk(
         if publish_every and number % publish_every == 0:
             buckets.best(NOW, 5000)
             in_reads += time.perf_counter() - t1
+        del rows  # as the keeper's load step drops its chunk before it publishes
     t0 = time.perf_counter()
     buckets.best(NOW, 5000)
     return in_load, in_reads + time.perf_counter() - t0

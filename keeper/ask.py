@@ -4,27 +4,29 @@ Worker 0 never serves HTTP, but a worker sometimes needs the keeper's own view
 of a key (``GET /rows?key=`` explains a row), and tests need to dump the
 keeper's buckets or start a verification walk. A worker sends a small msgpack
 request to ``/queue-node.<name>.ask``; the keeper answers between ticks into
-the asking process's own reply queue. A keeper that is stalled or loading
-simply does not answer in time, and the asker says so: nothing waits on it
-for longer than the timeout.
+a reply queue made for that one question. A keeper that is stalled or
+loading simply does not answer in time, and the asker says so: nothing waits
+on it for longer than the timeout.
 
-Limits: Linux's defaults for an unprivileged queue are 10 messages of 8 KiB,
-so requests and replies stay small; bulk answers (a dump) go to a file whose
-path is in the reply.
+Limits: every queue counts against the user's RLIMIT_MSGQUEUE (800 KiB by
+default, about ten queues of 10 × 8 KiB), so queues are small (4 messages of
+8 KiB to ask, 1 to answer) and a reply queue lives only as long as its
+question. Requests and replies stay small; bulk answers (a dump) go to a file
+whose path is in the reply.
 """
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import os
-import time
 from typing import Any
 
 import msgpack
 import posix_ipc
 
-MAX_MESSAGES = 10
+MAX_MESSAGES = 4
+# A reply queue holds one answer.
+REPLY_MESSAGES = 1
 MAX_MESSAGE_BYTES = 8192
 _MODE = 0o600
 
@@ -33,8 +35,11 @@ def ask_queue_name(node: str) -> str:
     return f"/queue-node.{node}.ask"
 
 
-def reply_queue_name(node: str, pid: int) -> str:
-    return f"/queue-node.{node}.reply.{pid}"
+def reply_queue_prefix(node: str) -> str:
+    return f"/queue-node.{node}.reply."
+
+
+_ids = itertools.count(1)
 
 
 class AskServer:
@@ -65,7 +70,8 @@ class AskServer:
                 request = msgpack.unpackb(raw, raw=False)
             except (ValueError, msgpack.ExtraData, msgpack.UnpackException):
                 continue
-            if isinstance(request, dict) and isinstance(request.get("reply_pid"), int):
+            reply = request.get("reply") if isinstance(request, dict) else None
+            if isinstance(reply, str) and reply.startswith(reply_queue_prefix(self.node)):
                 out.append(request)
         return out
 
@@ -78,7 +84,7 @@ class AskServer:
                 {"id": request.get("id"), "error": "reply too large"}, use_bin_type=True
             )
         try:
-            mq = posix_ipc.MessageQueue(reply_queue_name(self.node, request["reply_pid"]))
+            mq = posix_ipc.MessageQueue(request["reply"])
         except posix_ipc.ExistentialError:
             return False
         try:
@@ -94,65 +100,48 @@ class AskServer:
         self._mq.close()
 
 
-class _ReplyQueue:
-    """One reply queue per asking process, created on first use."""
+def ask(node: str, request: dict[str, Any], timeout_s: float = 1.0) -> dict[str, Any] | None:
+    """Ask the keeper of ``node``; None when no keeper answered in time.
 
-    def __init__(self, node: str) -> None:
-        self.name = reply_queue_name(node, os.getpid())
-        self.pid = os.getpid()
-        self.mq = posix_ipc.MessageQueue(
-            self.name,
-            posix_ipc.O_CREAT,
+    Each question gets a reply queue of its own, unlinked as soon as it is
+    answered (or not): queues count against the user's RLIMIT_MSGQUEUE, so
+    none may be left open between questions."""
+    request_id = next(_ids)
+    name = f"{reply_queue_prefix(node)}{os.getpid()}.{request_id}"
+    try:
+        reply_mq = posix_ipc.MessageQueue(
+            name,
+            posix_ipc.O_CREX,
             mode=_MODE,
-            max_messages=MAX_MESSAGES,
+            max_messages=REPLY_MESSAGES,
             max_message_size=MAX_MESSAGE_BYTES,
         )
-        atexit.register(self.remove)
-
-    def remove(self) -> None:
-        if os.getpid() != self.pid:
-            return
+    except (posix_ipc.Error, OSError):
+        return None
+    try:
+        data = msgpack.packb(dict(request, id=request_id, reply=name), use_bin_type=True)
         try:
-            self.mq.close()
-            posix_ipc.unlink_message_queue(self.name)
+            mq = posix_ipc.MessageQueue(ask_queue_name(node))
         except posix_ipc.ExistentialError:
-            pass
-
-
-_replies: dict[str, _ReplyQueue] = {}
-_ids = itertools.count(1)
-
-
-def ask(node: str, request: dict[str, Any], timeout_s: float = 1.0) -> dict[str, Any] | None:
-    """Ask the keeper of ``node``; None when no keeper answered in time."""
-    rq = _replies.get(node)
-    if rq is None or rq.pid != os.getpid():
-        rq = _replies[node] = _ReplyQueue(node)
-    request_id = next(_ids)
-    data = msgpack.packb(dict(request, id=request_id, reply_pid=os.getpid()), use_bin_type=True)
-    try:
-        mq = posix_ipc.MessageQueue(ask_queue_name(node))
-    except posix_ipc.ExistentialError:
-        return None
-    try:
-        mq.send(data, timeout=timeout_s)
-    except posix_ipc.BusyError:
-        return None
-    finally:
-        mq.close()
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
             return None
         try:
-            raw, _prio = rq.mq.receive(timeout=left)
+            mq.send(data, timeout=timeout_s)
+        except posix_ipc.BusyError:
+            return None
+        finally:
+            mq.close()
+        try:
+            raw, _prio = reply_mq.receive(timeout=timeout_s)
         except posix_ipc.BusyError:
             return None
         reply = msgpack.unpackb(raw, raw=False)
-        if isinstance(reply, dict) and reply.get("id") == request_id:
-            return reply
-        # An answer to an earlier question that timed out: drop it.
+        return reply if isinstance(reply, dict) and reply.get("id") == request_id else None
+    finally:
+        reply_mq.close()
+        try:
+            reply_mq.unlink()
+        except posix_ipc.ExistentialError:
+            pass
 
 
 def unlink_all(node: str) -> None:

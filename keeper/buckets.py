@@ -1,11 +1,12 @@
 """The keeper's in-memory schedule: key → (due minute, class, version), and per
 class the rows in due-minute order. This is the hot path: every change of the
-feed goes through ``apply`` or ``remove``, and the ready set is ``best``.
+feed goes through ``apply`` or ``remove``, the load walk through
+``load_rows``, and the ready set is ``best`` (or ``best_columns``).
 
 Layout, chosen for memory (``bench/bench_buckets.py`` measures it against a
-plain dict-and-sets layout; the numbers are in its docstring: about 156
-bytes a row at 1,000,000 rows with 54-character keys, where the plain layout
-takes 380 to 515, and 4 to 5 µs an applied change):
+plain dict-and-sets layout; the numbers are in its docstring: about 156 to
+160 bytes a row at 1,000,000 rows with 54-character keys, where the plain
+layout takes 380 to 515, and 4 to 5 µs an applied change):
 
 - A row lives in a **slot**, an index into four parallel columns:
   ``_keys`` (list of str), ``_vers`` (int64), ``_mins`` (int32 due minute)
@@ -17,22 +18,41 @@ takes 380 to 515, and 4 to 5 µs an applied change):
   for the slot on top of its own entry; this costs 8 to 16 bytes a row.
 - Each class keeps its rows as a sorted sequence of ``minute << 32 | slot``
   in blocks of int64 arrays (``_Order``, a SortedList with no per-item
-  objects). Sorted by minute, a class is already in rank order, so ``best``
-  merges class heads and never rescores a row; a count of rows between two
-  minutes is two bisections, so counting follows classes, not rows.
+  objects). Sorted by minute, a class is already in rank order, so the best
+  rows are a head of each class and no row is rescored; a count of rows
+  between two minutes is two bisections, so counting follows classes, not
+  rows.
+
+Loading: ``load_rows`` takes the walk a chunk at a time (about 1 µs a row
+here, against 2.5 to 3.5 by ``apply``). It enters the rows with one plain
+loop and leaves their order values *pending*, unsorted, per class; the next
+read (``best``, ``counts``, ``coming``, ``oldest_due``, ``reconfigure``;
+``remove`` finds a pending value where it is) merges each class's pending
+values in with one sort, so a load pays one sort a class per publish instead
+of a bisection and a block insert a row.
+
+Best: a few counting passes over the classes find a rank threshold that
+takes the k best rows or a few more; the heads above it become entries in one
+comprehension a class and one sort orders them (about 2 ms for 5,000 here:
+making the 5,000 entries is most of it, whether as tuples or as columns).
 
 Counting: each class keeps a running count of its rows due through minute
 ``_through``; ``advance`` moves ``_through`` forward (or back, if the clock
 steps back) counting only the rows it crosses, and ``apply``/``remove`` keep
-the counts in step.
+the counts in step (pending values are counted when they are merged in, and
+``advance`` merges first).
 
 Hazards:
 
 - Slots and table cells are not returned to the allocator: the columns keep
-  their largest size (a freed slot is reused by the next insert).
+  their largest size (a freed slot is reused by the next insert;
+  ``load_rows`` appends).
 - Growing the hash table rehashes every row in Python (about 0.3 µs a row,
   once per doubling: a 200 ms pause when it passes 699,050 rows);
   ``reserve`` or ``capacity`` sizes it ahead of a load.
+- Until the first read after a load, its order values take 8 more bytes a
+  row (the pending runs); the keeper publishes while it loads, which merges
+  them.
 - ``items`` walks the live columns: do not apply or remove while iterating.
 - Minutes must fit in int32 (due times 0 to year 3000 do) and a node holds
   fewer than 2**31 rows.
@@ -63,7 +83,7 @@ BLOCK_LOAD = 1000
 # it and inserting into the others.
 MERGE_REBUILD = 8
 MERGE_BLOCK = 10
-# ``best_columns`` looks for a rank threshold that takes between k and
+# ``best`` looks for a rank threshold that takes between k and
 # k + max(BEST_SLACK_MIN, k >> BEST_SLACK_SHIFT) rows, in at most
 # BEST_STEPS counting passes over the classes (then it takes more).
 BEST_SLACK_MIN = 32
@@ -103,10 +123,12 @@ class _Order:
     sortedcontainers.SortedList, minus the per-item int objects).
 
     ``pending`` holds values added in bulk (``load_rows``) and not merged in
-    yet, in no order; ``size`` counts them. Everything that reads the blocks
-    runs after ``flush``, which ``Buckets`` calls before any read. (An array:
-    a list would keep an int object a value alive, scattered over the heap
-    by the time the flush sorts them, at a third more cost.)"""
+    yet: runs of them in no order, one exact-size int64 array a chunk (a list
+    of ints would keep an int object a value alive, scattered over the heap
+    by the time the flush sorts them, at a third more cost; one array grown
+    by appends leaves its old copies behind, about 2 bytes a row of memory
+    the process keeps). ``size`` counts them. Everything that reads the
+    blocks runs after ``flush``, which ``Buckets`` calls before any read."""
 
     __slots__ = ("blocks", "maxes", "size", "load", "pending")
 
@@ -115,7 +137,7 @@ class _Order:
         self.maxes: list[int] = []
         self.size = 0
         self.load = load
-        self.pending: array[int] = array("q")
+        self.pending: list[array[int]] = []
 
     @classmethod
     def from_sorted(cls, values: Iterable[int], load: int) -> _Order:
@@ -153,10 +175,11 @@ class _Order:
     def remove(self, value: int) -> bool:
         """Remove a value the order holds (the caller knows it does). False
         when it was still pending."""
-        if self.pending and value in self.pending:
-            self.pending.remove(value)
-            self.size -= 1
-            return False
+        for run in self.pending:
+            if value in run:
+                run.remove(value)
+                self.size -= 1
+                return False
         maxes = self.maxes
         i = bisect_left(maxes, value)
         block = self.blocks[i]
@@ -276,17 +299,20 @@ class _Order:
         of ``maxes`` per value, no split per value."""
         if not self.pending:
             return []
-        new = self.pending.tolist()  # fresh ints, side by side: a sort with fewer misses
-        self.pending = array("q")
+        new: list[int] = []
+        for run in self.pending:
+            new += run  # fresh ints, side by side: a sort with fewer misses
+        self.pending = []
+        if not new:
+            return new
         new.sort()
         m = len(new)
         held = self.size - m
         if held < MERGE_REBUILD * m:
             if held:
-                flat = array("q")
+                values: list[int] = []
                 for block in self.blocks:
-                    flat += block
-                values = flat.tolist()
+                    values += block
                 values += new
                 values.sort()  # two runs: a merge
                 self._rebuild(values)
@@ -320,8 +346,9 @@ class _Order:
 
     def _rebuild(self, values: list[int]) -> None:
         load = self.load
-        flat = array("q", values)
-        self.blocks = [flat[start : start + load] for start in range(0, len(flat), load)]
+        self.blocks = [
+            array("q", values[start : start + load]) for start in range(0, len(values), load)
+        ]
         self.maxes = [block[-1] for block in self.blocks]
 
     def _split_even(self, i: int) -> None:
@@ -404,11 +431,11 @@ class Buckets:
         self._order: dict[int, _Order] = {}
         self._due: dict[int, int] = {}  # rows with minute <= _through, per class
         self._through = -1
-        # Where the last ``best_columns`` found its threshold, and how many
+        # Where the last ``best`` found its threshold, and how many
         # excluded keys its candidates held: the next call starts from them.
         self._best_hint: float | None = None
         self._best_excluded = 0
-        # Rows ever added by ``apply`` (not by ``load_rows``), and the last key
+        # Rows ever added by ``apply`` (not by ``load_rows``), and the highest key
         # ``load_rows`` took: while no row came another way and the walk
         # ascends, a walked key cannot be held yet.
         self._strays = 0
@@ -419,7 +446,9 @@ class Buckets:
 
     def reserve(self, rows: int) -> None:
         """Size the key table for ``rows`` rows now, instead of doubling (and
-        rehashing in Python) while they arrive."""
+        rehashing in Python) while they arrive: no insert rehashes until more
+        than ``rows`` rows are held. Call it with the table's row count before
+        a load."""
         cells = len(self._table)
         while rows * 3 > cells * 2:
             cells <<= 1
@@ -558,13 +587,14 @@ class Buckets:
         counted as refused and skipped, never raised), at a fraction of the
         cost: classes resolve in one C-level pass, one plain loop enters the
         rows, and their order values wait, unsorted, in their class's
-        ``pending`` array until the next read (``best``, ``counts``, …) merges
+        ``pending`` runs until the next read (``best``, ``counts``, …) merges
         each class's share in with one sort: no bisection or block insert a
-        row. Between calls the buckets are whole. ``reserve`` the walk's size
-        first so the key table never grows during it. Rows in ascending key
-        order (as the walk gives them) take the fast path, and skip the
-        search for a held key while every row held came from this walk; a
-        chunk with a key twice goes row by row."""
+        row. Between calls the buckets are whole and every method works.
+        ``reserve`` the walk's size first so the key table never grows during
+        it (each call reserves its own chunk on top of the rows held). Rows in
+        ascending key order (as the walk gives them) take the fast path, and
+        skip the search for a held key while every row held came from this
+        walk; a chunk with a key twice goes row by row."""
         if tombstones:
             rows = [
                 row for row in rows if (dead := tombstones.get(row[0])) is None or dead < row[1]
@@ -645,8 +675,7 @@ class Buckets:
         index, slot)`` and left alone. Plain loops: cheaper here than passes
         of ``map``, each of which would miss the cache again."""
         table, mask, held = self._table, self._mask, self._keys
-        pending = {cid: self._pending(cid) for cid in set(cids)}
-        before = {cid: len(values) for cid, values in pending.items()}
+        pending: dict[int, list[int]] = {cid: [] for cid in set(cids)}
         add = {cid: values.append for cid, values in pending.items()}
         slot = len(held)
         versions: list[int] = []
@@ -677,7 +706,8 @@ class Buckets:
         self._cids += array("i", cids)
         self._live += len(versions)
         for cid, values in pending.items():
-            self._order[cid].size += len(values) - before[cid]
+            if values:
+                self._pend(cid, values)
         return found
 
     def _settle(
@@ -687,12 +717,15 @@ class Buckets:
         unless held as new or newer; returns how many moved."""
         vers = self._vers
         moved = 0
+        values: dict[int, list[int]] = {}
         for j, slot in found:
             cid = cids[j]
             version = rows[j][1]
             if cid is not None and cid >= 0 and vers[slot] < version:
-                self._move(slot, version, cid, floor(rows[j][5]) // 60)
+                self._move(slot, version, cid, floor(rows[j][5]) // 60, values)
                 moved += 1
+        for cid, run in values.items():
+            self._pend(cid, run)
         return moved
 
     def _resolve_classes(self, rows: Sequence[WalkedRow], cids: list[int | None]) -> int | None:
@@ -714,19 +747,23 @@ class Buckets:
         deque(map(cids.__setitem__, missing, classes.known(fields)), maxlen=0)
         return cut
 
-    def _move(self, slot: int, version: int, cid: int, minute: int) -> None:
-        """``apply`` to a held row, its new order value left pending."""
+    def _move(
+        self, slot: int, version: int, cid: int, minute: int, values: dict[int, list[int]]
+    ) -> None:
+        """``apply`` to a held row; its new order value goes to ``values`` by
+        class, for the caller to leave pending."""
         self._vers[slot] = version
         old_cid, old_minute = self._cids[slot], self._mins[slot]
         if old_cid != cid or old_minute != minute:
             self._unplace(slot, old_cid, old_minute)
             self._mins[slot] = minute
             self._cids[slot] = cid
-            self._pending(cid).append(minute << SLOT_BITS | slot)
-            self._order[cid].size += 1
+            values.setdefault(cid, []).append(minute << SLOT_BITS | slot)
 
-    def _pending(self, cid: int) -> array[int]:
-        """Class ``cid``'s pending order values (``size`` is the caller's)."""
+    def _pend(self, cid: int, values: Sequence[int]) -> None:
+        """Leave order values of class ``cid`` pending (a run of them, as one
+        exact-size array: a chunk's runs side by side in memory, freed
+        together by the flush)."""
         order = self._dirty.get(cid)
         if order is None:
             order = self._order.get(cid)
@@ -734,7 +771,8 @@ class Buckets:
                 order = self._order[cid] = _Order(self._block_load)
                 self._due[cid] = 0
             self._dirty[cid] = order
-        return order.pending
+        order.pending.append(array("q", values))
+        order.size += len(values)
 
     def _flush(self) -> None:
         """Merge every class's pending values into its order, and count those

@@ -46,10 +46,11 @@ IDLE_WAKE_S = 0.5
 
 @dataclass
 class Child:
-    role: str  # "keeper" or "worker"
+    role: str  # "keeper", "ledger", "worker" or "inference"
     index: int
     argv: list[str]
     pass_fds: tuple[int, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
     started_at: float = 0.0
     backoff_s: float = BACKOFF_MIN_S
@@ -161,6 +162,10 @@ class Supervisor:
             return
         if self.leases_file.exists():
             placed = self.leases.load(self.leases_file)
+            # Loaded once: a later crash must not bring these back (the
+            # shared-memory table is the evidence from now on).
+            loaded = self.leases_file.with_name(self.leases_file.name + ".loaded")
+            os.replace(self.leases_file, loaded)
             log.log("leases_loaded", placed=placed, path=str(self.leases_file))
 
     def _save_leases(self) -> None:
@@ -200,9 +205,25 @@ class Supervisor:
         assert self._sock is not None
         fd = self._sock.fileno()
         self.children.append(Child("keeper", 0, python_argv("keeper")))
+        self.children.append(Child("ledger", 0, python_argv("workers.ledger")))
         for i in range(1, self.config.workers + 1):
             argv = python_argv("workers", "--index", str(i), "--listen-fd", str(fd))
             self.children.append(Child("worker", i, argv, pass_fds=(fd,)))
+        for i, device in enumerate(self._inference_devices()):
+            argv = python_argv("workers.inference", "--index", str(i))
+            env = {}
+            if device is not None:
+                # One process per GPU: it sees only its own card, as cuda:0.
+                argv += ["--gpu", str(device)]
+                env["CUDA_VISIBLE_DEVICES"] = str(device)
+            self.children.append(Child("inference", i, argv, env=env))
+
+    def _inference_devices(self) -> list[int | None]:
+        if self.config.handler is None:
+            return []
+        if self.config.gpus:
+            return list(self.config.gpus)
+        return [None] * max(self.config.inference_procs, 1)
 
     def _spawn(self, child: Child) -> None:
         # Block the signals we handle while forking, so a signal cannot land
@@ -212,7 +233,7 @@ class Supervisor:
         try:
             child.proc = subprocess.Popen(
                 child.argv,
-                env=self._env(),
+                env={**self._env(), **child.env},
                 pass_fds=child.pass_fds,
                 stdin=subprocess.DEVNULL,
                 restore_signals=True,
@@ -270,8 +291,8 @@ class Supervisor:
             "pids": {
                 "keeper": next((c.pid for c in self.children if c.role == "keeper"), None),
                 "workers": [c.pid for c in self.children if c.role == "worker"],
-                "ledger": None,
-                "inference": [],
+                "ledger": next((c.pid for c in self.children if c.role == "ledger"), None),
+                "inference": [c.pid for c in self.children if c.role == "inference"],
             },
         }
         path = self.data_dir / "node.json"
@@ -345,14 +366,25 @@ class Supervisor:
         log.log("reload", routes=len(fresh.routes))
 
     def stop(self) -> int:
-        """Drain: workers first, then the keeper, one shared deadline.
-        A second signal during the drain kills everything at once."""
+        """Drain, in this order, within one shared deadline:
+
+        1. inference processes and HTTP workers: they stop granting, let the
+           running batches finish (or hand their leases back) and send their
+           last results to the ledger;
+        2. the ledger: it makes every accepted result durable and exits;
+        3. the keeper.
+
+        Then the live leases are saved and the segments removed. A second
+        signal during the drain kills everything at once; nothing durable is
+        lost either way (the log and the store are on disk, and a crash leaves
+        the segments for the next start to reattach)."""
         deadline = time.monotonic() + self.config.drain_timeout_s
         log.log("node_draining", deadline_s=self.config.drain_timeout_s)
-        workers = [c for c in self.children if c.role == "worker"]
+        granting = [c for c in self.children if c.role in ("inference", "worker")]
+        ledgers = [c for c in self.children if c.role == "ledger"]
         keepers = [c for c in self.children if c.role == "keeper"]
         killed = False
-        for group in (workers, keepers):
+        for group in (granting, ledgers, keepers):
             for child in group:
                 if child.proc is not None and child.proc.poll() is None:
                     child.proc.terminate()
@@ -360,7 +392,9 @@ class Supervisor:
                 if child.proc is None:
                     continue
                 while child.proc.poll() is None:
-                    if self._signals and not killed:
+                    # SIGCHLD arrives as children exit: only a second TERM
+                    # or INT means "stop now".
+                    if not killed and {signal.SIGTERM, signal.SIGINT} & set(self._signals):
                         self._kill_all()
                         killed = True
                     if time.monotonic() >= deadline:

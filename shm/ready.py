@@ -37,12 +37,14 @@ Layout (little-endian, every field naturally aligned)::
     +4      4     count         I    entries in this slot
     +8      8     generation    Q    publishes since the segment was created
     +16     8     published_at  d    wall seconds
-    +24     8     claim_cursor  Q    the index of the next entry to hand out:
-                                     claimers fetch-add it (``take``), so two
-                                     never take the same entry of one set. It
-                                     may run past ``count`` (the set is
-                                     drained). Reset to 0 by every publish of
-                                     the slot.
+    +24     8     claim_cursor  Q    low 32 bits: the index of the next entry
+                                     to hand out; claimers fetch-add it
+                                     (``take``), so two never take the same
+                                     entry of one set; it may run a little
+                                     past ``count`` (drained). High 32 bits:
+                                     the tag, the even seq the publish ended
+                                     on. Every publish of the slot resets it
+                                     to (its seq, 0).
     +32     4     heap_used     I    key bytes written
     +36     4     flags         I    bit 0: every key is ASCII
     +40     24    reserved
@@ -60,14 +62,17 @@ Layout (little-endian, every field naturally aligned)::
 A set whose keys overflow the heap is published short (``publish`` returns
 how many entries it wrote), never with a torn key.
 
-Taking entries (``take``): read the active slot's seq (even), fetch-add its
-cursor, copy the entries taken, and check the seq again. A slot republished
-meanwhile (the keeper lapped the claimer: two publishes, at least 10 ms apart,
-inside one take) is retried on the new active slot; the entries the lost add
-skipped in the new set wait for the next publish. That is the only way an
-entry of a set can go unclaimed while claimers ask for work, and it costs a
-second's delay, never a double grant: every grant is checked against its row
-and the lease table anyway.
+Taking entries (``take``): read the active slot's header (seq even, and the
+cursor's tag equal to it), fetch-add the cursor, copy the entries taken, and
+check the seq again. The value the add returns names the publish it counted
+in (its tag): if the slot was republished between the read and the add (the
+keeper lapped the claimer), the entries taken are the new set's, and the
+claimer copies those. Only a claimer lapped twice inside one take (two more
+publishes into that slot, each at least 10 ms apart) loses the entries its add
+skipped; they wait for the next publish, never a double grant (every grant is
+checked against its row and the lease table anyway). An add that lands while
+the keeper is still writing the slot is wiped by the publish's reset, and the
+claimer retries.
 """
 
 from __future__ import annotations
@@ -92,7 +97,7 @@ except ImportError as _exc:  # reported when a claimer first takes, with what to
 else:
     _ATOMIC_IMPORT_ERROR = None
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: tagged claim cursor, low_water
 KIND = "ready"
 
 ACTIVE_OFFSET = HEADER_SIZE  # 24
@@ -107,6 +112,7 @@ SLOT_HEADER_SIZE = 64
 SLOT_GENERATION = 8  # offset inside a slot
 LOW_WATER = struct.Struct("<Q")
 CLAIM_CURSOR = 24  # offset inside a slot
+CURSOR_INDEX = (1 << 32) - 1  # the cursor's index bits; the tag is above them
 FLAG_ASCII = 1
 
 ENTRY_FORMAT = "IHHQqd"  # key_offset, key_len, class_id, version, due_minute, rank
@@ -185,6 +191,10 @@ class ReadySet:
         self._view: Any = None
         #: torn copies retried by this handle's snapshots and takes (a health figure).
         self.retries = 0
+        #: after each ``take``: the size of the set it took from, and how many
+        #: entries of it were left untaken (the claimer's low-water check).
+        self.last_count = 0
+        self.last_left = 0
 
     # -- lifecycle (the supervisor creates and unlinks; everyone else attaches) --
 
@@ -284,8 +294,10 @@ class ReadySet:
         seq = (seq + 1 if seq % 2 == 0 else seq + 2) & 0xFFFFFFFF
         U32.pack_into(mm, base, seq)
         count, heap_used, flags = self._write_chunks(mm, base, chunks)
-        SLOT.pack_into(mm, base, seq, count, generation, now, 0, heap_used, flags)  # cursor 0
-        U32.pack_into(mm, base, (seq + 1) & 0xFFFFFFFF)
+        # The cursor starts over at 0, tagged with the seq this publish ends on.
+        done = (seq + 1) & 0xFFFFFFFF
+        SLOT.pack_into(mm, base, seq, count, generation, now, done << 32, heap_used, flags)
+        U32.pack_into(mm, base, done)
         # A fresh set answers any pending request for one. Cleared before the
         # flip: a claimer still on the old set may set it again, which costs
         # one spare publish, never a lost request about the new set.
@@ -379,17 +391,32 @@ class ReadySet:
             return self.generation, []
         view = self._view if self._view is not None else self._atomics()
         mm = self.segment.mm
-        capacity = self.capacity
         for _ in range(READ_RETRIES):
             base = FIRST_SLOT + (U32.unpack_from(mm, ACTIVE_OFFSET)[0] & 1) * self._stride
-            seq, count, generation, _at, _cursor, _used, flags = SLOT.unpack_from(mm, base)
-            if not seq & 1:
-                start = view.add64(base + CLAIM_CURSOR, n)
-                end = min(start + n, count, capacity)
-                entries: list[ReadyEntry] | None = []
-                if start < end:
-                    entries = self._copy_entries(mm, base, start, end, flags)
+            seq, count, generation, _at, cursor, _used, flags = SLOT.unpack_from(mm, base)
+            count = min(count, self.capacity)
+            if seq & 1 or cursor >> 32 != seq:
+                pass  # mid-publish, or a header torn by one
+            elif cursor & CURSOR_INDEX >= count:
+                # Drained: no add, so claimers polling an empty set neither
+                # bounce the cursor's cache line nor push the index on.
+                if U32.unpack_from(mm, base)[0] == seq:
+                    self.last_count, self.last_left = count, 0
+                    return generation, []
+            else:
+                old = view.add64(base + CLAIM_CURSOR, n)
+                if old >> 32 != seq:
+                    # The slot was republished between the read and the add:
+                    # the entries taken are the new set's (its tag says so).
+                    header = self._settled(mm, base, old >> 32)
+                    if header is None:
+                        continue  # lapped twice: those entries wait for the next set
+                    seq, count, generation, flags = header
+                start = old & CURSOR_INDEX
+                end = min(start + n, count)
+                entries = self._copy_entries(mm, base, start, end, flags) if start < end else []
                 if U32.unpack_from(mm, base)[0] == seq and entries is not None:
+                    self.last_count, self.last_left = count, max(0, count - start - n)
                     return generation, entries
             self.retries += 1
             os.sched_yield()
@@ -397,6 +424,19 @@ class ReadySet:
             f"{self.segment.name}: no consistent take in {READ_RETRIES} tries; "
             f"the keeper (pid {self.segment.writer_pid}) rewrites faster than it can be read"
         )
+
+    def _settled(self, mm: Any, base: int, tag: int) -> tuple[int, int, int, int] | None:
+        """(seq, count, generation, flags) of the slot once its publish tagged
+        ``tag`` has finished (it is one store away when a claimer's add finds
+        its cursor); None if the slot has moved past that publish."""
+        for _ in range(READ_RETRIES):
+            seq, count, generation, _at, _cursor, _used, flags = SLOT.unpack_from(mm, base)
+            if seq == tag:
+                return seq, min(count, self.capacity), generation, flags
+            if seq != (tag - 1) & 0xFFFFFFFF:
+                return None
+            os.sched_yield()
+        return None
 
     def _copy_entries(
         self, mm: Any, base: int, start: int, end: int, flags: int
@@ -431,7 +471,7 @@ class ReadySet:
         base = self._slot_base(U32.unpack_from(mm, ACTIVE_OFFSET)[0] & 1)
         _seq, count, _gen, _at, cursor, _used, _flags = SLOT.unpack_from(mm, base)
         count = min(count, self.capacity)
-        return count - min(cursor, count)
+        return count - min(cursor & CURSOR_INDEX, count)
 
     def request_publish(self) -> bool:
         """A claimer found the set nearly drained: ask the keeper for a fresh

@@ -456,7 +456,8 @@ def check_orders(buckets: Buckets, flush: bool = True) -> None:
         assert order.maxes == [block[-1] for block in order.blocks]
         assert all(0 < len(block) <= 2 * load for block in order.blocks)
         assert not order.pending or buckets._dirty[cid] is order
-        values += order.pending
+        for run in order.pending:
+            values += run
         assert order.size == len(values) == len(set(values))
         for value in values:
             slot = value & buckets_module.SLOT_MASK
@@ -530,6 +531,27 @@ def test_load_rows_equal_a_brute_force_model(ops, now, load, capacity):
     buckets = Buckets(ClassTable(CONFIG), capacity=capacity, block_load=load)
     model = Model(CONFIG)
     run_load(buckets, model, ops)
+    check_equal(buckets, model, now)
+    check_orders(buckets)
+
+
+@SETTINGS
+@given(
+    config=configs,
+    ops=operations,
+    walked=st.lists(walked_rows, max_size=30, unique_by=lambda row: row[0]),
+    now=nows,
+    load=block_loads,
+)
+def test_reconfigure_with_values_pending(config, ops, walked, now, load):
+    buckets = Buckets(ClassTable(CONFIG), block_load=load)
+    model = Model(CONFIG)
+    run(buckets, model, ops)
+    buckets.counts(now)
+    want = sum(model.apply(*row) for row in sorted(walked))
+    assert buckets.load_rows(sorted(walked)) == (want, 0)
+    buckets.reconfigure(config)
+    model.config = config
     check_equal(buckets, model, now)
     check_orders(buckets)
 

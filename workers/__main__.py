@@ -140,6 +140,73 @@ class _KeeperSide:
                 seg.close()
 
 
+class _WorkSide:
+    """The work path's objects for this worker: the ready set and lease table
+    (shared memory); two Claimers, one for small claims on the event loop and
+    one for big claims on the claim thread, each with a store connection of
+    its own (a claim never queues behind a write of POST /rows); and the
+    ledger's socket. Missing segments are not fatal: the work routes answer
+    503 not_ready and the rest of the API still serves."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.ready: Any = None
+        self.leases: Any = None
+        self.stores: list[Any] = []  # [inline claims' (loop thread), big claims' (claim thread)]
+        self.ledger: Any = None
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="claim")
+
+    async def start(self, ctx: Any, config: Config, wake: Any) -> Any:
+        from node.ipc import AsyncClient
+        from node.store import open_store
+        from shm.leases import LeaseTable
+        from shm.ready import ReadySet
+        from workers.claim import Claimer, ledger_address
+        from workers.http import readiness
+        from workers.work_http import WorkPath
+
+        try:
+            self.ready = ReadySet.attach(self.name)
+            self.leases = LeaseTable.attach(self.name)
+        except (NodeError, OSError) as exc:
+            log.warn("work_attach_failed", error=str(exc))
+            return None
+        loop = asyncio.get_running_loop()
+        self.stores.append(open_store(config.store_url))
+        self.stores.append(await loop.run_in_executor(self.thread, open_store, config.store_url))
+
+        def claimer(store: Any) -> Claimer:
+            return Claimer(
+                config,
+                store,
+                self.ready,
+                self.leases,
+                wake=wake,
+                is_ready=lambda: readiness(ctx)[0],
+            )
+
+        self.ledger = AsyncClient(ledger_address(self.name))
+        return WorkPath(
+            claimer(self.stores[0]),
+            self.leases,
+            self.ledger,
+            claim_executor=self.thread,
+            big_claimer=claimer(self.stores[1]),
+        )
+
+    async def close(self) -> None:
+        if self.ledger is not None:
+            await self.ledger.close()
+        if len(self.stores) > 1:
+            await asyncio.get_running_loop().run_in_executor(self.thread, self.stores[1].close)
+        if self.stores:
+            self.stores[0].close()
+        self.thread.shutdown(wait=True)
+        for seg in (self.ready, self.leases):
+            if seg is not None:
+                seg.close()
+
+
 async def serve(
     index: int, sock: socket.socket, config: Config, started_at: float, stop: asyncio.Event
 ) -> dict[str, Any]:
@@ -149,11 +216,13 @@ async def serve(
     from node.store import open_store
     from workers.http import WorkerContext, make_app
     from workers.http_errors import SERVED
+    from workers.work_http import routes as work_routes
 
     ssl_context = _ssl_context(config)  # before anything is opened: a bad cert fails fast
     loop = asyncio.get_running_loop()
     store_thread = ThreadPoolExecutor(1, thread_name_prefix="store")
     keeper: _KeeperSide | None = None
+    work_side = _WorkSide(config.name)
     runner: web.AppRunner | None = None
     try:
         store = await loop.run_in_executor(store_thread, open_store, config.store_url)
@@ -169,7 +238,8 @@ async def serve(
             known_classes=keeper.known_classes,
             store_executor=store_thread,
         )
-        app = make_app(ctx)
+        ctx.work = await work_side.start(ctx, config, keeper.wake)
+        app = make_app(ctx, extra_routes=work_routes)
         runner = web.AppRunner(
             app, handle_signals=False, access_log=None, shutdown_timeout=config.drain_timeout_s
         )
@@ -187,15 +257,25 @@ async def serve(
         if runner is not None:
             await runner.cleanup()
         store_thread.shutdown(wait=True)
+        await work_side.close()
         if keeper is not None:
             keeper.close()
     served = app[SERVED]
-    return {
+    summary = {
         "requests": served.requests,
         "client_errors": served.client_errors,
         "internal_errors": served.internal_errors,
         "up_s": round(time.monotonic() - t0, 3),
     }
+    if ctx.work is not None:
+        claimers = [ctx.work.claimer, ctx.work.big_claimer]
+        stats = [c.stats for c in claimers if c is not None]
+        summary.update(
+            claims=sum(s.claims for s in stats),
+            granted=sum(s.granted for s in stats),
+            taken=sum(s.taken for s in stats),
+        )
+    return summary
 
 
 # A SIGTERM that lands before the event loop owns the signal must not be lost.

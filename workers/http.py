@@ -18,8 +18,9 @@ Hazards, and what we do about them:
 - A batch is validated whole before anything is written: one bad row refuses
   the batch, with the row's index in ``field`` (``rows[3].cadence_s``).
 
-Routes live in ``routes`` (a RouteTableDef); the work path adds its own table
-in ``make_app``.
+Routes live in ``routes`` (a RouteTableDef); the work path's own table
+(``workers.work_http.routes``) is added through ``make_app``'s
+``extra_routes`` and finds its objects in ``WorkerContext.work``.
 """
 
 from __future__ import annotations
@@ -102,6 +103,9 @@ class WorkerContext:
     known_classes: Callable[[], set[ClassId]] = _no_classes
     # The thread the store lives on; None: call the store inline.
     store_executor: Executor | None = None
+    # The work path (workers.work_http.WorkPath): claims, leases, the ledger.
+    # None: those routes answer 503 not_ready, and GET /rows has no lease.
+    work: Any = None
     clock: Callable[[], float] = field(default=time.time)
 
 
@@ -323,9 +327,24 @@ async def get_row(request: web.Request) -> web.Response:
         row_doc = row.to_json()
     loop = asyncio.get_running_loop()
     view = await loop.run_in_executor(request.app[ASK_POOL], _safely, "explain", ctx.explain, key)
-    return reply(request, {"row": row_doc, "keeper": view or KEEPER_SILENT, "lease": None})
+    lease = None
+    if ctx.work is not None:
+        lease = _safely("lease", ctx.work.explain, key, row, view, ctx.clock())
+    return reply(request, {"row": row_doc, "keeper": view or KEEPER_SILENT, "lease": lease})
 
 
 @routes.get("/openapi.json")
 async def openapi_json(request: web.Request) -> web.Response:
-    return web.json_response(openapi.spec())
+    # Describe what this app serves: the work path's routes only when mounted.
+    spec = openapi.spec()
+    served = {
+        (r.resource.canonical, r.method.lower())
+        for r in request.app.router.routes()
+        if r.resource is not None
+    }
+    spec["paths"] = {
+        path: kept
+        for path, ops in spec["paths"].items()
+        if (kept := {m: op for m, op in ops.items() if (path, m) in served})
+    }
+    return web.json_response(spec)

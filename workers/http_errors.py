@@ -56,6 +56,21 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "invalid_payload": (400, "payload is not a JSON value (or nests too deeply)"),
     "payload_too_large": (400, "payload is over 1 MiB encoded"),
     "invalid_job": (400, "job does not match [A-Za-z0-9._:-]{1,128}"),
+    # the work path (workers/work_http.py)
+    "invalid_max": (400, "max is not an integer from 1 to 10,000"),
+    "invalid_lease_s": (400, "lease_s is not a number from 1 to 86,400"),
+    "invalid_consumer": (400, "consumer is not a non-empty UTF-8 string of at most 128 bytes"),
+    "invalid_lease_id": (400, "lease_id is not the positive integer a claim answered"),
+    "invalid_result": (
+        400,
+        "result is not a JSON value, or its base64 (with encoding: base64) does not decode",
+    ),
+    "invalid_error": (400, "error is not a string"),
+    "invalid_wait_s": (400, "wait_s is not a number from 0 to 60"),
+    "invalid_limit": (400, "limit is not an integer from 1 to 10,000"),
+    "invalid_ids": (400, "ids is not a list of non-negative integers"),
+    "too_many_ids": (400, "more than 10,000 ids in one ack"),
+    "result_too_large": (400, "a result is over the completion log's record limit (16 MiB)"),
     # the rest of HTTP
     "unauthorized": (
         401,
@@ -63,10 +78,18 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     ),
     "not_found": (404, "no such path, or no such row"),
     "method_not_allowed": (405, "the path exists but not with this method"),
+    "lease_conflict": (409, "the key was granted to another lease since this one"),
+    "lease_unknown": (409, "no such lease for this key"),
+    "lease_ended": (409, "release or renew of a lease that has ended (expired, released, done)"),
+    "never_offered": (409, "an ack names result ids never offered; nothing was acked"),
     "body_too_large": (413, "the request body is over 16 MiB"),
     "unsupported_media_type": (415, "aiohttp refused the content encoding"),
     "internal_error": (500, "a bug: the traceback is in the worker's log"),
     "store_unavailable": (503, "the durable store failed; retry later"),
+    "not_ready": (503, "no claim before the keeper's first publish since the node started"),
+    "lease_busy": (503, "another process held the key's lease slot for over 0.5 s; retry"),
+    "log_unavailable": (503, "the completion log cannot take results (full disk); retry later"),
+    "ledger_unavailable": (503, "the ledger process cannot be reached, or failed; retry later"),
 }
 
 # What an aiohttp HTTPException of a given status becomes.

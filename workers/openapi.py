@@ -211,5 +211,197 @@ def spec() -> dict[str, Any]:
                     "responses": {"200": _json({"type": "object"})},
                 }
             },
+            **_work_paths(),
         },
+    }
+
+
+def _obj(properties: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "object", "properties": properties}
+    if required:
+        out["required"] = list(required)
+    return out
+
+
+def _post(
+    summary: str,
+    body: dict[str, Any],
+    answer: dict[str, Any],
+    errors: dict[str, str],
+) -> dict[str, Any]:
+    responses = {"200": _json(answer), "400": _BAD, "401": _UNAUTHORIZED}
+    responses.update({status: _error_response(text) for status, text in errors.items()})
+    return {
+        "post": {
+            "summary": summary,
+            "security": [{"bearer": []}],
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": body},
+                    "application/msgpack": {"schema": body},
+                },
+            },
+            "responses": responses,
+        }
+    }
+
+
+def _get(
+    summary: str,
+    params: dict[str, dict[str, Any]],
+    answer: dict[str, Any],
+    errors: dict[str, str],
+    token: bool = False,
+    path_params: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    parameters = [
+        {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+        for name in path_params
+    ] + [{"name": name, "in": "query", "schema": schema} for name, schema in params.items()]
+    responses = {"200": _json(answer), "400": _BAD}
+    if token:
+        responses["401"] = _UNAUTHORIZED
+    responses.update({status: _error_response(text) for status, text in errors.items()})
+    op: dict[str, Any] = {"summary": summary, "parameters": parameters, "responses": responses}
+    if token:
+        op["security"] = [{"bearer": []}]
+    return {"get": op}
+
+
+_LEASE_ID = {"type": "integer", "minimum": 1}
+_KEY = {"type": "string", "minLength": 1}
+_LEDGER_DOWN = "ledger_unavailable: the ledger cannot be reached; retry"
+_LEASE_409 = "lease_conflict, lease_unknown or lease_ended"
+
+
+def _results_answer() -> dict[str, Any]:
+    item = _obj(
+        {
+            "id": {"type": "integer"},
+            "key": {"type": "string"},
+            "job": {"type": "string"},
+            "result": {"description": "the JSON value, or base64 text with encoding"},
+            "encoding": {"const": "base64", "description": "present only for bytes"},
+            "finished_at": {"type": "number"},
+        }
+    )
+    return _obj({"results": {"type": "array", "items": item}})
+
+
+def _work_paths() -> dict[str, Any]:
+    """The work path (``workers/work_http.py``)."""
+    grant = _obj(
+        {
+            "lease_id": _LEASE_ID,
+            "key": {"type": "string"},
+            "payload": {},
+            "job": {"type": "string"},
+            "due_at": {"type": "number"},
+            "expires_at": {"type": "number"},
+        }
+    )
+    poll_params = {
+        "max": {"type": "integer", "minimum": 1, "maximum": 10_000, "default": 100},
+        "wait_s": {"type": "number", "minimum": 0, "maximum": 60, "default": 0},
+    }
+    limit = {"limit": {"type": "integer", "minimum": 1, "maximum": 10_000, "default": 1000}}
+    return {
+        "/claim": _post(
+            "lease up to max due keys, most overdue first",
+            _obj(
+                {
+                    "max": {"type": "integer", "minimum": 1, "maximum": 10_000},
+                    "lease_s": {"type": "number", "minimum": 1, "maximum": 86_400},
+                    "consumer": {"type": "string", "minLength": 1, "maxLength": 128},
+                },
+                ("max", "consumer"),
+            ),
+            _obj({"leases": {"type": "array", "items": grant}}),
+            {"503": "not_ready: the keeper has not published since the node started"},
+        ),
+        "/complete": _post(
+            "a lease's result; answered once it is durable",
+            _obj(
+                {
+                    "lease_id": _LEASE_ID,
+                    "key": _KEY,
+                    "result": {"description": "a JSON value; bytes: base64 with encoding"},
+                    "encoding": {"const": "base64"},
+                },
+                ("lease_id", "key", "result"),
+            ),
+            _obj({"id": {"type": "integer"}}),
+            {
+                "409": "lease_conflict or lease_unknown",
+                "503": "log_unavailable (retry later) or " + _LEDGER_DOWN,
+            },
+        ),
+        "/release": _post(
+            "hand a lease back without a result (a miss)",
+            _obj(
+                {"lease_id": _LEASE_ID, "key": _KEY, "error": {"type": "string"}},
+                ("lease_id", "key"),
+            ),
+            _obj({"released": {"const": True}}),
+            {"409": _LEASE_409, "503": "lease_busy: retry"},
+        ),
+        "/renew": _post(
+            "extend a live lease to now + lease_s",
+            _obj(
+                {
+                    "lease_id": _LEASE_ID,
+                    "key": _KEY,
+                    "lease_s": {"type": "number", "minimum": 1, "maximum": 86_400},
+                },
+                ("lease_id", "key", "lease_s"),
+            ),
+            _obj({"expires_at": {"type": "number"}}),
+            {"409": _LEASE_409, "503": "lease_busy: retry"},
+        ),
+        "/leases": _get(
+            "the live leases, oldest grant first",
+            limit,
+            _obj({"leases": {"type": "array", "items": {"type": "object"}}}),
+            {},
+        ),
+        "/held": _get(
+            "held and parked keys, parked first",
+            limit,
+            _obj({"held": {"type": "array", "items": {"type": "object"}}}),
+            {},
+        ),
+        "/jobs/{job}/results": _get(
+            "offer up to max ready results of the job (long poll up to wait_s)",
+            poll_params,
+            _results_answer(),
+            {"503": _LEDGER_DOWN},
+            token=True,
+            path_params=("job",),
+        ),
+        "/results": _get(
+            "offer ready results across all jobs",
+            poll_params,
+            _results_answer(),
+            {"503": _LEDGER_DOWN},
+            token=True,
+        ),
+        "/jobs/{job}/ack": _post(
+            "retire offered results (idempotent)",
+            _obj({"ids": {"type": "array", "items": {"type": "integer"}}}, ("ids",)),
+            _obj({"acked": {"type": "integer"}}),
+            {"409": "never_offered: names the ids; nothing acked", "503": _LEDGER_DOWN},
+        ),
+        "/accounting": _get(
+            "lifetime counters that must balance",
+            {},
+            {"type": "object"},
+            {"503": _LEDGER_DOWN},
+        ),
+        "/admin/unhold": _post(
+            "clear the hold or parking of keys",
+            _obj({"keys": {"type": "array", "items": _KEY, "maxItems": 10_000}}, ("keys",)),
+            _obj({"unheld": {"type": "integer"}}),
+            {},
+        ),
     }

@@ -1,0 +1,489 @@
+"""Python clients of a node: ``Client`` over HTTP, ``LocalClaimer`` on the host.
+
+``Client(base_url, token=None)`` speaks the HTTP API (``docs/api.md``),
+blocking, standard library only. It keeps one keep-alive connection (a claim
+loop would otherwise pay a TCP handshake per claim) and is safe to share
+between threads (calls take turns).
+
+``LocalClaimer(name)`` is for processes on the node's host (the inference
+processes, a local GPU worker): claims come straight from the node's shared
+memory through ``workers.claim.Claimer`` (no network hop), completions go to
+the ledger over its local socket. The rules are the HTTP endpoints' rules, and
+a refusal raises the same ``ClientError`` (status and code) that the HTTP
+answer would.
+
+Both return claims as ``Grant(lease_id, key, payload, job, due_at,
+expires_at)`` and raise ``ClientError`` for every refusal.
+
+How LocalClaimer finds the node: it needs the node's resolved configuration
+(the store URL, the routes' cadences), which the supervisor writes to
+``<data-dir>/run/config.json``. It looks, in order, at ``data_dir`` if given,
+``$QUEUE_NODE_RUN_CONFIG`` (set for every process the supervisor starts),
+``$QUEUE_NODE_DATA_DIR``, then ``./node-data`` (the default data directory),
+and uses the first whose configuration names this node. Anything else:
+``NodeNotRunning`` saying where it looked.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import os
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+from node.config import Config
+from node.errors import NodeError, NodeNotRunning, ValidationError
+from node.proc import ENV_CONFIG
+from node.rows import check_key
+from workers.claim import (
+    Claimer,
+    Grant,
+    NotReady,
+    WorkError,
+    check_claim,
+    check_lease_id,
+    check_lease_s,
+    complete_outcome,
+    ledger_address,
+    ledger_error,
+    refuse,
+)
+
+# A call that is not a long poll should be answered well within this.
+TIMEOUT_S = 30.0
+ENV_DATA_DIR = "QUEUE_NODE_DATA_DIR"
+DEFAULT_DATA_DIR = Path("node-data")
+
+
+class ClientError(NodeError):
+    """The node refused a request: ``status`` (the HTTP status), ``code``
+    (the stable error code of ``docs/api.md``), ``message``, ``field``;
+    ``body`` is the whole answer when there was one."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        field: str | None = None,
+        body: Any = None,
+    ) -> None:
+        super().__init__(f"{status} {code}: {message}" + (f" ({field})" if field else ""))
+        self.status = status
+        self.code = code
+        self.message = message
+        self.field = field
+        self.body = body
+
+
+def _grant(doc: dict[str, Any]) -> Grant:
+    return Grant(
+        doc["lease_id"],
+        doc["key"],
+        doc.get("payload"),
+        doc["job"],
+        doc["due_at"],
+        doc["expires_at"],
+    )
+
+
+def _result_body(result: Any) -> dict[str, Any]:
+    if isinstance(result, bytes | bytearray | memoryview):
+        return {"result": base64.b64encode(bytes(result)).decode("ascii"), "encoding": "base64"}
+    return {"result": result}
+
+
+class Client:
+    """The HTTP API, blocking. ``base_url`` like ``http://127.0.0.1:8470``."""
+
+    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = TIMEOUT_S):
+        parts = urllib.parse.urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"base_url {base_url!r} is not http(s)://host:port")
+        self.base_url = base_url.rstrip("/")
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname
+        self._port = parts.port
+        self._prefix = parts.path.rstrip("/")
+        self.timeout_s = timeout_s
+        self._headers = {"Accept": "application/json"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._conn: http.client.HTTPConnection | None = None
+        self._lock = threading.Lock()
+
+    # -- plumbing -------------------------------------------------------------------
+
+    def _connection(self, timeout_s: float) -> tuple[http.client.HTTPConnection, bool]:
+        """(connection, reused)."""
+        if self._conn is not None and self._conn_pid == os.getpid():
+            self._conn.timeout = timeout_s
+            if self._conn.sock is not None:
+                self._conn.sock.settimeout(timeout_s)
+            return self._conn, True
+        cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+        self._conn = cls(self._host, self._port, timeout=timeout_s)
+        self._conn_pid = os.getpid()
+        return self._conn, False
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def request(
+        self, method: str, path: str, body: Any = None, timeout_s: float | None = None
+    ) -> Any:
+        """One request; the decoded JSON answer. Raises ClientError for an
+        error answer, and for a node that cannot be reached (status 0,
+        code ``unreachable``)."""
+        data = None if body is None else json.dumps(body).encode()
+        headers = dict(self._headers)
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        with self._lock:
+            status, raw = self._send(method, self._prefix + path, data, headers, timeout_s)
+        try:
+            doc = json.loads(raw) if raw else None
+        except ValueError:
+            doc = None
+        if 200 <= status < 300:
+            return doc
+        error = doc.get("error") if isinstance(doc, dict) else None
+        if not isinstance(error, dict):
+            text = raw[:200].decode("utf-8", "replace")
+            raise ClientError(status, "http_error", f"{method} {path}: {text}", body=doc)
+        raise ClientError(
+            status, error.get("code", "error"), error.get("message", ""), error.get("field"), doc
+        )
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        data: bytes | None,
+        headers: dict[str, str],
+        timeout_s: float | None,
+    ) -> tuple[int, bytes]:
+        for attempt in (1, 2):
+            conn, reused = self._connection(timeout_s or self.timeout_s)
+            try:
+                conn.request(method, path, body=data, headers=headers)
+                resp = conn.getresponse()
+                raw = resp.read()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as exc:
+                self._drop()
+                # A kept-alive connection the server closed while idle fails
+                # before the request is read: send it once more, afresh.
+                if reused and attempt == 1:
+                    continue
+                raise ClientError(0, "unreachable", f"{self.base_url}: {exc!r}") from None
+            except (OSError, http.client.HTTPException) as exc:
+                self._drop()
+                raise ClientError(0, "unreachable", f"{self.base_url}: {exc!r}") from None
+            if resp.will_close:
+                self._drop()
+            return resp.status, raw
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- rows -----------------------------------------------------------------------
+
+    def upsert(self, rows: list[dict[str, Any]]) -> int:
+        return self.request("POST", "/rows", rows)["upserted"]
+
+    def delete(self, keys: list[str]) -> int:
+        return self.request("POST", "/rows/delete", {"keys": keys})["deleted"]
+
+    def row(self, key: str) -> dict[str, Any]:
+        """``GET /rows?key=``: the row, the keeper's view and the lease's."""
+        return self.request("GET", "/rows?" + urllib.parse.urlencode({"key": key}))
+
+    # -- the work path -------------------------------------------------------------
+
+    def claim(
+        self, max: int, lease_s: float | None = None, consumer: str = "python"
+    ) -> list[Grant]:
+        body: dict[str, Any] = {"max": max, "consumer": consumer}
+        if lease_s is not None:
+            body["lease_s"] = lease_s
+        return [_grant(doc) for doc in self.request("POST", "/claim", body)["leases"]]
+
+    def complete(self, lease_id: int, key: str, result: Any) -> int:
+        """Hand in a lease's result (bytes or a JSON value); the result id."""
+        body = {"lease_id": lease_id, "key": key, **_result_body(result)}
+        return self.request("POST", "/complete", body)["id"]
+
+    def release(self, lease_id: int, key: str, error: str | None = None) -> None:
+        body: dict[str, Any] = {"lease_id": lease_id, "key": key}
+        if error is not None:
+            body["error"] = error
+        self.request("POST", "/release", body)
+
+    def renew(self, lease_id: int, key: str, lease_s: float) -> float:
+        """The lease's new expires_at."""
+        body = {"lease_id": lease_id, "key": key, "lease_s": lease_s}
+        return self.request("POST", "/renew", body)["expires_at"]
+
+    def poll(self, job: str | None, max: int = 100, wait_s: float = 0) -> list[dict[str, Any]]:
+        """Offer up to ``max`` ready results of ``job`` (None: every job),
+        waiting up to ``wait_s`` for the first. Bytes results come back as bytes."""
+        query = urllib.parse.urlencode({"max": max, "wait_s": wait_s})
+        path = "/results" if job is None else f"/jobs/{urllib.parse.quote(job, safe='')}/results"
+        found = self.request("GET", f"{path}?{query}", timeout_s=self.timeout_s + wait_s)
+        results = found["results"]
+        for item in results:
+            if item.pop("encoding", None) == "base64":
+                item["result"] = base64.b64decode(item["result"])
+        return results
+
+    def ack(self, job: str, ids: list[int]) -> int:
+        path = f"/jobs/{urllib.parse.quote(job, safe='')}/ack"
+        return self.request("POST", path, {"ids": ids})["acked"]
+
+    def leases(self, limit: int = 1000) -> list[dict[str, Any]]:
+        return self.request("GET", f"/leases?limit={limit}")["leases"]
+
+    def held(self, limit: int = 1000) -> list[dict[str, Any]]:
+        return self.request("GET", f"/held?limit={limit}")["held"]
+
+    def unhold(self, keys: list[str]) -> int:
+        return self.request("POST", "/admin/unhold", {"keys": keys})["unheld"]
+
+    def accounting(self) -> dict[str, Any]:
+        return self.request("GET", "/accounting")
+
+    def queue_state(self, scope: str | None = None) -> dict[str, Any]:
+        """``GET /queue-state``. A 503 that carries a queue state (the keeper
+        cannot vouch: ``trust.vouched`` is false) is returned, not raised."""
+        path = "/queue-state" + (f"?scope={scope}" if scope else "")
+        try:
+            return self.request("GET", path)
+        except ClientError as exc:
+            if exc.status == 503 and isinstance(exc.body, dict) and "trust" in exc.body:
+                return exc.body
+            raise
+
+
+# -- on the host -----------------------------------------------------------------------
+
+
+def find_config(name: str, data_dir: str | os.PathLike[str] | None = None) -> Config:
+    """The running node's resolved configuration (see the module docstring)."""
+    candidates: list[Path] = []
+    if data_dir is not None:
+        candidates.append(Path(data_dir) / "run" / "config.json")
+    else:
+        if os.environ.get(ENV_CONFIG):
+            candidates.append(Path(os.environ[ENV_CONFIG]))
+        if os.environ.get(ENV_DATA_DIR):
+            candidates.append(Path(os.environ[ENV_DATA_DIR]) / "run" / "config.json")
+        candidates.append(DEFAULT_DATA_DIR / "run" / "config.json")
+    for path in candidates:
+        try:
+            config = Config.from_json(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError, KeyError):
+            continue
+        if config.name == name:
+            return config
+    tried = ", ".join(str(p) for p in candidates)
+    raise NodeNotRunning(
+        f"no run configuration of node {name!r} found (tried {tried}); pass data_dir= "
+        "the node's --data-dir"
+    )
+
+
+def _from_work(exc: WorkError) -> ClientError:
+    return ClientError(exc.status, exc.code, exc.message, exc.field)
+
+
+def _from_validation(exc: ValidationError) -> ClientError:
+    return ClientError(400, exc.code, exc.message, exc.field)
+
+
+def _encode(result: Any) -> tuple[bytes, str]:
+    """A result as the ledger takes it: bytes raw, anything else as JSON text."""
+    if isinstance(result, bytes | bytearray | memoryview):
+        return bytes(result), "bytes"
+    try:
+        return json.dumps(result, separators=(",", ":"), allow_nan=False).encode(), "json"
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ClientError(400, "invalid_result", f"not a JSON value: {exc}", "result") from None
+
+
+def _check_lease(lease_id: Any, key: Any) -> None:
+    try:
+        check_lease_id(lease_id)
+        check_key(key)
+    except ValidationError as exc:
+        raise _from_validation(exc) from None
+
+
+class LocalClaimer:
+    """Claims straight from the shared memory of node ``name`` on this host.
+
+    One per thread (a claim is not thread-safe). ``close()`` when done: it
+    unmaps the segments and closes the store and the ledger connection;
+    nothing is unlinked (only the supervisor does that).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        data_dir: str | os.PathLike[str] | None = None,
+        consumer: str | None = None,
+    ) -> None:
+        from node.ipc import Client as IpcClient
+        from node.store import open_store
+        from shm.leases import LeaseTable
+        from shm.ready import ReadySet
+        from shm.state import StateBuffer
+        from shm.wake import Wake
+
+        self.name = name
+        self.config = find_config(name, data_dir)
+        self.consumer = consumer or f"local-{os.getpid()}"
+        self._opened: list[Any] = []
+        try:
+            self.state = self._open(StateBuffer.attach(name))
+            self.ready = self._open(ReadySet.attach(name))
+            self.leases = self._open(LeaseTable.attach(name))
+            self.wake = self._open(Wake.attach(name))
+            self.store = self._open(open_store(self.config.store_url))
+        except BaseException:
+            self.close()
+            raise
+        self.claimer = Claimer(
+            self.config,
+            self.store,
+            self.ready,
+            self.leases,
+            wake=self.wake.post,
+            is_ready=self._keeper_published,
+        )
+        self.ledger = IpcClient(ledger_address(name))
+
+    def _open(self, obj: Any) -> Any:
+        self._opened.append(obj)
+        return obj
+
+    def _keeper_published(self) -> bool:
+        state = self.state.read()
+        first = state.get("first_publish_at") or 0.0
+        return first > 0 and first >= state.get("started_at", 0.0)
+
+    def claim(
+        self,
+        max: int,
+        lease_s: float | None = None,
+        consumer: str | None = None,
+        wait_s: float = 0.0,
+    ) -> list[Grant]:
+        """Up to ``max`` leases, most overdue first. With ``wait_s``, a claim
+        that finds nothing waits for the keeper's next publish (up to
+        ``wait_s`` in all) and tries again."""
+        try:
+            max_n, lease_s, consumer = check_claim(
+                max, self.config.lease_s if lease_s is None else lease_s, consumer or self.consumer
+            )
+        except ValidationError as exc:
+            raise _from_validation(exc) from None
+        deadline = time.monotonic() + wait_s
+        while True:
+            generation = self.claimer.generation
+            try:
+                grants = self.claimer.claim(max_n, lease_s, consumer, time.time())
+            except NotReady as exc:
+                raise ClientError(503, "not_ready", str(exc)) from None
+            left = deadline - time.monotonic()
+            if grants or left <= 0:
+                return grants
+            self.claimer.wait_for_publish(generation, left)
+
+    def complete(self, lease_id: int, key: str, result: Any) -> int:
+        """Hand in a lease's result (bytes or a JSON value), answered once it
+        is durable; the result id."""
+        (answer,) = self.complete_many([(lease_id, key, result)])
+        if isinstance(answer, ClientError):
+            raise answer
+        return answer
+
+    def complete_many(self, items: list[tuple[int, str, Any]]) -> list[int | ClientError]:
+        """Several results ``(lease_id, key, result)`` in one ledger request
+        (they share one group commit): per item, its result id or the
+        ClientError ``complete`` would raise. Raises ClientError (400) when an
+        item is malformed (nothing is sent), and 503 ``ledger_unavailable``
+        when the ledger cannot be reached (nothing is known to be accepted)."""
+        from node.ipc import IpcError, RemoteError
+
+        request = []
+        for lease_id, key, result in items:
+            _check_lease(lease_id, key)
+            data, encoding = _encode(result)
+            request.append({"lease_id": lease_id, "key": key, "result": data, "encoding": encoding})
+        if not request:
+            return []
+        try:
+            answer = self.ledger.call("complete", items=request)
+        except IpcError as exc:
+            raise ClientError(503, "ledger_unavailable", str(exc)) from None
+        except RemoteError as exc:
+            raise _from_work(ledger_error(exc.code, exc.message)) from None
+        outcomes = answer.get("outcomes") or []
+        if len(outcomes) != len(request):
+            raise ClientError(503, "ledger_unavailable", "the ledger answered the wrong count")
+        out: list[int | ClientError] = []
+        for (_lease_id, key, _result), outcome in zip(items, outcomes, strict=True):
+            try:
+                out.append(complete_outcome(outcome, key))  # type: ignore[arg-type]
+            except WorkError as exc:
+                out.append(_from_work(exc))
+        return out
+
+    def release(self, lease_id: int, key: str, error: str | None = None) -> None:
+        _check_lease(lease_id, key)
+        if error is not None and not isinstance(error, str):
+            raise ClientError(400, "invalid_error", "error must be a string (or None)", "error")
+        outcome = self.claimer.release(key, lease_id, time.time(), error)
+        if outcome.value != "released":
+            raise _from_work(refuse(outcome, key))
+
+    def renew(self, lease_id: int, key: str, lease_s: float) -> float:
+        """The lease's new expires_at."""
+        _check_lease(lease_id, key)
+        try:
+            lease_s = check_lease_s(lease_s)
+        except ValidationError as exc:
+            raise _from_validation(exc) from None
+        now = time.time()
+        outcome = self.claimer.renew(key, lease_id, lease_s, now)
+        if outcome.value != "renewed":
+            raise _from_work(refuse(outcome, key))
+        return now + lease_s
+
+    def close(self) -> None:
+        ledger = getattr(self, "ledger", None)
+        if ledger is not None:
+            ledger.close()
+        while self._opened:
+            self._opened.pop().close()
+
+    def __enter__(self) -> LocalClaimer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

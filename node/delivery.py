@@ -1,0 +1,357 @@
+"""Job ready queues: which durable results to offer, and to whom, next.
+
+Two phases (``docs/delivery.md``): ``poll`` *offers* results and starts each
+offer's clock; ``ack`` retires offered results. An offer not acked within
+``offer_timeout_s`` is offered again, to any poll of its job (or across
+jobs), ahead of the job's newer results.
+
+Only ids live here (the payloads stay in the completion log), and every
+structure is sized by what a poll returns, not by the backlog (invariant 7):
+
+- per job, the ready ids in id order: an ``array('Q')`` with a head index
+  (8 bytes an id; ids arrive in increasing order, so it is a queue that
+  ``bisect`` can search);
+- per job, a heap of ``(deadline, id)`` for its offers, plus one dict
+  ``id -> (job, deadline)`` of every offer (ack and re-offer in O(1)); an
+  entry the heap still holds after its id was acked is skipped when it
+  surfaces: each such entry is touched once, paid for by its ack;
+- a ring of the jobs that have ready ids (round-robin for polls across
+  jobs) and a heap of at most one wake-up per job for jobs whose only
+  offerable results are offers coming due again.
+
+``touched`` counts the entries a call examined; tests assert on it instead
+of on wall time. Time is passed in (``now``, wall seconds). Not thread-safe:
+the ledger owns one, on its event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import heapq
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from node.errors import NodeError
+
+# Below this many consumed slots the head of a ready array is not cut off
+# (cutting costs a copy of what is left; amortised O(1) per id above it).
+_COMPACT_MIN = 4096
+
+
+class NeverOffered(NodeError):
+    """An ack named ids this delivery never offered to that job; nothing in
+    that ack was retired. HTTP 409 ``never_offered``."""
+
+    def __init__(self, job: str, ids: list[int]) -> None:
+        self.job = job
+        self.ids = ids
+        shown = ", ".join(map(str, ids[:20])) + (" …" if len(ids) > 20 else "")
+        super().__init__(f"job {job!r}: ids never offered: {shown}")
+
+
+class _Job:
+    __slots__ = ("name", "ready", "head", "offers", "n_offered")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.ready = array("Q")  # ready ids, increasing, from ``head`` on
+        self.head = 0
+        self.offers: list[tuple[float, int]] = []  # heap of (deadline, id)
+        self.n_offered = 0
+
+    @property
+    def n_ready(self) -> int:
+        return len(self.ready) - self.head
+
+    def find_ready(self, rid: int) -> int:
+        i = bisect.bisect_left(self.ready, rid, self.head)
+        return i if i < len(self.ready) and self.ready[i] == rid else -1
+
+    def drop_ready(self, i: int) -> None:
+        if i == self.head:
+            self.head += 1
+            self._compact()
+        else:
+            del self.ready[i]  # rare (discards, recovered acks): one memmove
+
+    def take_ready(self, n: int) -> list[int]:
+        out = self.ready[self.head : self.head + n].tolist()
+        self.head += len(out)
+        self._compact()
+        return out
+
+    def _compact(self) -> None:
+        if self.head >= _COMPACT_MIN and self.head * 2 >= len(self.ready):
+            del self.ready[: self.head]
+            self.head = 0
+
+
+class Delivery:
+    def __init__(self, offer_timeout_s: float = 30.0) -> None:
+        if not offer_timeout_s > 0:
+            raise ValueError(f"offer_timeout_s {offer_timeout_s} must be positive")
+        self.offer_timeout_s = offer_timeout_s
+        self._jobs: dict[str, _Job] = {}
+        self._offers: dict[int, tuple[_Job, float]] = {}
+        self._ring: OrderedDict[str, None] = OrderedDict()  # jobs with ready ids
+        self._wakes: list[tuple[float, str]] = []  # heap: (deadline, job)
+        self._wake_at: dict[str, float] = {}  # the job's entry in _wakes
+        self._events: dict[str | None, asyncio.Event] = {}
+        self._max_id = 0
+        self._offered_before = 0
+        self.touched = 0
+
+    # -- filling ------------------------------------------------------------------
+
+    def add(self, rid: int, job: str) -> None:
+        """A result became durable (its lease ended): ready for ``job``.
+        Adding an id this delivery already holds changes nothing."""
+        if rid in self._offers:
+            return
+        q = self._jobs.get(job)
+        if q is None:
+            q = self._jobs[job] = _Job(job)
+        if not q.n_ready or rid > q.ready[-1]:
+            q.ready.append(rid)
+        elif q.find_ready(rid) >= 0:
+            return
+        else:
+            # Out of order (a lease that could only be ended after later
+            # ones): rare, one memmove.
+            q.ready.insert(bisect.bisect_left(q.ready, rid, q.head), rid)
+        self._max_id = max(self._max_id, rid)
+        self._ring[job] = None
+        for name in (job, None):
+            event = self._events.pop(name, None)
+            if event is not None:
+                event.set()
+
+    def assume_offered_through(self, rid: int) -> None:
+        """Ids up to ``rid`` may have been offered by an earlier ledger
+        process (they were recovered from the log): an ack of one of them is
+        taken even if this process has not offered it yet. Also: ids up to
+        it that this delivery does not hold were retired (a repeat ack of
+        one counts 0)."""
+        self._offered_before = max(self._offered_before, rid)
+        self._max_id = max(self._max_id, rid)
+
+    # -- offering -------------------------------------------------------------------
+
+    def poll(self, job: str | None, max_n: int, now: float) -> list[int]:
+        """Offer up to ``max_n`` results of ``job`` (None: across every job,
+        round-robin over the jobs that have something offerable). Offers
+        that came due again go first, then ready ids in id order."""
+        if max_n <= 0:
+            return []
+        if job is not None:
+            q = self._jobs.get(job)
+            return [] if q is None else self._take(q, max_n, now)
+        self._wake_due(now)
+        out: list[int] = []
+        while len(out) < max_n and self._ring:
+            # One round: each job in the ring gets an equal share of what is left.
+            for left in range(len(self._ring), 0, -1):
+                if len(out) >= max_n or not self._ring:
+                    break
+                name, _ = self._ring.popitem(last=False)
+                self.touched += 1
+                q = self._jobs.get(name)
+                if q is not None:
+                    # _take puts the job back at the end if it has more to offer.
+                    out += self._take(q, max(1, (max_n - len(out)) // left), now)
+        return out
+
+    def _take(self, q: _Job, n: int, now: float) -> list[int]:
+        out = self._due_offers(q, n, now)
+        if len(out) < n and q.n_ready:
+            fresh = q.take_ready(n - len(out))
+            self.touched += len(fresh)
+            out += fresh
+        older = self._next_offer(q)  # the earliest offer not taken now
+        if q.n_ready or (older is not None and older <= now):
+            self._ring[q.name] = None  # to the back: the next job's turn
+        else:
+            self._ring.pop(q.name, None)
+        if not out:
+            return out
+        deadline = now + self.offer_timeout_s
+        for rid in out:
+            if rid not in self._offers:
+                q.n_offered += 1
+            self._offers[rid] = (q, deadline)
+            heapq.heappush(q.offers, (deadline, rid))
+        self._schedule_wake(q.name, deadline if older is None else min(older, deadline))
+        return out
+
+    def _schedule_wake(self, name: str, at: float) -> None:
+        """Keep one wake-up per job at (or before) its earliest offer deadline."""
+        if self._wake_at.get(name, float("inf")) > at:
+            self._wake_at[name] = at
+            heapq.heappush(self._wakes, (at, name))
+
+    def _due_offers(self, q: _Job, n: int, now: float) -> list[int]:
+        """Up to ``n`` of the job's offers whose deadline has passed, oldest first."""
+        out: list[int] = []
+        heap = q.offers
+        while heap and len(out) < n and heap[0][0] <= now:
+            deadline, rid = heapq.heappop(heap)
+            self.touched += 1
+            live = self._offers.get(rid)
+            if live is not None and live[1] == deadline:
+                out.append(rid)
+        return out
+
+    def _wake_due(self, now: float) -> None:
+        """Put jobs whose offers came due again into the ring (polls across jobs)."""
+        while self._wakes and self._wakes[0][0] <= now:
+            at, name = heapq.heappop(self._wakes)
+            self.touched += 1
+            if self._wake_at.get(name) != at:
+                continue  # superseded by an earlier wake-up, or the job is gone
+            del self._wake_at[name]
+            q = self._jobs.get(name)
+            head = None if q is None else self._next_offer(q)
+            if head is None:
+                continue
+            if head <= now:
+                self._ring[name] = None
+                self._ring.move_to_end(name, last=False)  # re-offers go first
+            else:
+                self._schedule_wake(name, head)
+
+    def _next_offer(self, q: _Job) -> float | None:
+        """The earliest live deadline of the job's offers (dropping acked ones)."""
+        heap = q.offers
+        while heap:
+            deadline, rid = heap[0]
+            live = self._offers.get(rid)
+            if live is not None and live[1] == deadline:
+                return deadline
+            heapq.heappop(heap)
+            self.touched += 1
+        return None
+
+    def next_deadline(self, job: str | None) -> float | None:
+        """When an offer of ``job`` (None: of any job) next comes due again,
+        for a long poll's wait; None when nothing is offered."""
+        if job is not None:
+            q = self._jobs.get(job)
+            return None if q is None else self._next_offer(q)
+        return self._wakes[0][0] if self._wakes else None
+
+    def return_offers(self, rids: Iterable[int], now: float) -> None:
+        """Offers that were taken but not sent (the reply was full): due again
+        at once, ahead of newer results."""
+        for rid in rids:
+            live = self._offers.get(rid)
+            if live is None:
+                continue
+            q = live[0]
+            self._offers[rid] = (q, now)
+            heapq.heappush(q.offers, (now, rid))
+            self._ring[q.name] = None
+            self._ring.move_to_end(q.name, last=False)
+
+    # -- retiring -------------------------------------------------------------------
+
+    def retire(self, job: str, rids: Iterable[int], now: float) -> list[int]:
+        """Ack: retire offered ids of ``job``; the ids retired now. An id
+        already retired counts nothing (idempotent). An id this delivery has
+        not offered to ``job`` (ready and never offered, offered to another
+        job, or above every id it has held) raises NeverOffered, and then
+        nothing is retired."""
+        q = self._jobs.get(job)
+        todo: list[int] = []
+        recovered: list[int] = []
+        bad: list[int] = []
+        for rid in dict.fromkeys(int(r) for r in rids):
+            self.touched += 1
+            live = self._offers.get(rid)
+            if live is not None:
+                (todo if live[0] is q else bad).append(rid)
+            elif q is not None and q.find_ready(rid) >= 0:
+                (recovered if rid <= self._offered_before else bad).append(rid)
+            elif rid > self._max_id or rid <= 0:
+                bad.append(rid)
+        if bad:
+            raise NeverOffered(job, bad)
+        for rid in todo:
+            del self._offers[rid]
+        if q is not None:
+            q.n_offered -= len(todo)
+            for rid in recovered:
+                q.drop_ready(q.find_ready(rid))
+            self._forget_if_empty(q)
+        return todo + recovered
+
+    def ack(self, job: str, rids: Iterable[int], now: float) -> int:
+        """``retire``, counted."""
+        return len(self.retire(job, rids, now))
+
+    def remove(self, rids: Iterable[int], job: str | None = None) -> int:
+        """Discards (retention, an operator): drop ids whatever their phase;
+        how many were held. Without ``job`` a ready id is looked for in every
+        job (a bisect each)."""
+        n = 0
+        for rid in rids:
+            rid = int(rid)
+            live = self._offers.pop(rid, None)
+            if live is not None:
+                live[0].n_offered -= 1
+                self._forget_if_empty(live[0])
+                n += 1
+                continue
+            jobs = [self._jobs[job]] if job in self._jobs else []
+            for q in jobs if job is not None else list(self._jobs.values()):
+                i = q.find_ready(rid)
+                if i >= 0:
+                    q.drop_ready(i)
+                    if not q.n_ready:
+                        self._ring.pop(q.name, None)
+                    self._forget_if_empty(q)
+                    n += 1
+                    break
+        return n
+
+    def _forget_if_empty(self, q: _Job) -> None:
+        if not q.n_ready and not q.n_offered:
+            self._jobs.pop(q.name, None)
+            self._ring.pop(q.name, None)
+            # Its wake-up entry, if any, is skipped when it surfaces.
+
+    # -- reading --------------------------------------------------------------------
+
+    def pending(self, job: str | None = None) -> int:
+        """Results not yet acked: ready plus offered."""
+        if job is None:
+            return sum(q.n_ready for q in self._jobs.values()) + len(self._offers)
+        q = self._jobs.get(job)
+        return 0 if q is None else q.n_ready + q.n_offered
+
+    def offered(self, job: str | None = None) -> int:
+        """Results offered and not yet acked (past their deadline included)."""
+        if job is None:
+            return len(self._offers)
+        q = self._jobs.get(job)
+        return 0 if q is None else q.n_offered
+
+    def jobs(self) -> list[str]:
+        """Jobs with results not yet acked."""
+        return list(self._jobs)
+
+    def waiter(self, job: str | None) -> asyncio.Event:
+        """An event set when a result for ``job`` (None: any job) is added;
+        a fresh one after each add. For long polls: poll, and if nothing came
+        back, wait on this (bounded by ``next_deadline``), then poll again."""
+        event = self._events.get(job)
+        if event is None:
+            event = self._events[job] = asyncio.Event()
+        return event
+
+    def wake_all(self) -> None:
+        """Set every waiter (shutdown: long polls answer what they have)."""
+        events, self._events = self._events, {}
+        for event in events.values():
+            event.set()

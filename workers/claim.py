@@ -1,0 +1,456 @@
+"""The claim path: take due keys from the ready set and lease them.
+
+Shared by the HTTP workers (``POST /claim``) and ``node.client.LocalClaimer``
+(inference processes on the host); see "A claim" in ``docs/internals.md``.
+A claim costs the entries it takes (invariant 7): one fetch-add on the ready
+set's cursor, one batched point read of the rows, one compare-and-swap grant
+per key. Nothing here locks, and nothing waits on the keeper unless the
+caller asks to (``wait_for_publish``).
+
+Hazards:
+
+- The ready set is up to a second old. Every entry is checked against its row
+  (gone, version moved, not due yet) and the lease table (leased, held or
+  parked since the publish) before it is granted; a skipped entry is simply
+  consumed. So a stale set, or a stalled keeper, can cost grants, never grant
+  what should not be.
+- The cursor hands each entry of a set to one claimer. A claimer takes only
+  as many entries as it still needs: an entry taken and not granted is gone
+  from this set (the next publish offers it again), so over-taking would hide
+  work from the other claimers for up to a second.
+- Readiness: nothing is granted before the keeper's first publish since the
+  node started (its set may be the last run's). Once ready, a node stays
+  ready, so the check is made until it first passes and never again.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from node.config import Config
+from node.errors import NodeError, ValidationError
+from node.store.base import BadRow, Store
+from shm.leases import Lease, LeaseTable, Outcome, Refused
+from shm.segment import segment_name
+
+# The claimer asks the keeper for a fresh set when fewer than this share of
+# the published set is left, so the next set is there before this one runs out
+# (the keeper republishes within ~10 ms; claimers drain 1/4 of 5,000 entries
+# in about that time at full speed).
+LOW_WATER_FRACTION = 0.25
+
+# Limits from the contract (the HTTP layer and LocalClaimer check them).
+MAX_CLAIM = 10_000
+MAX_LEASE_S = 86_400
+MAX_CONSUMER_BYTES = 128
+
+
+class NotReady(NodeError):
+    """No claim before the keeper's first publish since the node started."""
+
+
+class Grant(NamedTuple):
+    """One lease granted by a claim: what the holder needs to do the work."""
+
+    lease_id: int
+    key: str
+    payload: Any
+    job: str
+    due_at: float
+    expires_at: float
+
+
+@dataclass
+class ClaimStats:
+    """What this claimer did, for its process's shutdown line and /metrics."""
+
+    claims: int = 0
+    taken: int = 0  # ready entries taken through the cursor
+    granted: int = 0
+    gone: int = 0  # no row (deleted), or a row the keeper cannot schedule
+    moved: int = 0  # the row's version differs from the entry's
+    not_due: int = 0  # due_at > now: rescheduled since the publish
+    refused: dict[str, int] = field(default_factory=dict)  # by Refuse reason
+    drained: int = 0  # claims that found the set empty before max
+    low_water: int = 0  # republish requests this claimer raised
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "claims": self.claims,
+            "taken": self.taken,
+            "granted": self.granted,
+            "gone": self.gone,
+            "moved": self.moved,
+            "not_due": self.not_due,
+            "refused": dict(self.refused),
+            "drained": self.drained,
+            "low_water": self.low_water,
+        }
+
+
+class WorkError(NodeError):
+    """A work-path request the node refuses after reading it (a lease that
+    ended, a ledger that cannot take a result): the HTTP status and the
+    stable error code, so HTTP and LocalClaimer answer alike."""
+
+    def __init__(self, status: int, code: str, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.field = field
+
+
+# -- the rules HTTP and LocalClaimer share ----------------------------------------------
+
+
+def check_claim(max_n: Any, lease_s: Any, consumer: Any) -> tuple[int, float, str]:
+    """Validate a claim's arguments (ValidationError naming the field)."""
+    if isinstance(max_n, bool) or not isinstance(max_n, int) or not 1 <= max_n <= MAX_CLAIM:
+        raise ValidationError("invalid_max", f"max must be an integer from 1 to {MAX_CLAIM}", "max")
+    lease_s = check_lease_s(lease_s)
+    if not isinstance(consumer, str) or not consumer:
+        raise ValidationError("invalid_consumer", "consumer must be a non-empty string", "consumer")
+    try:
+        size = len(consumer.encode())
+    except UnicodeEncodeError:
+        raise ValidationError(
+            "invalid_consumer", "consumer must be valid UTF-8", "consumer"
+        ) from None
+    if size > MAX_CONSUMER_BYTES:
+        raise ValidationError(
+            "invalid_consumer",
+            f"consumer is {size} bytes; at most {MAX_CONSUMER_BYTES}",
+            "consumer",
+        )
+    return max_n, lease_s, consumer
+
+
+def check_lease_s(lease_s: Any) -> float:
+    if (
+        isinstance(lease_s, bool)
+        or not isinstance(lease_s, int | float)
+        or not 1 <= lease_s <= MAX_LEASE_S
+    ):
+        raise ValidationError(
+            "invalid_lease_s", f"lease_s must be a number from 1 to {MAX_LEASE_S}", "lease_s"
+        )
+    return float(lease_s)
+
+
+def check_lease_id(lease_id: Any) -> int:
+    if isinstance(lease_id, bool) or not isinstance(lease_id, int) or not 0 < lease_id < 1 << 64:
+        raise ValidationError(
+            "invalid_lease_id", "lease_id must be the integer a claim answered", "lease_id"
+        )
+    return lease_id
+
+
+# Outcomes of renew/release that refuse, as (status, code, message).
+_REFUSALS = {
+    Outcome.ENDED: (409, "lease_ended", "the lease has ended (expired, released or completed)"),
+    Outcome.SUPERSEDED: (409, "lease_conflict", "the key was granted to another lease since"),
+    Outcome.UNKNOWN: (409, "lease_unknown", "no such lease for this key"),
+    Outcome.BUSY: (503, "lease_busy", "another process held the key's lease slot; retry"),
+}
+
+# The ledger's complete statuses that refuse, as (status, code, message).
+COMPLETE_REFUSALS = {
+    "conflict": (409, "lease_conflict", "the key was granted to another lease since"),
+    "unknown": (409, "lease_unknown", "no such lease for this key"),
+    "log_unavailable": (503, "log_unavailable", "the completion log cannot take results; retry"),
+}
+
+
+# The ledger's error codes that are answers to the caller, by HTTP status;
+# any other error is the ledger failing (503 ledger_unavailable, retry).
+LEDGER_REFUSALS = {"never_offered": 409, "result_too_large": 400, "log_unavailable": 503}
+
+
+def ledger_error(code: str, message: str) -> WorkError:
+    """An error the ledger answered, as the API's error."""
+    status = LEDGER_REFUSALS.get(code)
+    if status is not None:
+        return WorkError(status, code, message, "ids" if code == "never_offered" else None)
+    return WorkError(503, "ledger_unavailable", f"the ledger failed: {code}: {message}")
+
+
+def refuse(outcome: Outcome, key: str) -> WorkError:
+    status, code, message = _REFUSALS.get(
+        outcome, (409, "lease_unknown", f"unexpected outcome {outcome.value}")
+    )
+    return WorkError(status, code, f"{message} (key {key!r})", "lease_id")
+
+
+def complete_outcome(item: dict[str, Any], key: str) -> int | None:
+    """The result id of an accepted completion; raises WorkError otherwise."""
+    status = item.get("status")
+    if status in ("ok", "repeat"):
+        return item.get("id")
+    code = COMPLETE_REFUSALS.get(
+        status, (503, "ledger_unavailable", f"the ledger answered status {status!r}")
+    )
+    field = "lease_id" if code[0] == 409 else None
+    raise WorkError(code[0], code[1], f"{code[2]} (key {key!r})", field)
+
+
+def encode_result(body: dict[str, Any], from_msgpack: bool) -> tuple[bytes, str]:
+    """A completion's result as the ledger takes it: (bytes, "json" | "bytes").
+
+    JSON value → its JSON text; ``{"result": "<base64>", "encoding":
+    "base64"}`` → the bytes; raw bytes (msgpack) → the bytes."""
+    if "result" not in body:
+        raise ValidationError("missing_field", "the body needs result", "result")
+    result = body["result"]
+    encoding = body.get("encoding", "json")
+    if encoding == "base64":
+        if not isinstance(result, str):
+            raise ValidationError("invalid_result", "a base64 result must be a string", "result")
+        try:
+            return base64.b64decode(result, validate=True), "bytes"
+        except (binascii.Error, ValueError):
+            raise ValidationError(
+                "invalid_result", "result is not valid base64", "result"
+            ) from None
+    if encoding != "json":
+        raise ValidationError(
+            "invalid_result", 'encoding must be "base64" or absent (a JSON value)', "encoding"
+        )
+    if isinstance(result, bytes | bytearray):
+        if not from_msgpack:
+            raise ValidationError("invalid_result", "bytes travel as base64 in JSON", "result")
+        return bytes(result), "bytes"
+    try:
+        text = json.dumps(result, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ValidationError(
+            "invalid_result", f"result is not a JSON value: {exc}", "result"
+        ) from None
+    return text.encode(), "json"
+
+
+def decode_result(result: bytes, encoding: str) -> Any:
+    """A stored result back as a value: JSON parsed, bytes as bytes."""
+    if encoding == "json":
+        return json.loads(result)
+    return bytes(result)
+
+
+def ledger_address(name: str) -> str:
+    """The ledger's UNIX socket in the abstract namespace: ``\\0queue-node.<name>.ledger``."""
+    return "\0" + segment_name(name, "ledger")[1:]
+
+
+def _always_ready() -> bool:
+    return True
+
+
+def _no_wake() -> None:
+    return None
+
+
+class Claimer:
+    """Claims for one process. Not thread-safe: one per thread (the HTTP
+    worker's event loop claims on its store thread, one claim at a time).
+
+    ``wake`` posts the keeper's wake semaphore; ``is_ready`` says whether the
+    keeper has published since the node started (None: always ready, for
+    tests that publish by hand).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        ready: Any,
+        leases: LeaseTable,
+        wake: Callable[[], None] | None = None,
+        is_ready: Callable[[], bool] | None = None,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.ready = ready
+        self.leases = leases
+        self._wake = wake or _no_wake
+        self._is_ready = is_ready or _always_ready
+        self._ready_seen = is_ready is None
+        # route -> its default cadence; rows carry their own or None.
+        self._route_cadence: dict[str, float] = {}
+        self.stats = ClaimStats()
+
+    # -- claims ---------------------------------------------------------------------
+
+    def ready_now(self) -> bool:
+        """Whether claims are served (checked until it first passes)."""
+        if not self._ready_seen:
+            self._ready_seen = bool(self._is_ready())
+        return self._ready_seen
+
+    def claim(self, max_n: int, lease_s: float, consumer: str, now: float) -> list[Grant]:
+        """Lease up to ``max_n`` due keys to ``consumer`` for ``lease_s``, most
+        overdue first; fewer (or none) when the ready set runs out. Raises
+        NotReady before the keeper's first publish since the node started."""
+        if not self.ready_now():
+            raise NotReady("the keeper has not published since the node started")
+        stats = self.stats
+        stats.claims += 1
+        grants: list[Grant] = []
+        while len(grants) < max_n:
+            want = max_n - len(grants)
+            _generation, entries = self.ready.take(want)
+            self._check_low_water()
+            if not entries:
+                stats.drained += 1
+                break
+            stats.taken += len(entries)
+            self._grant_entries(entries, lease_s, consumer, now, grants)
+            if len(entries) < want:
+                stats.drained += 1
+                break  # the set ran out under us
+        stats.granted += len(grants)
+        return grants
+
+    def _grant_entries(
+        self, entries: list, lease_s: float, consumer: str, now: float, grants: list[Grant]
+    ) -> None:
+        stats = self.stats
+        if len(entries) == 1:  # a point read costs a fifth less than get_many of one
+            key = entries[0].key
+            row = self.store.get(key)
+            rows = {} if row is None else {key: row}
+        else:
+            rows = self.store.get_many([entry.key for entry in entries])
+        grant = self.leases.grant
+        for entry in entries:
+            row = rows.get(entry.key)
+            if row is None or isinstance(row, BadRow):
+                stats.gone += 1
+                continue
+            if row.version != entry.version:
+                stats.moved += 1
+                continue
+            if row.due_at > now:
+                stats.not_due += 1
+                continue
+            cadence_s = row.cadence_s or self._cadence_of(row.route)
+            lease = grant(entry.key, consumer, lease_s, now, cadence_s, version=row.version)
+            if isinstance(lease, Refused):
+                reason = lease.reason.value
+                stats.refused[reason] = stats.refused.get(reason, 0) + 1
+                continue
+            grants.append(
+                Grant(lease.lease_id, entry.key, row.payload, row.job, row.due_at, lease.expires_at)
+            )
+
+    def _cadence_of(self, route: str) -> float:
+        cadence_s = self._route_cadence.get(route)
+        if cadence_s is None:
+            cadence_s = self._route_cadence[route] = float(self.config.route(route).cadence_s)
+        return cadence_s
+
+    def _check_low_water(self) -> None:
+        """Fewer than a quarter of the set left: ask the keeper for a new one
+        (once per set: the flag stays up until the keeper takes it)."""
+        ready = self.ready
+        if ready.last_left < ready.last_count * LOW_WATER_FRACTION:
+            if ready.request_publish():
+                self.stats.low_water += 1
+                self._wake()
+
+    def wait_for_publish(self, after_generation: int, timeout_s: float | None) -> int:
+        """Block until the keeper publishes a set newer than
+        ``after_generation`` (for a claimer that found the set drained);
+        returns the generation now."""
+        return self.ready.wait_publish(after_generation, timeout_s)
+
+    @property
+    def generation(self) -> int:
+        return self.ready.generation
+
+    # -- the holder's side: straight to the lease table ------------------------------
+
+    def renew(self, key: str, lease_id: int, lease_s: float, now: float) -> Outcome:
+        """RENEWED (expires_at = now + lease_s), ENDED, SUPERSEDED, UNKNOWN or BUSY."""
+        return self.leases.renew(key, lease_id, lease_s, now)
+
+    def release(self, key: str, lease_id: int, now: float, error: str | None = None) -> Outcome:
+        """RELEASED, ENDED, SUPERSEDED, UNKNOWN or BUSY."""
+        return self.leases.release(key, lease_id, now, error)
+
+
+# -- explain: a key's lease state, for GET /rows?key= ----------------------------------
+
+
+def lease_view(leases: LeaseTable, key: str, now: float) -> dict[str, Any]:
+    """The lease table's view of one key: its live lease, or its hold or
+    parking with misses, held_until and the last error."""
+    found = _lookup(leases, key)
+    if found is None:
+        return {"state": "none"}
+    state, rec = found
+    out: dict[str, Any] = {"state": state, "lease_id": rec.lease_id, "misses": rec.misses}
+    if state == "leased":
+        out.update(
+            consumer=rec.consumer_str,
+            granted_at=rec.granted_at,
+            expires_at=rec.expires_at,
+            expired=rec.expires_at <= now,
+        )
+    elif state in ("held", "parked"):
+        out.update(held_until=rec.held_until, last_error=rec.error_str or None)
+    return out
+
+
+def _lookup(leases: LeaseTable, key: str) -> tuple[str, Any] | None:
+    """(state name, current record) of ``key``'s slot, or None.
+
+    Uses the table's private lookup: shm/leases.py has no public read of one
+    key yet (ask: ``LeaseTable.lookup(key)``). A slot held mid-change counts
+    as what it was; its current record still stands."""
+    from shm import leases as mod
+
+    kb = mod._key_bytes(key)
+    found = leases._lookup(kb, mod._hash(kb))
+    if found is None:
+        return None
+    _idx, w, rec = found
+    code = (w >> 4) & 15 if w & 15 == mod.UPDATING else w & 15
+    return mod.CODE_NAMES[code], rec
+
+
+def why_not_granted(
+    row: Any, lease: dict[str, Any], keeper: dict[str, Any] | None, now: float
+) -> str | None:
+    """Why a claim would not grant this row now; None when it would (as far
+    as one look can tell)."""
+    state = lease.get("state")
+    if state == "leased" and not lease.get("expired"):
+        return "leased"
+    if state == "held" and lease.get("held_until", 0) > now:
+        return f"held until {lease['held_until']}"
+    if state == "parked":
+        return "parked"
+    if keeper and keeper.get("paused"):
+        return "paused"
+    if row is not None and getattr(row, "due_at", now) > now:
+        return "not due"
+    if keeper and keeper.get("held") and not keeper.get("in_ready_set"):
+        return "not in the ready set"
+    if keeper is not None and keeper.get("held") is False:
+        return "not in the ready set"
+    return None
+
+
+def lease_of(lease: Lease) -> dict[str, Any]:
+    return {
+        "key": lease.key,
+        "lease_id": lease.lease_id,
+        "consumer": lease.consumer,
+        "granted_at": lease.granted_at,
+        "expires_at": lease.expires_at,
+    }

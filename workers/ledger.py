@@ -1,0 +1,772 @@
+"""``python -m workers.ledger``: the ledger process, started by the supervisor.
+
+The single writer of the completion log. It takes results over local IPC
+(``node/ipc.py`` framing) on the abstract UNIX socket
+``\\0queue-node.<name>.ledger``, makes them durable with group commit, then
+writes back each row's next due time and ends its lease; it holds the job
+ready queues (``node/delivery.py``) and serves polls and acks; it runs the
+lease expiry sweep; it answers for the lifetime counters
+(``node/accounting.py``). Ops and their order: ``docs/internals.md``, "the
+work path"; what can be delivered or run twice: ``docs/delivery.md``.
+
+One thread, one event loop. The completion store is not thread-safe, and a
+flush blocks the loop on purpose: completions that arrive meanwhile wait in
+the socket buffers and make up the next group, which is what group commit
+needs. Signal handlers only set an event: the first SIGTERM stops accepting,
+finishes what was taken, flushes and exits 0 with a one-line summary; a
+second one exits at once (nothing durable is lost: replies follow the fsync).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from node import log
+from node.config import Config
+from node.errors import NodeError
+from node.ipc import MAX_FRAME, IpcError, RemoteError, pack, read_frame
+from node.proc import ENV_CONFIG, RET_ERROR, RET_OK, child_signals, die_with_parent, set_title
+
+# Segments of the completion log live in <data-dir>/LOG_DIR.
+LOG_DIR = "log"
+# Expiry sweep, retries of write-backs and lease ends, accounting checkpoint.
+SWEEP_INTERVAL_S = 0.1
+# Group commit: wait this long after a completion arrives before flushing.
+# 0 (the default) flushes what is queued at once: completions that arrive
+# during a flush wait in the socket buffers and make up the next group. A
+# window only lowered throughput in measurements (docs/delivery.md: on a VM,
+# asyncio sleeps of under a millisecond take a millisecond or more).
+# Overridable for benches with QUEUE_NODE_LEDGER_GROUP_WINDOW_S.
+GROUP_WINDOW_S = float(os.environ.get("QUEUE_NODE_LEDGER_GROUP_WINDOW_S", "0") or 0)
+# At most this many results per fsync (a request is never split).
+GROUP_MAX_ITEMS = 1024
+# Request limits, as the HTTP contract's: items per complete, ids per ack,
+# max per poll, wait_s.
+MAX_ITEMS = 10_000
+MAX_WAIT_S = 60.0
+# A poll's reply stops growing past this (frames are at most 32 MiB).
+REPLY_BYTES = 24 << 20
+# On SIGTERM, how long requests in flight get to finish.
+STOP_GRACE_S = 5.0
+ENCODINGS = ("json", "bytes")
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def ledger_address(name: str) -> str:
+    """The ledger's socket: abstract namespace, no file (Linux)."""
+    return f"\0queue-node.{name}.ledger"
+
+
+def _bad(message: str) -> RemoteError:
+    return RemoteError("bad_request", message)
+
+
+@dataclass(slots=True)
+class _Item:
+    """One accepted completion between its peek and its reply."""
+
+    key: str
+    lease_id: int
+    data: bytes
+    encoding: str
+    job: str
+    version: int
+    cadence_s: float
+    done: asyncio.Future
+
+
+@dataclass
+class _Stats:
+    started_at: float = field(default_factory=time.time)
+    statuses: dict[str, int] = field(default_factory=dict)
+    groups: int = 0
+    group_items_max: int = 0
+    flush_s: float = 0.0
+    flush_s_max: float = 0.0
+    polls: int = 0
+    offered: int = 0
+    acks: int = 0
+    acked: int = 0
+    expired: int = 0
+    sweeps: int = 0
+    writeback_skipped: int = 0  # the row moved on or is gone: the newer write wins
+    writeback_failed: int = 0
+    superseded_after_durable: int = 0
+    unreadable: int = 0
+    recovery: dict[str, Any] = field(default_factory=dict)
+
+
+class Ledger:
+    """The ledger's state and ops. ``serve`` runs it; tests may drive the
+    sync parts directly with the in-memory twins."""
+
+    def __init__(self, config: Config, leases: Any, store: Any, completion: Any) -> None:
+        from node.accounting import AccountingFile
+        from node.delivery import Delivery
+
+        self.config = config
+        self.leases = leases
+        self.store = store
+        self.log = completion
+        self.delivery = Delivery(config.offer_timeout_s)
+        self.acct = AccountingFile.open(config.data_dir)
+        self.stats = _Stats()
+        self._inflight: dict[tuple[str, int], asyncio.Future] = {}
+        self._queue: list[list[_Item]] = []  # requests' accepted items, in arrival order
+        self._waiters: list[asyncio.Future] = []  # settled by the next flush
+        self._kick = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._unended: list[tuple[str, int, int, str]] = []  # key, lease_id, id, job
+        self._writebacks: list[tuple[str, float, int]] = []  # key, due_at, if_version
+        self._checkpointed: dict[str, int] = {}
+        self._checkpoint_due = 0.0
+        self._connections: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task] = set()  # requests being answered, all connections
+        self.accounting_at_stop: dict[str, Any] = {}
+
+    # -- start: recovery ----------------------------------------------------------
+
+    def recover(self, now: float) -> dict[str, Any]:
+        """Rebuild from evidence: the log's segments, then the lease table.
+
+        A pending result whose lease the table still shows live or ended
+        without a result (COMPLETED / LATE from peek) was made durable by a
+        ledger that died before ending its lease: end it now, after the
+        write-back. Every pending result joins its job's ready queue."""
+        from node.completion import CompletionError
+        from shm.leases import Outcome
+
+        report = self.log.recover()
+        restored = self.acct.restore(self.leases.counters(), now)
+        if restored:
+            log.warn("accounting_restored", added=restored, checkpoint_at=self.acct.checkpoint_at)
+        fixed = 0
+        # Every pending result is read once (its lease id is not in the
+        # index): about 10 µs each, 1 s per 100,000 pending (docs/delivery.md).
+        for p in self.log.pending():
+            try:
+                result = self.log.read_result(p.id)
+            except CompletionError as exc:  # offered, and reported unreadable then
+                log.error("result_unreadable", id=p.id, error=str(exc))
+                self.delivery.add(p.id, p.job)
+                continue
+            outcome, _ = self.leases.peek(result.key, int(result.lease_id))
+            due_at = result.finished_at + result.cadence_s
+            if outcome in (Outcome.COMPLETED, Outcome.LATE):
+                self._write_back(result.key, due_at, result.version)
+                self._end_lease(result.key, int(result.lease_id), p.id, p.job, now)
+                fixed += 1
+                continue
+            if restored and outcome is Outcome.UNKNOWN:
+                # The table was lost with the host: this result's write-back
+                # may never have happened. Repeating one that did is refused
+                # by its version, harmlessly.
+                self._write_back(result.key, due_at, result.version)
+            self.delivery.add(p.id, p.job)
+        self.delivery.assume_offered_through(report.next_id - 1)
+        gap = 0
+        if restored:
+            # The events between the last checkpoint and the crash are lost
+            # (docs/accounting.md): say by how much the law is off now.
+            a = self.accounting()
+            gap = a["routed"] - a["finished"] - a["expired"] - a["released"] - a["in_flight"]
+            log.warn("accounting_gap", gap=gap, **{k: a[k] for k in ("routed", "finished")})
+        if not report.exact:
+            log.warn("accounting_not_exact", corrupt=len(report.corrupt))
+        self.stats.recovery = {
+            "segments": report.segments,
+            "results": report.results,
+            "pending": report.pending,
+            "cuts": [dataclasses.asdict(c) for c in report.cuts],
+            "corrupt": len(report.corrupt),
+            "exact": report.exact,
+            "seconds": round(report.seconds, 3),
+            "leases_ended": fixed,
+            "accounting_restored": restored or {},
+            "accounting_gap": gap,
+        }
+        return self.stats.recovery
+
+    # -- complete -----------------------------------------------------------------
+
+    def check(self, items: list[dict]) -> tuple[list[dict | None], list[tuple[int, _Item]], list]:
+        """Peek every item before anything is written: (outcomes so far,
+        accepted items by index, duplicates of completions in flight)."""
+        from shm.leases import Outcome
+
+        refused = {
+            Outcome.REPEAT: "repeat",
+            Outcome.SUPERSEDED: "conflict",
+            Outcome.UNKNOWN: "unknown",
+            Outcome.BUSY: "busy",
+        }
+        outcomes: list[dict | None] = [None] * len(items)
+        peeked = []
+        for i, item in enumerate(items):
+            outcome, lease = self.leases.peek(item["key"], item["lease_id"])
+            if outcome in refused:
+                outcomes[i] = {"status": refused[outcome]}
+            else:
+                peeked.append((i, item, lease))
+        rows = self.store.get_many([item["key"] for _, item, _ in peeked]) if peeked else {}
+        loop = asyncio.get_running_loop()
+        accepted: list[tuple[int, _Item]] = []
+        dups: list[tuple[int, asyncio.Future]] = []
+        for i, item, lease in peeked:
+            key = (item["key"], item["lease_id"])
+            first = self._inflight.get(key)
+            if first is not None:
+                dups.append((i, first))
+                continue
+            job, cadence_s = self._job_and_cadence(rows.get(item["key"]), lease.cadence_s)
+            done = loop.create_future()
+            self._inflight[key] = done
+            accepted.append(
+                (i, _Item(item["key"], item["lease_id"], item["result"], item["encoding"],
+                          job, lease.version, cadence_s, done))
+            )  # fmt: skip
+        return outcomes, accepted, dups
+
+    def _job_and_cadence(self, row: Any, lease_cadence_s: float) -> tuple[str, float]:
+        from node.rows import DEFAULT_JOB, Row
+
+        if not isinstance(row, Row):  # deleted while leased: the result is still kept
+            return DEFAULT_JOB, lease_cadence_s or self.config.defaults.cadence_s
+        cadence_s = lease_cadence_s or row.cadence_s or self.config.route(row.route).cadence_s
+        return row.job, float(cadence_s)
+
+    def commit(self, items: list[_Item], now: float) -> None:
+        """One group: append, one flush (fsync), then per result: write back
+        its next due time, end its lease, offer it. Sets each item's future."""
+        from node.completion import LogUnavailable, Result
+
+        results = [
+            Result(it.key, it.job, it.lease_id, it.version, now, it.cadence_s, it.data, it.encoding)
+            for it in items
+        ]
+        t0 = time.perf_counter()
+        try:
+            ids = self.log.append_results(results)
+            self.log.flush()
+        except LogUnavailable as exc:
+            log.warn("log_unavailable", results=len(items), error=str(exc))
+            for it in items:
+                self._settle(it, "log_unavailable", None)
+            return
+        flush_s = time.perf_counter() - t0
+        self.stats.groups += 1
+        self.stats.group_items_max = max(self.stats.group_items_max, len(items))
+        self.stats.flush_s += flush_s
+        self.stats.flush_s_max = max(self.stats.flush_s_max, flush_s)
+        for it, rid in zip(items, ids, strict=True):
+            try:
+                self._write_back(it.key, now + it.cadence_s, it.version)
+                self._end_lease(it.key, it.lease_id, rid, it.job, now)
+            except Exception as exc:  # noqa: BLE001 - durable already: answer ok, retry the end
+                log.error("lease_end_failed", exc_info=True, key=it.key, id=rid, error=repr(exc))
+                self._unended.append((it.key, it.lease_id, rid, it.job))
+            self._settle(it, "ok", rid)
+
+    def _settle(self, it: _Item, status: str, rid: int | None) -> None:
+        self._inflight.pop((it.key, it.lease_id), None)
+        if not it.done.done():
+            it.done.set_result((status, rid))
+
+    def _write_back(self, key: str, due_at: float, version: int) -> None:
+        """Before the lease ends: a crash between the two leaves the lease
+        live, and recovery does both again (the repeat write is refused by
+        its version, harmlessly)."""
+        from node.errors import StoreError
+
+        try:
+            if self.store.write_next_due(key, due_at, if_version=version) is None:
+                self.stats.writeback_skipped += 1
+        except StoreError as exc:
+            self.stats.writeback_failed += 1
+            self._writebacks.append((key, due_at, version))
+            log.warn("writeback_failed", key=key, error=str(exc), retrying=len(self._writebacks))
+
+    def _end_lease(self, key: str, lease_id: int, rid: int, job: str, now: float) -> None:
+        from shm.leases import Outcome
+
+        outcome = self.leases.complete(key, lease_id, now)
+        if outcome is Outcome.BUSY:
+            # Another live process holds the key's slot: retried every sweep;
+            # offered once ended (an ack before would leave a live lease).
+            self._unended.append((key, lease_id, rid, job))
+            return
+        if outcome in (Outcome.SUPERSEDED, Outcome.UNKNOWN):
+            # Granted again between the peek and now (docs/delivery.md):
+            # the result is durable, so it is delivered all the same.
+            self.stats.superseded_after_durable += 1
+            log.warn("complete_superseded_after_durable", key=key, lease_id=lease_id, id=rid)
+        self.delivery.add(rid, job)
+
+    async def complete(self, request: dict) -> dict:
+        items = _check_items(request.get("items"))
+        outcomes, accepted, dups = self.check(items)
+        if accepted:
+            self._queue.append([it for _, it in accepted])
+            self._kick.set()
+        for i, it in accepted:
+            status, rid = await it.done
+            outcomes[i] = {"status": status, "id": rid} if rid is not None else {"status": status}
+        for i, first in dups:
+            status, rid = await first
+            outcomes[i] = {"status": "repeat", "id": rid} if status == "ok" else {"status": status}
+        for outcome in outcomes:
+            status = outcome["status"]  # type: ignore[index]
+            self.stats.statuses[status] = self.stats.statuses.get(status, 0) + 1
+        return {"outcomes": outcomes}
+
+    async def run_committer(self) -> None:
+        """Group commit: take what is queued (whole requests, up to
+        GROUP_MAX_ITEMS results), one flush, replies; again."""
+        while True:
+            await self._kick.wait()
+            self._kick.clear()
+            if GROUP_WINDOW_S > 0:
+                await asyncio.sleep(GROUP_WINDOW_S)
+            while self._queue or self._waiters:
+                group: list[_Item] = []
+                while self._queue and (
+                    not group or len(group) + len(self._queue[0]) <= GROUP_MAX_ITEMS
+                ):
+                    group += self._queue.pop(0)
+                waiters, self._waiters = self._waiters, []
+                try:
+                    self.commit(group, time.time())
+                except Exception as exc:  # noqa: BLE001 - a bug must not wedge every completion
+                    log.error("commit_failed", exc_info=True, results=len(group), error=repr(exc))
+                    for it in group:
+                        self._settle(it, "error", None)
+                for waiter in waiters:
+                    if not waiter.done():
+                        waiter.set_result(None)
+
+    # -- poll and ack ---------------------------------------------------------------
+
+    async def poll(self, request: dict) -> dict:
+        job = _job_or_none(request.get("job"))
+        max_n = _int_in(request.get("max", 100), "max", 1, MAX_ITEMS)
+        wait_s = _num_in(request.get("wait_s", 0), "wait_s", 0, MAX_WAIT_S)
+        self.stats.polls += 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            results = self.offer(job, max_n, time.time())
+            left = deadline - loop.time()
+            if results or left <= 0 or self._stopping.is_set():
+                return {"results": results}
+            event = self.delivery.waiter(job)
+            due = self.delivery.next_deadline(job)
+            if due is not None:
+                left = min(left, max(0.001, due - time.time()))
+            try:
+                await asyncio.wait_for(event.wait(), left)
+            except TimeoutError:
+                pass
+
+    def offer(self, job: str | None, max_n: int, now: float) -> list[dict]:
+        from node.completion import CompletionError
+
+        ids = self.delivery.poll(job, max_n, now)
+        out: list[dict] = []
+        size = 0
+        for n, rid in enumerate(ids):
+            if size >= REPLY_BYTES:
+                self.delivery.return_offers(ids[n:], now)
+                break
+            try:
+                r = self.log.read_result(rid)
+            except CompletionError as exc:
+                # Not offered again: it cannot be read (reported, never silent).
+                self.stats.unreadable += 1
+                self.delivery.remove([rid])
+                log.error("result_unreadable", id=rid, error=str(exc))
+                continue
+            size += len(r.data) + len(r.key) + 64
+            out.append({"id": rid, "key": r.key, "job": r.job, "result": r.data,
+                        "encoding": r.encoding, "finished_at": r.finished_at})  # fmt: skip
+        self.stats.offered += len(out)
+        return out
+
+    async def ack(self, request: dict) -> dict:
+        from node.delivery import NeverOffered
+
+        job = request.get("job")
+        if not isinstance(job, str) or not job:
+            raise _bad("ack needs a job")
+        ids = request.get("ids")
+        if not isinstance(ids, list) or len(ids) > MAX_ITEMS:
+            raise _bad(f"ids must be a list of at most {MAX_ITEMS} integers")
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise _bad("ids must be non-negative integers")
+        elsewhere = [i for i in ids if (p := self.log.get_pending(i)) is not None and p.job != job]
+        try:
+            if elsewhere:
+                raise NeverOffered(job, elsewhere)
+            retired = self.delivery.retire(job, ids, time.time())
+        except NeverOffered as exc:
+            raise _NeverOfferedReply(exc) from None
+        self.log.ack(retired)
+        self.stats.acks += 1
+        self.stats.acked += len(retired)
+        await self.flushed()
+        return {"acked": len(retired)}
+
+    async def flushed(self) -> None:
+        """Until what is buffered now (acks) has been through a flush: it
+        joins the next group commit. A failed flush leaves the acks in
+        effect here and buffered: the sweep retries them."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        self._kick.set()
+        await waiter
+
+    # -- the rest of the ops ----------------------------------------------------------
+
+    def accounting(self) -> dict:
+        from node.accounting import LogCounts, build
+        from node.completion import LogUnavailable
+
+        try:
+            self.log.flush()
+        except LogUnavailable:
+            pass  # then the second law shows what is not durable yet
+        c = self.log.counters()
+        counts = LogCounts(c.durable, c.acked, c.discarded, self.log.pending_count())
+        totals = self.acct.totals(self.leases.counters())
+        return build(totals, self.leases.live_count(), counts, self.acct.since)
+
+    def unhold(self, request: dict) -> dict:
+        keys = request.get("keys")
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise _bad("keys must be a list of strings")
+        try:
+            return {"unheld": self.leases.unhold(keys)}
+        except ValueError as exc:
+            raise _bad(str(exc)) from None
+
+    def stats_reply(self) -> dict:
+        c = self.log.counters()
+        s = self.stats
+        return {
+            "pid": os.getpid(),
+            "up_s": round(time.time() - s.started_at, 3),
+            "statuses": dict(s.statuses),
+            "groups": s.groups,
+            "group_items_max": s.group_items_max,
+            "flush_ms_mean": round(1000 * s.flush_s / s.groups, 3) if s.groups else 0.0,
+            "flush_ms_max": round(1000 * s.flush_s_max, 3),
+            "polls": s.polls,
+            "offered": s.offered,
+            "acks": s.acks,
+            "acked": s.acked,
+            "sweeps": s.sweeps,
+            "expired": s.expired,
+            "writeback_skipped": s.writeback_skipped,
+            "writeback_failed": s.writeback_failed,
+            "writeback_retrying": len(self._writebacks),
+            "unended": len(self._unended),
+            "superseded_after_durable": s.superseded_after_durable,
+            "unreadable": s.unreadable,
+            "pending": self.delivery.pending(),
+            "offered_now": self.delivery.offered(),
+            "jobs": len(self.delivery.jobs()),
+            "log": dataclasses.asdict(c),
+            "recovery": s.recovery,
+        }
+
+    # -- every SWEEP_INTERVAL_S -----------------------------------------------------
+
+    def sweep(self, now: float) -> None:
+        """Expire leases (the table counts each expiry once), retry what
+        could not be done at commit, checkpoint the counters."""
+        self.stats.sweeps += 1
+        self.stats.expired += len(self.leases.expire(now))
+        if self._unended:
+            todo, self._unended = self._unended, []
+            for key, lease_id, rid, job in todo:
+                self._end_lease(key, lease_id, rid, job, now)
+        if self._writebacks:
+            todo_wb, self._writebacks = self._writebacks, []
+            for key, due_at, version in todo_wb:
+                self._write_back(key, due_at, version)
+        if now >= self._checkpoint_due:
+            self.checkpoint(now)
+
+    def checkpoint(self, now: float) -> None:
+        from node.accounting import CHECKPOINT_INTERVAL_S
+
+        self._checkpoint_due = now + CHECKPOINT_INTERVAL_S
+        counters = self.leases.counters()
+        if counters != self._checkpointed:
+            self.acct.save_checkpoint(counters, now)
+            self._checkpointed = counters
+
+    async def run_sweeper(self) -> None:
+        from node.completion import LogUnavailable
+
+        while not self._stopping.is_set():
+            self.sweep(time.time())
+            try:
+                self.log.flush()  # acks whose flush failed; a no-op otherwise
+            except LogUnavailable:
+                pass
+            try:
+                await asyncio.wait_for(self._stopping.wait(), SWEEP_INTERVAL_S)
+            except TimeoutError:
+                pass
+
+    # -- serving ----------------------------------------------------------------------
+
+    async def handle(self, request: dict) -> dict:
+        op = request.get("op")
+        if self._stopping.is_set() and op in ("complete", "ack"):
+            raise RemoteError("stopping", "the ledger is stopping: retry")
+        if op == "complete":
+            return await self.complete(request)
+        if op == "poll":
+            return await self.poll(request)
+        if op == "ack":
+            return await self.ack(request)
+        if op == "accounting":
+            return self.accounting()
+        if op == "unhold":
+            return self.unhold(request)
+        if op == "stats":
+            return self.stats_reply()
+        raise RemoteError("unknown_op", f"no op {op!r}: complete, poll, ack, accounting, "
+                          "unhold, stats")  # fmt: skip
+
+    async def serve(self, address: str) -> asyncio.AbstractServer:
+        """Listen on ``address`` (abstract when it starts with NUL).
+
+        ``node.ipc.serve`` is not used: it unlinks the path first (a NUL in
+        a path is a ValueError) and cannot check the peer. The framing and
+        the per-request tasks are the same."""
+        return await asyncio.start_unix_server(self._connection, path=address, limit=MAX_FRAME)
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
+        pid, uid, _ = _CRED.unpack(cred)
+        if uid != os.getuid():
+            log.warn("ipc_peer_refused", pid=pid, uid=uid)
+            writer.close()
+            return
+        lock = asyncio.Lock()
+        tasks: set[asyncio.Task] = set()
+
+        async def one(request: dict) -> None:
+            reply = await self._reply(request)
+            reply["id"] = request.get("id")
+            async with lock:
+                writer.write(pack(reply))
+                await writer.drain()
+
+        self._connections.add(writer)
+        try:
+            while not self._stopping.is_set():
+                request = await read_frame(reader)
+                if request is None:
+                    break
+                task = asyncio.create_task(one(request))
+                for pool in (tasks, self._tasks):
+                    pool.add(task)
+                    task.add_done_callback(pool.discard)
+            if tasks:
+                await asyncio.wait(tasks, timeout=STOP_GRACE_S)
+        except (IpcError, ConnectionError):
+            pass
+        finally:
+            self._connections.discard(writer)
+            for task in tasks:
+                task.cancel()
+            writer.close()
+
+    async def _reply(self, request: dict) -> dict:
+        try:
+            return await self.handle(request)
+        except _NeverOfferedReply as exc:
+            return {"error": {"code": "never_offered", "message": str(exc.inner),
+                              "ids": exc.inner.ids}}  # fmt: skip
+        except RemoteError as exc:
+            return {"error": {"code": exc.code, "message": exc.message}}
+        except NodeError as exc:  # the store or the log failed under this request
+            log.warn("op_failed", op=request.get("op"), error=str(exc))
+            return {"error": {"code": "unavailable", "message": str(exc)}}
+        except (ConnectionError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - one bad request must not end the ledger
+            log.error("op_crashed", exc_info=True, op=request.get("op"), error=repr(exc))
+            return {"error": {"code": "internal", "message": repr(exc)}}
+
+    async def run(self, address: str) -> None:
+        """Serve until SIGTERM; then stop accepting, finish, flush."""
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self._on_term)
+        committer = asyncio.create_task(self.run_committer())
+        sweeper = asyncio.create_task(self.run_sweeper())
+        server = await self.serve(address)
+        log.log("ledger_serving", address=address.replace("\0", "@"), **self.stats.recovery)
+        await self._stopping.wait()
+        server.close()
+        self.delivery.wake_all()  # long polls answer what they have
+        if self._tasks:  # completions taken are committed and answered
+            await asyncio.wait(list(self._tasks), timeout=STOP_GRACE_S)
+        for writer in list(self._connections):
+            writer.close()
+        committer.cancel()
+        await sweeper
+        await asyncio.gather(committer, return_exceptions=True)
+        self.accounting_at_stop = self.accounting()
+
+    def _on_term(self) -> None:
+        if self._stopping.is_set():
+            log.warn("ledger_kill", reason="second SIGTERM")
+            os._exit(RET_ERROR)
+        self._stopping.set()
+
+    def close(self) -> None:
+        """Flush, checkpoint, close: the log, the store, this process's view
+        of the lease table (only the supervisor unlinks it)."""
+        try:
+            self.checkpoint(time.time())
+        finally:
+            try:
+                self.log.close()
+            finally:
+                self.store.close()
+                self.leases.close()
+
+
+class _NeverOfferedReply(Exception):
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        super().__init__(str(inner))
+
+
+# -- request checks ---------------------------------------------------------------------
+
+
+def _check_items(items: Any) -> list[dict]:
+    """A complete request is taken whole or refused whole (nothing written)."""
+    from node.completion.base import MAX_RECORD_BYTES
+
+    if not isinstance(items, list) or not 1 <= len(items) <= MAX_ITEMS:
+        raise _bad(f"items must be a list of 1 to {MAX_ITEMS} completions")
+    for n, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise _bad(f"items[{n}] must be a map")
+        key, lease_id, result = item.get("key"), item.get("lease_id"), item.get("result")
+        if not isinstance(key, str) or not key or len(key.encode()) > 1024:
+            raise _bad(f"items[{n}].key must be a string of 1 to 1024 bytes")
+        if not isinstance(lease_id, int) or isinstance(lease_id, bool) or lease_id <= 0:
+            raise _bad(f"items[{n}].lease_id must be a positive integer")
+        if not isinstance(result, bytes):
+            raise _bad(f"items[{n}].result must be bytes (JSON text or raw)")
+        item.setdefault("encoding", "json")
+        if item["encoding"] not in ENCODINGS:
+            raise _bad(f"items[{n}].encoding must be one of {', '.join(ENCODINGS)}")
+        if len(result) + len(key) + 512 > MAX_RECORD_BYTES:
+            raise RemoteError("result_too_large", f"items[{n}]: a result is at most 16 MiB")
+    return items
+
+
+def _job_or_none(job: Any) -> str | None:
+    if job is None or (isinstance(job, str) and 0 < len(job) <= 128):
+        return job
+    raise _bad("job must be a string of 1 to 128 characters, or absent for every job")
+
+
+def _int_in(value: Any, name: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise _bad(f"{name} must be an integer from {low} to {high}")
+    return value
+
+
+def _num_in(value: Any, name: str, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise _bad(f"{name} must be a number from {low:g} to {high:g}")
+    return float(value)
+
+
+# -- the process ------------------------------------------------------------------------
+
+
+def _load_config() -> Config:
+    path = os.environ.get(ENV_CONFIG)
+    if not path:
+        raise NodeError(f"{ENV_CONFIG} is not set: the ledger is started by the node supervisor")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return Config.from_json(json.load(f))
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise NodeError(f"cannot read the run configuration {path}: {exc}") from None
+
+
+def open_ledger(config: Config) -> Ledger:
+    from node.completion import CompletionConfig, open_completion_store
+    from node.store import open_store
+    from shm.leases import LeaseTable
+
+    leases = LeaseTable.attach(config.name)
+    store = open_store(config.store_url)
+    log_dir = Path(config.data_dir).resolve() / LOG_DIR
+    log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    completion = open_completion_store(f"segments:///{log_dir}", CompletionConfig(fsync="batch"))
+    return Ledger(config, leases, store, completion)
+
+
+async def _amain(config: Config) -> Ledger:
+    ledger = open_ledger(config)
+    try:
+        ledger.recover(time.time())
+        await ledger.run(ledger_address(config.name))
+    finally:
+        ledger.close()
+    return ledger
+
+
+def main() -> int:
+    die_with_parent()
+    child_signals()
+    set_title("qn-ledger")
+    log.setup("ledger", verbose=bool(os.environ.get("QUEUE_NODE_VERBOSE")))
+    try:
+        config = _load_config()
+        ledger = asyncio.run(_amain(config))
+    except (NodeError, OSError) as exc:  # a second ledger of this name; a missing segment
+        log.error("ledger_failed", error=str(exc))
+        return RET_ERROR
+    s = ledger.stats
+    acct = ledger.accounting_at_stop
+    log.log(
+        "ledger_stop",
+        up_s=round(time.time() - s.started_at, 1),
+        completions=sum(s.statuses.values()),
+        ok=s.statuses.get("ok", 0),
+        groups=s.groups,
+        offered=s.offered,
+        acked=s.acked,
+        expired=s.expired,
+        balanced=acct.get("balanced"),
+    )
+    return RET_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

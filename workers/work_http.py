@@ -1,0 +1,377 @@
+"""The work path over HTTP: claims, completions, results, accounting.
+
+``routes`` is added to the API app by ``make_app(ctx, extra_routes=routes)``;
+every handler finds what it needs in ``ctx.work`` (a ``WorkPath``), which
+``workers.__main__`` builds from shared memory and the ledger's socket, and
+tests build from plain objects.
+
+Where each request goes:
+
+- ``POST /claim`` of up to INLINE_CLAIM_MAX keys runs on the event loop
+  (tens of microseconds a grant: cheaper than a thread hop); a larger one on
+  the claim thread, so it never stalls the loop for milliseconds.
+- ``POST /release``, ``POST /renew``, ``POST /admin/unhold`` go straight to the
+  lease table (microseconds; a slot another live process holds mid-change is
+  waited for up to ``shm.leases.BUSY_WAIT_S``, then answered 503).
+- ``GET /leases`` and ``GET /held`` scan the whole lease table: on a thread.
+- ``POST /complete``, the result polls, acks and ``GET /accounting`` go to the
+  ledger over its socket (``node.ipc.AsyncClient``). A ledger that cannot be
+  reached is 503 ``ledger_unavailable``: the caller retries, nothing is lost
+  (a completion is answered only once it is durable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import Iterable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from node import log
+from node.errors import ValidationError
+from node.ipc import IpcError, RemoteError
+from node.rows import check_job, check_key
+from workers.claim import (
+    MAX_CLAIM,
+    Claimer,
+    WorkError,
+    check_claim,
+    check_lease_id,
+    check_lease_s,
+    complete_outcome,
+    decode_result,
+    encode_result,
+    lease_view,
+    ledger_error,
+    refuse,
+    why_not_granted,
+)
+from workers.http import CTX, read_body
+from workers.http_errors import (
+    MSGPACK_TYPES,
+    ApiError,
+    needs_token,
+    reply,
+    wants_msgpack,
+)
+
+# Contract limits and defaults.
+MAX_POLL = 10_000
+DEFAULT_POLL = 100
+MAX_WAIT_S = 60.0
+MAX_LIST = 10_000
+DEFAULT_LIST = 1_000
+MAX_IDS = 10_000
+MAX_UNHOLD_KEYS = 10_000
+# A claim of at most this many runs on the event loop: it costs about 30 us
+# a grant (point reads from SQLite's page cache, a CAS per lease), less than
+# the hop to the claim thread and back. Larger claims go to that thread, so a
+# big one never stalls the loop for milliseconds.
+INLINE_CLAIM_MAX = 16
+# A ledger call that is not a long poll should answer in well under this; a
+# long poll gets its wait on top.
+LEDGER_TIMEOUT_S = 30.0
+
+routes = web.RouteTableDef()
+
+
+@dataclass
+class WorkPath:
+    """What the work routes need. ``ledger`` has ``async call(op, timeout_s,
+    **fields)`` (``node.ipc.AsyncClient``). ``claimer`` runs on the event loop
+    (small claims, renew, release); ``big_claimer``, with a store connection
+    of its own, runs on ``claim_executor`` for claims over INLINE_CLAIM_MAX
+    (None: every claim inline, as in tests). A Claimer is used from one
+    thread only."""
+
+    claimer: Claimer
+    leases: Any  # shm.leases.LeaseTable
+    ledger: Any
+    claim_executor: Executor | None = None
+    big_claimer: Claimer | None = None
+
+    def explain(self, key: str, row: Any, keeper: dict[str, Any] | None, now: float) -> dict:
+        """``lease`` of ``GET /rows?key=``: the lease table's view and why a
+        claim would not grant the row now (``why_not``; null: it would)."""
+        view = lease_view(self.leases, key, now)
+        view["why_not"] = why_not_granted(row, view, keeper, now)
+        return view
+
+
+def _work(request: web.Request) -> WorkPath:
+    work = request.app[CTX].work
+    if work is None:
+        raise ApiError(503, "not_ready", "the work path is not running in this worker")
+    return work
+
+
+def _refused(exc: WorkError) -> ApiError:
+    return ApiError(exc.status, exc.code, exc.message, exc.field)
+
+
+async def _object(request: web.Request, allowed: Iterable[str]) -> dict[str, Any]:
+    body = await read_body(request)
+    if not isinstance(body, dict):
+        raise ApiError(400, "invalid_body", "the body must be a JSON object")
+    unknown = sorted(set(body) - set(allowed))
+    if unknown:
+        raise ValidationError("unknown_field", f"unknown field {unknown[0]!r}", unknown[0])
+    return body
+
+
+def _required(body: dict[str, Any], name: str) -> Any:
+    if name not in body:
+        raise ValidationError("missing_field", f"the body needs {name}", name)
+    return body[name]
+
+
+def _int_query(request: web.Request, name: str, default: int, high: int, code: str) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= high:
+        raise ValidationError(code, f"{name} must be an integer from 1 to {high}", name)
+    return value
+
+
+def _wait_query(request: web.Request) -> float:
+    raw = request.query.get("wait_s")
+    if raw is None:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= MAX_WAIT_S:  # also refuses NaN
+        raise ValidationError(
+            "invalid_wait_s", f"wait_s must be a number from 0 to {MAX_WAIT_S:.0f}", "wait_s"
+        )
+    return value
+
+
+async def _ledger(work: WorkPath, op: str, timeout_s: float = LEDGER_TIMEOUT_S, **fields: Any):
+    """One call to the ledger; its failures as the API's errors."""
+    try:
+        return await work.ledger.call(op, timeout_s=timeout_s, **fields)
+    except IpcError as exc:
+        log.warn("ledger_unreachable", op=op, error=str(exc))
+        raise ApiError(
+            503, "ledger_unavailable", f"the ledger cannot be reached; retry ({exc})"
+        ) from None
+    except RemoteError as exc:
+        error = ledger_error(exc.code, exc.message)
+        if error.code == "ledger_unavailable":
+            log.warn("ledger_error", op=op, code=exc.code, error=exc.message)
+        raise _refused(error) from None
+
+
+# -- claims and leases --------------------------------------------------------------
+
+
+@routes.post("/claim")
+async def claim(request: web.Request) -> web.Response:
+    ctx = request.app[CTX]
+    work = _work(request)
+    body = await _object(request, ("max", "lease_s", "consumer"))
+    max_n, lease_s, consumer = check_claim(
+        _required(body, "max"),
+        body.get("lease_s", ctx.config.lease_s),
+        _required(body, "consumer"),
+    )
+    claimer = work.claimer
+    if not claimer.ready_now():
+        raise ApiError(503, "not_ready", "the keeper has not published since the node started")
+    now = ctx.clock()
+    big = work.big_claimer
+    if big is None or work.claim_executor is None or max_n <= INLINE_CLAIM_MAX:
+        grants = claimer.claim(max_n, lease_s, consumer, now)
+    else:
+        loop = asyncio.get_running_loop()
+        grants = await loop.run_in_executor(
+            work.claim_executor, big.claim, max_n, lease_s, consumer, now
+        )
+    return reply(request, {"leases": [grant._asdict() for grant in grants]})
+
+
+def _lease_args(body: dict[str, Any]) -> tuple[int, str]:
+    return check_lease_id(_required(body, "lease_id")), check_key(_required(body, "key"))
+
+
+@routes.post("/release")
+async def release(request: web.Request) -> web.Response:
+    ctx = request.app[CTX]
+    work = _work(request)
+    body = await _object(request, ("lease_id", "key", "error"))
+    lease_id, key = _lease_args(body)
+    error = body.get("error")
+    if error is not None and not isinstance(error, str):
+        raise ValidationError("invalid_error", "error must be a string (or absent)", "error")
+    outcome = work.claimer.release(key, lease_id, ctx.clock(), error)
+    if outcome.value != "released":
+        raise _refused(refuse(outcome, key))
+    return reply(request, {"released": True})
+
+
+@routes.post("/renew")
+async def renew(request: web.Request) -> web.Response:
+    ctx = request.app[CTX]
+    work = _work(request)
+    body = await _object(request, ("lease_id", "key", "lease_s"))
+    lease_id, key = _lease_args(body)
+    lease_s = check_lease_s(_required(body, "lease_s"))
+    now = ctx.clock()
+    outcome = work.claimer.renew(key, lease_id, lease_s, now)
+    if outcome.value != "renewed":
+        raise _refused(refuse(outcome, key))
+    return reply(request, {"expires_at": now + lease_s})
+
+
+@routes.get("/leases")
+async def list_leases(request: web.Request) -> web.Response:
+    work = _work(request)
+    limit = _int_query(request, "limit", DEFAULT_LIST, MAX_LIST, "invalid_limit")
+    loop = asyncio.get_running_loop()
+    found = await loop.run_in_executor(None, work.leases.live, limit)
+    leases = [
+        {
+            "key": lease.key,
+            "lease_id": lease.lease_id,
+            "consumer": lease.consumer,
+            "granted_at": lease.granted_at,
+            "expires_at": lease.expires_at,
+        }
+        for lease in found
+    ]
+    return reply(request, {"leases": leases})
+
+
+@routes.get("/held")
+async def list_held(request: web.Request) -> web.Response:
+    work = _work(request)
+    limit = _int_query(request, "limit", DEFAULT_LIST, MAX_LIST, "invalid_limit")
+    loop = asyncio.get_running_loop()
+    found = await loop.run_in_executor(None, work.leases.held, limit)
+    held = [
+        {
+            "key": hold.key,
+            "misses": hold.misses,
+            "held_until": hold.held_until,
+            "parked": hold.parked,
+            "last_error": hold.last_error or None,
+        }
+        for hold in found
+    ]
+    return reply(request, {"held": held})
+
+
+@routes.post("/admin/unhold")
+async def unhold(request: web.Request) -> web.Response:
+    work = _work(request)
+    body = await _object(request, ("keys",))
+    keys = _required(body, "keys")
+    if not isinstance(keys, list):
+        raise ApiError(400, "invalid_body", "keys must be a list of keys", "keys")
+    if len(keys) > MAX_UNHOLD_KEYS:
+        raise ApiError(400, "too_many_keys", f"{len(keys)} keys; at most {MAX_UNHOLD_KEYS}", "keys")
+    checked = [check_key(key, f"keys[{i}]") for i, key in enumerate(keys)]
+    return reply(request, {"unheld": work.leases.unhold(checked)})
+
+
+# -- completions and results: the ledger ----------------------------------------------
+
+
+@routes.post("/complete")
+async def complete(request: web.Request) -> web.Response:
+    work = _work(request)
+    body = await _object(request, ("lease_id", "key", "result", "encoding"))
+    lease_id, key = _lease_args(body)
+    data, encoding = encode_result(body, request.content_type in MSGPACK_TYPES)
+    item = {"lease_id": lease_id, "key": key, "result": data, "encoding": encoding}
+    answer = await _ledger(work, "complete", items=[item])
+    outcomes = answer.get("outcomes") or [{"status": None}]
+    try:
+        result_id = complete_outcome(outcomes[0], key)
+    except WorkError as exc:
+        raise _refused(exc) from None
+    return reply(request, {"id": result_id})
+
+
+def _results(request: web.Request, found: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    raw = wants_msgpack(request)
+    out = []
+    for item in found:
+        encoding = item.get("encoding", "json")
+        doc = {
+            "id": item["id"],
+            "key": item["key"],
+            "job": item["job"],
+            "finished_at": item["finished_at"],
+        }
+        if encoding == "json":
+            doc["result"] = decode_result(item["result"], "json")
+        elif raw:
+            doc["result"] = bytes(item["result"])
+        else:
+            doc["result"] = base64.b64encode(item["result"]).decode("ascii")
+            doc["encoding"] = "base64"
+        out.append(doc)
+    return out
+
+
+async def _poll(request: web.Request, job: str | None) -> web.Response:
+    work = _work(request)
+    max_n = _int_query(request, "max", DEFAULT_POLL, MAX_POLL, "invalid_max")
+    wait_s = _wait_query(request)
+    answer = await _ledger(
+        work, "poll", timeout_s=LEDGER_TIMEOUT_S + wait_s, job=job, max=max_n, wait_s=wait_s
+    )
+    return reply(request, {"results": _results(request, answer.get("results") or [])})
+
+
+@routes.get("/jobs/{job}/results")
+@needs_token
+async def job_results(request: web.Request) -> web.Response:
+    return await _poll(request, check_job(request.match_info["job"], "job"))
+
+
+@routes.get("/results")
+@needs_token
+async def all_results(request: web.Request) -> web.Response:
+    return await _poll(request, None)
+
+
+@routes.post("/jobs/{job}/ack")
+async def ack(request: web.Request) -> web.Response:
+    work = _work(request)
+    job = check_job(request.match_info["job"], "job")
+    body = await _object(request, ("ids",))
+    ids = _required(body, "ids")
+    if not isinstance(ids, list):
+        raise ValidationError("invalid_ids", "ids must be a list of result ids", "ids")
+    if len(ids) > MAX_IDS:
+        raise ApiError(400, "too_many_ids", f"{len(ids)} ids; at most {MAX_IDS}", "ids")
+    for i, value in enumerate(ids):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValidationError(
+                "invalid_ids", "a result id is a non-negative integer", f"ids[{i}]"
+            )
+    answer = await _ledger(work, "ack", job=job, ids=ids)
+    return reply(request, {"acked": answer.get("acked", 0)})
+
+
+@routes.get("/accounting")
+async def accounting(request: web.Request) -> web.Response:
+    answer = dict(await _ledger(_work(request), "accounting"))
+    answer.pop("id", None)
+    return reply(request, answer)
+
+
+__all__ = ["MAX_CLAIM", "WorkPath", "routes"]
