@@ -115,6 +115,7 @@ class Client:
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
         self._conn: http.client.HTTPConnection | None = None
+        self._conn_pid = 0  # a connection never crosses a fork
         self._lock = threading.Lock()
 
     # -- plumbing -------------------------------------------------------------------

@@ -12,16 +12,9 @@ import time
 import pytest
 
 from node.client import Client, ClientError, LocalClaimer
-from tests.nodeproc import ROOT, NodeProcess, wait_for
+from tests.nodeproc import NodeProcess, wait_for
 
 pytestmark = pytest.mark.timeout(60)
-
-# The ledger process (workers/ledger.py) serves completions, polls, acks and
-# accounting. Tests that need it skip only while that file does not exist.
-needs_ledger = pytest.mark.skipif(
-    not (ROOT / "workers" / "ledger.py").exists(), reason="workers/ledger.py is not written yet"
-)
-
 
 @pytest.fixture
 def node(tmp_path, node_name):
@@ -103,7 +96,6 @@ def test_client_claims_renews_releases_and_explains(node):
     assert node.stop() == 0
 
 
-@needs_ledger
 def test_client_completes_polls_and_acks(node):
     node.start()
     client = Client(node.base_url)
@@ -138,7 +130,6 @@ def test_client_completes_polls_and_acks(node):
     assert node.stop() == 0
 
 
-@needs_ledger
 def test_local_claimer_claims_from_shared_memory(node):
     node.start()
     client = Client(node.base_url)

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 from node.config import Config
 from node.errors import NodeError, ValidationError
 from node.store.base import BadRow, Store
-from shm.leases import Lease, LeaseTable, Outcome, Refused
+from shm.leases import LeaseTable, Outcome, Refused
 from shm.segment import segment_name
 
 # The claimer asks the keeper for a fresh set when fewer than this share of
@@ -189,7 +189,7 @@ def refuse(outcome: Outcome, key: str) -> WorkError:
 
 def complete_outcome(item: dict[str, Any], key: str) -> int | None:
     """The result id of an accepted completion; raises WorkError otherwise."""
-    status = item.get("status")
+    status = str(item.get("status"))
     if status in ("ok", "repeat"):
         return item.get("id")
     code = COMPLETE_REFUSALS.get(
@@ -444,13 +444,3 @@ def why_not_granted(
     if keeper is not None and keeper.get("held") is False:
         return "not in the ready set"
     return None
-
-
-def lease_of(lease: Lease) -> dict[str, Any]:
-    return {
-        "key": lease.key,
-        "lease_id": lease.lease_id,
-        "consumer": lease.consumer,
-        "granted_at": lease.granted_at,
-        "expires_at": lease.expires_at,
-    }
