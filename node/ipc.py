@@ -2,8 +2,9 @@
 
 The ledger process is the single writer of the completion log; workers,
 inference processes and ``LocalClaimer`` send it results (and polls, acks)
-over ``<data-dir>/run/ledger.sock`` (mode 0600). Nothing is unpickled:
-frames are msgpack maps.
+over a UNIX socket in the abstract namespace, ``\0queue-node.<name>.ledger``
+(the ledger accepts only peers of its own uid). Nothing is unpickled: frames
+are msgpack maps.
 
 Frame: u32 big-endian body length, then the msgpack body. A request is
 ``{"op": str, "id": int, ...}``; its reply carries the same ``id`` and either
