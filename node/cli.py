@@ -102,9 +102,9 @@ def _cmd_state(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    raise ConfigError(
-        "demo needs the work path (leases, inference, results), which is not in this build yet"
-    )
+    from node.demo import main as demo_main
+
+    return demo_main(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -74,6 +74,11 @@ class Config:
     state_group: str | None = None
     # Lease-table slots: bounds live + held + parked keys, not rows.
     lease_capacity: int = 65_536
+    # Leases an inference process claims per batch (only when it is idle).
+    batch_size: int = 16
+    # A handler call running longer is stopped and its leases released; None:
+    # max(60, 10 × lease_s) — ten leases tells a wedged GPU from a slow batch.
+    handler_timeout_s: float | None = None
     defaults: RouteConfig = RouteConfig()
     routes: dict[str, RouteConfig] = field(default_factory=dict)
     config_file: Path | None = None
@@ -153,6 +158,8 @@ OPTIONS: dict[str, str] = {
     "state_interval_s": _DURATION,
     "state_group": _STR,
     "lease_capacity": _INT,
+    "batch_size": _INT,
+    "handler_timeout_s": _DURATION,
 }
 
 # name -> (low, high) for numeric options
@@ -169,6 +176,8 @@ _RANGES: dict[str, tuple[float, float]] = {
     "publish_interval_s": (0.01, 60),
     "state_interval_s": (0.1, 300),
     "lease_capacity": (16, 1 << 22),
+    "batch_size": (1, 10_000),
+    "handler_timeout_s": (1, 86_400),
 }
 
 
@@ -384,6 +393,20 @@ def validate(config: Config) -> Config:
             f"binding {host} needs a token: set --token or QUEUE_NODE_TOKEN "
             "(the node binds 127.0.0.1 without one)"
         )
-    if config.handler is not None and ":" not in config.handler:
-        raise ConfigError(f"handler = {config.handler!r} is not valid: expected MODULE:CALLABLE")
-    return dataclasses.replace(config, name=name)
+    from node.handlers import parse_spec
+
+    if config.handler is not None:
+        parse_spec(config.handler)
+    for route_name, route in config.routes.items():
+        if route.handler is None:
+            continue
+        parse_spec(route.handler)
+        if config.handler is None:
+            raise ConfigError(
+                f"routes.{route_name}.handler needs a default --handler too: without one "
+                "no inference process starts"
+            )
+    timeout = config.handler_timeout_s
+    if timeout is None:
+        timeout = max(60.0, 10 * config.lease_s)
+    return dataclasses.replace(config, name=name, handler_timeout_s=timeout)

@@ -84,8 +84,14 @@ class Supervisor:
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.run_dir.mkdir(exist_ok=True, mode=0o700)
         self._refuse_second_node()
+        from node.handlers import check_spec
         from node.store import open_store
 
+        # A misspelt handler module is one line and exit 2 now, not an
+        # inference process in a restart loop.
+        for spec in {self.config.handler, *(r.handler for r in self.config.routes.values())}:
+            if spec is not None:
+                check_spec(spec)
         # Open once here so a bad store (unreadable file, failed migration)
         # is one clear error now instead of a keeper in a restart loop.
         open_store(self.config.store_url).close()

@@ -36,6 +36,20 @@ def wait_for(cond: Callable[[], Any], timeout_s: float = 20.0, what: str = "cond
         delay = min(delay * 2, 0.1)
 
 
+def cleanup_segments(name: str) -> None:
+    """Remove what a node of ``name`` may have left in shared memory (a test
+    that kills a node leaves its segments, as a crash would)."""
+    from keeper.ask import unlink_all
+    from shm.leases import LeaseTable
+    from shm.ready import ReadySet
+    from shm.state import StateBuffer
+    from shm.wake import Wake
+
+    for cls in (ReadySet, StateBuffer, Wake, LeaseTable):
+        cls.unlink(name)
+    unlink_all(name)
+
+
 class NodeProcess:
     def __init__(self, data_dir: Path, name: str, *args: str, env: dict | None = None) -> None:
         self.data_dir = data_dir

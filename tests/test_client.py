@@ -12,7 +12,7 @@ import time
 import pytest
 
 from node.client import Client, ClientError, LocalClaimer
-from tests.nodeproc import NodeProcess, wait_for
+from tests.nodeproc import NodeProcess, cleanup_segments, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -23,21 +23,7 @@ def node(tmp_path, node_name):
     if proc.proc is not None and proc.proc.poll() is None:
         proc.kill()
     proc.close_log()
-    _cleanup_segments(node_name)
-
-
-def _cleanup_segments(name: str) -> None:
-    from keeper.ask import unlink_all
-    from shm import segment
-    from shm.ready import ReadySet
-    from shm.segment import segment_name
-    from shm.state import StateBuffer
-    from shm.wake import Wake
-
-    for cls in (ReadySet, StateBuffer, Wake):
-        cls.unlink(name)
-    segment.unlink(segment_name(name, "leases"))
-    unlink_all(name)
+    cleanup_segments(node_name)
 
 
 def _rows(keys: list[str], job: str = "j", due_at: float | None = None) -> list[dict]:

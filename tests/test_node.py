@@ -14,7 +14,7 @@ import msgpack
 import psutil
 import pytest
 
-from tests.nodeproc import ROOT, NodeProcess, wait_for
+from tests.nodeproc import ROOT, NodeProcess, cleanup_segments, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -26,18 +26,7 @@ def node(tmp_path, node_name):
     if proc.proc is not None and proc.proc.poll() is None:
         proc.kill()
     proc.close_log()
-    _cleanup_segments(node_name)
-
-
-def _cleanup_segments(name: str) -> None:
-    from keeper.ask import unlink_all
-    from shm.ready import ReadySet
-    from shm.state import StateBuffer
-    from shm.wake import Wake
-
-    for cls in (ReadySet, StateBuffer, Wake):
-        cls.unlink(name)
-    unlink_all(name)
+    cleanup_segments(node_name)
 
 
 def _state(name: str) -> dict:

@@ -63,6 +63,8 @@ class Grant(NamedTuple):
     job: str
     due_at: float
     expires_at: float
+    route: str | None = None  # which handler an inference process runs it with
+    misses: int = 0  # misses in a row before this lease (a poison item shows here)
 
 
 @dataclass
@@ -344,7 +346,16 @@ class Claimer:
                 stats.refused[reason] = stats.refused.get(reason, 0) + 1
                 continue
             grants.append(
-                Grant(lease.lease_id, entry.key, row.payload, row.job, row.due_at, lease.expires_at)
+                Grant(
+                    lease.lease_id,
+                    entry.key,
+                    row.payload,
+                    row.job,
+                    row.due_at,
+                    lease.expires_at,
+                    row.route,
+                    lease.misses,
+                )
             )
 
     def _cadence_of(self, route: str) -> float:

@@ -38,6 +38,7 @@ from node.rows import check_job, check_key
 from workers.claim import (
     MAX_CLAIM,
     Claimer,
+    Grant,
     WorkError,
     check_claim,
     check_lease_id,
@@ -198,7 +199,19 @@ async def claim(request: web.Request) -> web.Response:
         grants = await loop.run_in_executor(
             work.claim_executor, big.claim, max_n, lease_s, consumer, now
         )
-    return reply(request, {"leases": [grant._asdict() for grant in grants]})
+    return reply(request, {"leases": [_lease_json(grant) for grant in grants]})
+
+
+def _lease_json(grant: Grant) -> dict[str, Any]:
+    """A granted lease as the contract answers it (route and misses stay local)."""
+    return {
+        "lease_id": grant.lease_id,
+        "key": grant.key,
+        "payload": grant.payload,
+        "job": grant.job,
+        "due_at": grant.due_at,
+        "expires_at": grant.expires_at,
+    }
 
 
 def _lease_args(body: dict[str, Any]) -> tuple[int, str]:
