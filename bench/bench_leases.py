@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_leases.py cas
     .venv/bin/python bench/bench_leases.py grant --procs 1 --seconds 5
     .venv/bin/python bench/bench_leases.py grant --procs 2 --seconds 5
-    .venv/bin/python bench/bench_leases.py scan --live 5000 50000
+    .venv/bin/python bench/bench_leases.py scan --live 5000 50000 130000
     .venv/bin/python bench/bench_leases.py all
 
 - cas: ns per compare-and-swap (and load, fetch-add) on a shared mapping, for
@@ -14,7 +14,13 @@
   ``existing`` (keys that already have an idle slot) and ``new`` (every key
   new: the insert path);
 - scan: what the keeper pays for ``excluded_keys(now)`` and ``expire(now)``,
-  and ``save``/``load``, with N live leases in a 65,536-slot table.
+  and ``save``/``load``, with N live leases (a tenth of them held) in a
+  65,536-slot table (262,144 slots above 50,000 leases). ``excluded_keys``
+  four ways: the C scan at a table object's first call (``first``: every
+  key decoded), again (``ms``: the keeper's steady state, the keys' str objects
+  kept from the last call), after 1% of the leases ended and as many new ones
+  were granted (``churn``), and the slot-by-slot Python scan it replaced
+  (``py``, ``_excluded_keys_py``).
 
 Results are printed as JSON lines and appended to bench/results/leases.jsonl.
 """
@@ -183,9 +189,22 @@ def bench_grant(procs: int, seconds: float, shape: str, keys: int) -> None:
 # -- scans --------------------------------------------------------------------------
 
 
+def _timed(fn, repeat: int = 5, before=None) -> float:
+    """Best of ``repeat`` runs of ``fn``, in ms; ``before`` runs untimed first."""
+    best = float("inf")
+    for _ in range(repeat):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return round(best * 1000, 2)
+
+
 def bench_scan(live: int) -> None:
     node = f"bench-{uuid.uuid4().hex[:8]}"
-    table = LeaseTable.create(node, DEFAULT_CAPACITY)
+    capacity = DEFAULT_CAPACITY if live <= 50_000 else 1 << (2 * live - 1).bit_length()
+    table = LeaseTable.create(node, capacity)
     now = time.time()
     try:
         for i in range(live):
@@ -193,23 +212,32 @@ def bench_scan(live: int) -> None:
         held = live // 10  # a tenth of them missed: held
         for lease in table.live(limit=held):
             table.release(lease.key, lease.lease_id, now)
-
-        def timed(fn, repeat: int = 5) -> float:
-            best = float("inf")
-            for _ in range(repeat):
-                t0 = time.perf_counter()
-                fn()
-                best = min(best, time.perf_counter() - t0)
-            return round(best * 1000, 2)
-
         excluded = table.excluded_keys(now)
+        assert excluded == table._excluded_keys_py(now)
+
+        def forget() -> None:  # as at a table object's first call
+            table._key_cache = None
+
+        serial = iter(range(live, 1 << 62))
+        churned = max(1, live // 100)
+
+        def churn() -> None:  # 1% of the leases end, as many new keys are granted
+            for lease in table.live(limit=churned):
+                table.complete(lease.key, lease.lease_id, now)
+            for _ in range(churned):
+                table.grant(KEY.format(next(serial)), "bench", 600, now, 3600)
+
+        excluded_py_ms = _timed(lambda: table._excluded_keys_py(now))
+        excluded_first_ms = _timed(lambda: table.excluded_keys(now), before=forget)
+        excluded_ms = _timed(lambda: table.excluded_keys(now))
+        excluded_churn_ms = _timed(lambda: table.excluded_keys(now), before=churn)
         probe = [KEY.format(i) for i in range(0, 2 * live, max(1, live // 500))]
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "leases.msgpack"
-            save_ms = timed(lambda: table.save(path, now), 1)
+            save_ms = _timed(lambda: table.save(path, now), 1)
             size = path.stat().st_size
             other = f"bench-{uuid.uuid4().hex[:8]}"
-            with LeaseTable.create(other, DEFAULT_CAPACITY) as fresh:
+            with LeaseTable.create(other, capacity) as fresh:
                 t0 = time.perf_counter()
                 loaded = fresh.load(path)
                 load_ms = round((time.perf_counter() - t0) * 1000, 2)
@@ -220,12 +248,17 @@ def bench_scan(live: int) -> None:
             "live": live,
             "held": held,
             "excluded": len(excluded),
-            "excluded_keys_ms": timed(lambda: table.excluded_keys(now)),
-            "expire_nothing_due_ms": timed(lambda: table.expire(now)),
+            "excluded_keys_ms": excluded_ms,
+            "excluded_keys_first_ms": excluded_first_ms,
+            "excluded_keys_churn_ms": excluded_churn_ms,
+            "excluded_keys_py_ms": excluded_py_ms,
+            "excluded_keys_speedup": round(excluded_py_ms / excluded_ms, 1),
+            "excluded_keys_first_speedup": round(excluded_py_ms / excluded_first_ms, 1),
+            "expire_nothing_due_ms": _timed(lambda: table.expire(now)),
             "is_excluded_us": round(
-                timed(lambda: [table.is_excluded(k, now) for k in probe]) * 1000 / len(probe), 2
+                _timed(lambda: [table.is_excluded(k, now) for k in probe]) * 1000 / len(probe), 2
             ),
-            "stats_ms": timed(table.stats),
+            "stats_ms": _timed(table.stats),
             "save_ms": save_ms,
             "save_bytes": size,
             "load_ms": load_ms,
@@ -246,7 +279,7 @@ def main() -> None:
     parser.add_argument(
         "--shape", choices=["existing", "new"], nargs="+", default=["existing", "new"]
     )
-    parser.add_argument("--live", type=int, nargs="+", default=[5_000, 50_000])
+    parser.add_argument("--live", type=int, nargs="+", default=[5_000, 50_000, 130_000])
     parser.add_argument("--number", type=int, default=1_000_000)
     args = parser.parse_args()
     if args.what in ("cas", "all"):

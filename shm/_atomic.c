@@ -12,7 +12,9 @@
  *
  * The scans (find_hash, find_code, scan_codes, scan_f64, find_u64) exist because the
  * same loops in Python cost about 0.3 us a slot, and a probe for a free slot
- * in a nearly full table may have to visit all of them.
+ * in a nearly full table may have to visit all of them. excluded_keys reads
+ * and decodes the keeper's excluded keys in one pass (about 1 us a key in
+ * Python).
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -398,6 +400,253 @@ view_scan_f64(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+/* excluded_keys(states_off, count, slots_off, slot_size, key_at, inline_key,
+ *               held_off0, held_off1, blocks_off, block_size, long_blocks,
+ *               now, always_mask, held_mask, retries, cache)
+ *     -> (set of str, [index, ...])
+ *
+ * The keeper's filter in one pass: the keys of the slots whose state code is
+ * in always_mask, or in held_mask with the current record's f64 at held_off0
+ * (copy 0, bit 8 of the word clear) or held_off1 (copy 1) above `now`. Slot i
+ * starts at slots_off + slot_size * i and begins with key_len (u16 at +0, UTF-8
+ * bytes) and block (u32 at +4: overflow block index + 1, 0 none); the key's
+ * first inline_key bytes are at key_at, the rest at the start of block
+ * (blocks_off + block_size * (block - 1)), block_size bytes at most.
+ *
+ * Each slot is read seqlock style: word, record field and key bytes, then the
+ * word again; a slot whose word changed is read again under its new word, up
+ * to `retries` reads. Keys are decoded (strict UTF-8) only from consistent
+ * reads. The list names the slots that kept changing, or whose key did not
+ * read as valid (length or block out of range) under a steady word: the caller
+ * settles those one by one.
+ *
+ * `cache` is None or a list of `count` items that this function owns between
+ * calls: item i is the str last decoded from slot i while it was excluded, or
+ * None. A slot whose bytes equal its cached str's UTF-8 gives that str again
+ * (no decoding, its hash already computed); any other slot's item is replaced
+ * (or set to None), so the cache holds no more than the last answer. */
+static int
+same_key(PyObject *str, const char *key, Py_ssize_t key_len)
+{
+    if (!PyUnicode_CheckExact(str))
+        return 0;
+    if (PyUnicode_IS_COMPACT_ASCII(str))
+        return PyUnicode_GET_LENGTH(str) == key_len &&
+               memcmp(PyUnicode_DATA(str), key, key_len) == 0;
+    Py_ssize_t n;
+    const char *utf8 = PyUnicode_AsUTF8AndSize(str, &n);
+    if (utf8 == NULL) {
+        PyErr_Clear(); /* not comparable: decode afresh */
+        return 0;
+    }
+    return n == key_len && memcmp(utf8, key, key_len) == 0;
+}
+
+/* cache[i] = item (a new reference is taken). The item dropped must be None or
+ * an exact str, whose release runs no Python code that could change the cache
+ * or the view under the scan; anything else is a TypeError. */
+static int
+cache_put(PyObject *cache, Py_ssize_t i, PyObject *item)
+{
+    PyObject *old = PyList_GET_ITEM(cache, i);
+    if (old != Py_None && !PyUnicode_CheckExact(old)) {
+        PyErr_SetString(PyExc_TypeError, "excluded_keys: the cache holds something not a str");
+        return -1;
+    }
+    Py_INCREF(item);
+    PyList_SET_ITEM(cache, i, item);
+    Py_DECREF(old);
+    return 0;
+}
+
+/* Prefetching: up to PREFETCH_DEPTH candidates ahead, looking no further
+   than PREFETCH_SPAN slots ahead. */
+#define PREFETCH_DEPTH 8
+#define PREFETCH_SPAN 256
+
+static PyObject *
+view_excluded_keys(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NARGS(16, "excluded_keys");
+    Py_ssize_t count, slots_off, slot_size, key_at, inline_key, held0, held1;
+    Py_ssize_t blocks_off, block_size, long_blocks, retries;
+    uint64_t always_mask, held_mask;
+    if (as_ssize(args[1], &count) < 0 || as_ssize(args[2], &slots_off) < 0 ||
+        as_ssize(args[3], &slot_size) < 0 || as_ssize(args[4], &key_at) < 0 ||
+        as_ssize(args[5], &inline_key) < 0 || as_ssize(args[6], &held0) < 0 ||
+        as_ssize(args[7], &held1) < 0 || as_ssize(args[8], &blocks_off) < 0 ||
+        as_ssize(args[9], &block_size) < 0 || as_ssize(args[10], &long_blocks) < 0 ||
+        as_u64(args[12], &always_mask) < 0 || as_u64(args[13], &held_mask) < 0 ||
+        as_ssize(args[14], &retries) < 0)
+        return NULL;
+    double now = PyFloat_AsDouble(args[11]);
+    if (now == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (inline_key < 0 || block_size < 0 || inline_key + block_size > 0xFFFF) {
+        PyErr_SetString(PyExc_ValueError, "excluded_keys: keys are at most 65,535 bytes");
+        return NULL;
+    }
+    Py_ssize_t max_key = inline_key + block_size;
+    /* Allocate first: from here on the scan allocates no object the garbage
+       collector tracks, so no finalizer can run and change the cache or
+       release the view between the checks below and the end of the scan. */
+    char *key = PyMem_Malloc(max_key > 0 ? max_key : 1);
+    PyObject *keys = PySet_New(NULL);
+    PyObject *unsettled = PyList_New(0);
+    if (key == NULL || keys == NULL || unsettled == NULL) {
+        if (key == NULL)
+            PyErr_NoMemory();
+        goto fail;
+    }
+    PyObject *cache = args[15] == Py_None ? NULL : args[15];
+    if (cache != NULL && (!PyList_CheckExact(cache) || PyList_GET_SIZE(cache) != count)) {
+        PyErr_SetString(PyExc_ValueError, "excluded_keys: cache is not None or a list of count");
+        goto fail;
+    }
+    uint64_t *states = words(self, args[0], count);
+    if (states == NULL)
+        goto fail;
+    Py_ssize_t len = self->view.len;
+    /* Every slot (and its fields) and every block must lie inside the buffer. */
+    if (slot_size < 8 || slots_off < 0 || slots_off > len || key_at < 8 ||
+        key_at > slot_size - inline_key || held0 < 0 || held0 > slot_size - 8 || held1 < 0 ||
+        held1 > slot_size - 8 || count > (len - slots_off) / slot_size ||
+        blocks_off < 0 || blocks_off > len || long_blocks < 0 ||
+        (block_size > 0 && long_blocks > (len - blocks_off) / block_size) || retries < 1) {
+        PyErr_SetString(PyExc_ValueError, "excluded_keys: the layout does not fit the buffer");
+        goto fail;
+    }
+    const char *buf = (const char *)self->view.buf;
+    const char *slots = buf + slots_off;
+    const char *blocks = buf + blocks_off;
+    uint64_t wanted = always_mask | held_mask;
+    Py_ssize_t ahead = 0; /* the next slot the prefetcher looks at */
+    int pending = 0;      /* candidates it asked for that the scan has not reached */
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint64_t w = __atomic_load_n(&states[i], __ATOMIC_ACQUIRE);
+        if (!((wanted >> (w & 0xF)) & 1)) {
+            if (cache != NULL && PyList_GET_ITEM(cache, i) != Py_None &&
+                cache_put(cache, i, Py_None) < 0)
+                goto fail;
+            continue;
+        }
+        /* Candidates lie far apart in memory: ask for the lines of the next
+           few, so that their cache misses overlap this one's work. */
+        if (ahead <= i) {
+            ahead = i + 1;
+            pending = 0;
+        } else if (pending > 0) {
+            pending--; /* this one */
+        }
+        while (pending < PREFETCH_DEPTH && ahead < count && ahead - i < PREFETCH_SPAN) {
+            uint64_t a = __atomic_load_n(&states[ahead], __ATOMIC_RELAXED);
+            if ((wanted >> (a & 0xF)) & 1) {
+                const char *next = slots + slot_size * ahead;
+                __builtin_prefetch(next);
+                __builtin_prefetch(next + key_at + 48);
+                if ((held_mask >> (a & 0xF)) & 1)
+                    __builtin_prefetch(next + ((a >> 8) & 1 ? held1 : held0));
+                if (cache != NULL) {
+                    const char *str = (const char *)PyList_GET_ITEM(cache, ahead);
+                    __builtin_prefetch(str);
+                    __builtin_prefetch(str + 64);
+                }
+                pending++;
+            }
+            ahead++;
+        }
+        int added = 0, settled = 0;
+        const char *slot = slots + slot_size * i;
+        for (Py_ssize_t attempt = 0; attempt < retries && !settled; attempt++) {
+            uint64_t code = w & 0xF;
+            if (!((wanted >> code) & 1)) {
+                settled = 1; /* not a candidate (any more) */
+                break;
+            }
+            int excluded = (int)((always_mask >> code) & 1);
+            if (!excluded) {
+                double until;
+                memcpy(&until, slot + ((w >> 8) & 1 ? held1 : held0), sizeof until);
+                excluded = until > now;
+            }
+            uint16_t key_len = 0;
+            uint32_t block = 0;
+            int valid = 0;
+            if (excluded) {
+                memcpy(&key_len, slot, sizeof key_len);
+                memcpy(&block, slot + 4, sizeof block);
+                if (key_len > 0 && key_len <= max_key) {
+                    if (key_len <= inline_key) {
+                        memcpy(key, slot + key_at, key_len);
+                        valid = 1;
+                    } else if (block > 0 && (Py_ssize_t)block <= long_blocks) {
+                        memcpy(key, slot + key_at, inline_key);
+                        memcpy(key + inline_key, blocks + block_size * (Py_ssize_t)(block - 1),
+                               key_len - inline_key);
+                        valid = 1;
+                    }
+                }
+            }
+            /* The reads above happen before the word is read again. */
+            __atomic_thread_fence(__ATOMIC_ACQUIRE);
+            uint64_t again = __atomic_load_n(&states[i], __ATOMIC_ACQUIRE);
+            if (again != w) {
+                w = again; /* changed under the reads: read it again */
+                continue;
+            }
+            if (!excluded) {
+                settled = 1; /* a hold that has passed, read consistently */
+                break;
+            }
+            if (!valid)
+                break; /* a steady word over a key that does not read: the caller's */
+            PyObject *str = NULL;
+            if (cache != NULL) {
+                PyObject *old = PyList_GET_ITEM(cache, i);
+                if (old != Py_None && same_key(old, key, key_len)) {
+                    str = old;
+                    Py_INCREF(str);
+                }
+            }
+            if (str == NULL) {
+                str = PyUnicode_DecodeUTF8(key, key_len, NULL);
+                if (str == NULL)
+                    goto fail;
+                if (cache != NULL && cache_put(cache, i, str) < 0) {
+                    Py_DECREF(str);
+                    goto fail;
+                }
+            }
+            int rc = PySet_Add(keys, str);
+            Py_DECREF(str);
+            if (rc < 0)
+                goto fail;
+            settled = added = 1;
+        }
+        if (!added && cache != NULL && PyList_GET_ITEM(cache, i) != Py_None &&
+            cache_put(cache, i, Py_None) < 0)
+            goto fail;
+        if (!settled) {
+            PyObject *v = PyLong_FromSsize_t(i);
+            if (v == NULL || PyList_Append(unsettled, v) < 0) {
+                Py_XDECREF(v);
+                goto fail;
+            }
+            Py_DECREF(v);
+        }
+    }
+    PyMem_Free(key);
+    PyObject *out = PyTuple_Pack(2, keys, unsettled);
+    Py_DECREF(keys);
+    Py_DECREF(unsettled);
+    return out;
+fail:
+    PyMem_Free(key);
+    Py_XDECREF(keys);
+    Py_XDECREF(unsettled);
+    return NULL;
+}
+
 static PyObject *
 view_release(ViewObject *self, PyObject *Py_UNUSED(ignored))
 {
@@ -430,6 +679,10 @@ static PyMethodDef view_methods[] = {
     {"scan_f64", (PyCFunction)(void (*)(void))view_scan_f64, METH_FASTCALL,
      "scan_f64(states_off, count, code_mask, base, stride, off0, off1, limit, above)"
      " -> [(index, word)]"},
+    {"excluded_keys", (PyCFunction)(void (*)(void))view_excluded_keys, METH_FASTCALL,
+     "excluded_keys(states_off, count, slots_off, slot_size, key_at, inline_key, held_off0,"
+     " held_off1, blocks_off, block_size, long_blocks, now, always_mask, held_mask, retries,"
+     " cache) -> (set of keys, [index of a slot to settle])"},
     {"release", (PyCFunction)view_release, METH_NOARGS,
      "release(): drop the buffer export (before closing the mmap)"},
     {NULL, NULL, 0, NULL},

@@ -40,4 +40,24 @@ class View:
         above: bool,
         /,
     ) -> list[tuple[int, int]]: ...
+    def excluded_keys(
+        self,
+        states_off: int,
+        count: int,
+        slots_off: int,
+        slot_size: int,
+        key_at: int,
+        inline_key: int,
+        held_off0: int,
+        held_off1: int,
+        blocks_off: int,
+        block_size: int,
+        long_blocks: int,
+        now: float,
+        always_mask: int,
+        held_mask: int,
+        retries: int,
+        cache: list[str | None] | None,
+        /,
+    ) -> tuple[set[str], list[int]]: ...
     def release(self) -> None: ...

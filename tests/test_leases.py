@@ -384,6 +384,163 @@ def test_the_atomics_check_offsets():
         mm.close()
 
 
+def test_the_excluded_keys_scan_reads_the_layout_it_is_given():
+    import mmap
+
+    from shm import _atomic
+
+    mm = mmap.mmap(-1, 1024)
+    view = _atomic.View(mm)
+    # Two words at 0; 128-byte slots from 64 (key_len at +0, block at +4, 16
+    # inline key bytes at +16, held_until at +40 / +48); 32-byte blocks from 512.
+    layout = (0, 2, 64, 128, 16, 16, 40, 48, 512, 32, 2)
+    leased, held = 5, 6
+    masks = (1 << leased, 1 << held, 2)
+    try:
+        struct.pack_into("<QQ", mm, 0, leased, held | 1 << 8)  # slot 1 on copy 1
+        struct.pack_into("<HHI", mm, 64, 5, 0, 0)
+        mm[64 + 16 : 64 + 21] = b"hello"
+        struct.pack_into("<HHI", mm, 192, 19, 0, 2)  # 16 bytes inline, 3 in block 2
+        mm[192 + 16 : 192 + 32] = "abcdefghijklmnö".encode()
+        struct.pack_into("<dd", mm, 192 + 40, 99.0, 9.0)
+        mm[512 + 32 : 512 + 35] = b"rst"
+        got = view.excluded_keys(*layout, 4.0, *masks, None)
+        assert got == ({"hello", "abcdefghijklmnörst"}, [])
+        assert view.excluded_keys(*layout, 9.0, *masks, None) == ({"hello"}, [])
+        # A key whose block is out of range, under a steady word: the caller's.
+        struct.pack_into("<I", mm, 192 + 4, 3)
+        assert view.excluded_keys(*layout, 4.0, *masks, None) == ({"hello"}, [1])
+        struct.pack_into("<H", mm, 64, 0)  # no key at all
+        assert view.excluded_keys(*layout, 9.0, *masks, [None, None]) == (set(), [0])
+        bad = [
+            (0, 2, 64, 128, 16, 16, 40, 48, 512, 32, 17),  # 17 blocks end past 1,024
+            (0, 8, 64, 128, 16, 16, 40, 48, 512, 32, 2),  # 8 slots end past 1,024
+            (0, 2, 64, 128, 16, 120, 40, 48, 512, 32, 2),  # the key runs past the slot
+            (0, 2, 64, 128, 16, 16, 40, 124, 512, 32, 2),  # so does held_until
+            (4, 2, 64, 128, 16, 16, 40, 48, 512, 32, 2),  # misaligned words
+        ]
+        for args in bad:
+            with pytest.raises(ValueError):
+                view.excluded_keys(*args, 4.0, *masks, None)
+        with pytest.raises(ValueError):
+            view.excluded_keys(*layout, 4.0, *masks, [None])  # a cache of the wrong size
+        with pytest.raises(TypeError):
+            view.excluded_keys(*layout, 4.0, *masks, [b"not a str", None])
+    finally:
+        view.release()
+        mm.close()
+
+
+# -- excluded_keys: the C scan against the Python one ------------------------------
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def _leave_updating(t: LeaseTable, key: str, pid: int) -> bool:
+    """Leave the key's slot UPDATING under ``pid``, as a process killed in the
+    middle of changing it does; whether it had a settled slot."""
+    kb = key.encode()
+    found = t._lookup(kb, leases._hash(kb))
+    if found is None or found[1] & 15 == leases.UPDATING:
+        return False
+    idx, w, _ = found
+    tag = ((w >> 31) + 1) & leases.TAG_MASK  # any tag: the pid is gone
+    own = leases._next(w, leases.UPDATING, leases._copy(w), prev=w & 15, owner=pid << 9 | tag << 31)
+    return t._view.cas64(leases.STATES + 8 * idx, w, own) == w
+
+
+def _random_key(rnd: random.Random) -> str:
+    shape = rnd.random()
+    tail = f"{rnd.getrandbits(24):x}"
+    if shape < 0.5:
+        return f"https://example.com/items/{tail}"
+    if shape < 0.65:
+        return f"ключ/{tail}/ü→✓"
+    if shape < 0.8:  # around the end of the inline part
+        return "i" * rnd.choice((203, 204, 205, 206, 207, 208)) + tail[:4].rjust(4, "0")
+    # long: the same long head, told apart only in the overflow block
+    head = "h" * 200 + "ü" * rnd.randrange(0, 100)
+    return (head + "/" + tail * rnd.randrange(1, 60))[:1000]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_excluded_keys_in_c_agree_with_the_python_scan(node, seed):
+    rnd = random.Random(seed)
+    dead = _dead_pid()
+    seen: dict[str, int] = defaultdict(int)
+    with LeaseTable.create(node, capacity=256, long_blocks=24, max_misses=3) as t:
+        keys = list({_random_key(rnd) for _ in range(420)})  # more keys than slots
+        for step in range(10):
+            for _ in range(250):
+                key = rnd.choice(keys)
+                at = T0 + rnd.uniform(-60, 60)
+                lease = _grant(t, key, at, rnd.choice((0.5, 5.0)), rnd.choice((8.0, 200.0)))
+                if not lease:
+                    continue
+                action = rnd.random()
+                if action < 0.35:
+                    t.complete(key, lease.lease_id, at)
+                elif action < 0.75:
+                    t.release(key, lease.lease_id, at)  # held, maybe parked
+            if step % 3 == 2:
+                t.expire(T0 + rnd.uniform(-60, 60))  # misses; rolls back the dead's slots
+            for key in rnd.sample(keys, 4):
+                _leave_updating(t, key, dead)
+            for name, n in t.stats()["slots"].items():
+                seen[name] += n
+            reader = LeaseTable.attach(node)  # a cold cache next to the warm one
+            try:
+                for now in (T0 - 1000, T0 - 20, T0, T0 + 7.5, T0 + 80, LATER):
+                    want = t._excluded_keys_py(now)
+                    assert t.excluded_keys(now) == want, (step, now)
+                    assert reader.excluded_keys(now) == want, (step, now)
+            finally:
+                reader.close()
+        long_keys = {k for k in t.excluded_keys(T0 - 1000) if len(k.encode()) > 208}
+    for state in ("idle", "leased", "held", "parked", "updating"):
+        assert seen[state], f"no {state} slot in the random tables: {dict(seen)}"
+    assert long_keys, "no long key was excluded"
+
+
+def test_excluded_keys_gives_its_strings_again_only_for_the_same_bytes(node):
+    with LeaseTable.create(node, capacity=16, long_blocks=4) as t:
+        keys = [f"k{i:02d}" for i in range(12)] + ["ü1", "ü2", "x" * 300 + "1", "x" * 300 + "2"]
+        got = {key: _grant(t, key, T0) for key in keys}  # every slot taken
+        first = t.excluded_keys(T0)
+        assert first == set(keys)
+        again = t.excluded_keys(T0)
+        same = {key: key for key in first}
+        assert all(key is same[key] for key in again), "a cached key was decoded again"
+        # Each of these slots gets a new key of the same length between two calls.
+        swaps = {"k03": "q03", "ü1": "ü3", "x" * 300 + "1": "x" * 300 + "3"}
+        for old, new in swaps.items():
+            t.complete(old, got[old].lease_id, T0)
+            assert _grant(t, new, T0)  # the only reusable slot: the old key's
+        want = set(keys) - set(swaps) | set(swaps.values())
+        assert t.excluded_keys(T0) == want == t._excluded_keys_py(T0)
+        # Keys no longer excluded leave the cache.
+        t.complete("k05", got["k05"].lease_id, T0)
+        t.release("k06", got["k06"].lease_id, T0)  # held until T0 + 20
+        assert t.excluded_keys(T0 + 20) == want - {"k05", "k06"}
+        assert sum(item is not None for item in t._key_cache) == len(want) - 2
+        assert t.excluded_keys(T0 + 19) == want - {"k05"} == t._excluded_keys_py(T0 + 19)
+
+
+def test_excluded_keys_leaves_a_key_it_cannot_read_to_the_slot_by_slot_reader(node):
+    with LeaseTable.create(node, capacity=16, long_blocks=2) as t:
+        for key in ("a", "b", "c" * 300):
+            _grant(t, key, T0)
+        for key, field, value in (("a", 0, 0), ("c" * 300, 4, 0)):  # key_len 0; no block
+            kb = key.encode()
+            idx = t._lookup(kb, leases._hash(kb))[0]
+            struct.pack_into("<H" if field == 0 else "<I", t.mm, t._slot(idx) + field, value)
+        assert t.excluded_keys(T0) == {"b"} == t._excluded_keys_py(T0)
+
+
 # -- many processes --------------------------------------------------------------
 
 
@@ -493,6 +650,96 @@ def test_claimers_never_hold_one_key_at_once(node, tmp_path):
 @pytest.mark.timeout(600)
 def test_claimers_never_hold_one_key_at_once_200k(node, tmp_path):
     _exclusive_claims(node, tmp_path, procs=8, grants=25_000)
+
+
+def _churner(node: str, seed: int, seconds: float, keys: list[str]) -> None:
+    """Grant, complete, release and sweep ``keys`` as fast as it can."""
+    rnd = random.Random(seed)
+    table = LeaseTable.attach(node)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        key = rnd.choice(keys)
+        now = T0 + rnd.uniform(-5, 5)
+        lease = table.grant(key, "churner", 1.0, now, 4.0)
+        if lease:
+            if rnd.random() < 0.5:
+                table.complete(key, lease.lease_id, now)
+            elif rnd.random() < 0.8:
+                table.release(key, lease.lease_id, now)
+        if rnd.random() < 0.05:
+            table.expire(now)
+    table.close()
+
+
+@pytest.mark.timeout(60)
+def test_excluded_keys_read_whole_keys_while_slots_change_under_them(node):
+    """Keys whose slots change (and are given to other keys) while the scan
+    reads them never come back torn; keys leased throughout always come back."""
+    pinned = {f"pinned-{i}-" + "p" * (150 * i) for i in range(5)}  # up to 600 bytes
+    rnd = random.Random(3)
+    churn = list({_random_key(rnd) for _ in range(90)})
+    with LeaseTable.create(node, capacity=64, long_blocks=24, max_misses=1000) as t:
+        for key in pinned:
+            assert _grant(t, key, T0, lease_s=1e9)
+        children = [SPAWN.Process(target=_churner, args=(node, i, 1.5, churn)) for i in range(2)]
+        for child in children:
+            child.start()
+        universe = pinned | set(churn)
+        calls = 0
+        while any(child.is_alive() for child in children):
+            got = t.excluded_keys(T0)
+            assert pinned <= got <= universe, got - universe or pinned - got
+            calls += 1
+        for child in children:
+            child.join(DEADLINE_S)
+            assert child.exitcode == 0
+        assert calls > 20
+        assert t.excluded_keys(T0) == t._excluded_keys_py(T0)
+
+
+def _rewriter(node: str, idx: int, seconds: float, keys: list[bytes]) -> None:
+    """Give slot ``idx`` each of ``keys`` (of one length) in turn, as fast as
+    it can, the way an insert writes a key: CLAIMING, the bytes, LEASED."""
+    table = LeaseTable.attach(node)
+    view, mm, state, at = table._view, table.mm, leases.STATES + 8 * idx, table._slot(idx)
+    block = struct.unpack_from("<I", mm, at + 4)[0]
+    rest = table._lay.blocks + leases.BLOCK_SIZE * (block - 1)
+    deadline = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < deadline:
+        w = view.load64(state)
+        own = leases._next(w, leases.CLAIMING, leases._copy(w), owner=leases._owner_bits())
+        assert view.cas64(state, w, own) == w
+        key = keys[n % len(keys)]
+        n += 1
+        mm[at + leases.KEY_AT : at + leases.KEY_AT + leases.INLINE_KEY] = key[: leases.INLINE_KEY]
+        mm[rest : rest + len(key) - leases.INLINE_KEY] = key[leases.INLINE_KEY :]
+        assert view.cas64(state, own, leases._next(own, leases.LEASED, leases._copy(own))) == own
+    table.close()
+
+
+@pytest.mark.timeout(60)
+def test_excluded_keys_never_read_a_key_half_rewritten(node):
+    """A process rewrites one slot's key over and over (a new key in a reused
+    slot, at full speed): every answer has one of its keys whole, or none."""
+    keys = ["A" * 300 + "ä" * 100, "B" * 300 + "ö" * 100]  # 500 bytes, one length
+    with LeaseTable.create(node, capacity=16, long_blocks=2) as t:
+        assert _grant(t, keys[0], T0) and _grant(t, "steady", T0)
+        kb = keys[0].encode()
+        idx = t._lookup(kb, leases._hash(kb))[0]
+        child = SPAWN.Process(
+            target=_rewriter, args=(node, idx, 1.0, [key.encode() for key in keys])
+        )
+        child.start()
+        seen: dict[str, int] = defaultdict(int)
+        while child.is_alive():
+            got = t.excluded_keys(T0)
+            assert "steady" in got and got - {"steady"} <= set(keys), got
+            for key in got:
+                seen[key] += 1
+        child.join(DEADLINE_S)
+        assert child.exitcode == 0
+        assert seen[keys[0]] and seen[keys[1]], dict(seen)
 
 
 def _counting_claimer(node: str, seed: int, grants: int, counters_path: str) -> None:
@@ -690,6 +937,28 @@ def test_insert_resumed_after_losing_the_race_backs_off(node):
         assert child.returncode == 0
         assert [(x.key, x.lease_id) for x in table.live()] == [("k", lease.lease_id)]
         assert table.stats()["backoffs"] == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("point", ["written", "keyed"])
+def test_a_slot_a_killed_grant_left_updating_is_excluded_until_rolled_back(node, point):
+    with LeaseTable.create(node, capacity=64) as table:
+        key = "k"
+        if point == "written":  # the child updates the slot of a held key
+            missed = _grant(table, key, T0)
+            table.release(key, missed.lease_id, T0)  # held until T0 + 20
+        else:  # the child inserts a long key
+            key = "l" * 300 + "ü" * 200
+        child = _stopped_child(node, key, point)
+        child.kill()
+        child.communicate(timeout=DEADLINE_S)
+        assert table.stats()["slots"]["updating"] == 1
+        for now in (T0, LATER):  # mid-change: excluded whatever the hold says
+            assert table.excluded_keys(now) == {key} == table._excluded_keys_py(now)
+        table.expire(T0)  # rolls back the dead child's slot
+        assert table.stats()["slots"]["updating"] == 0
+        assert table.excluded_keys(T0) == ({key} if point == "written" else set())
+        assert table.excluded_keys(LATER) == set() == table._excluded_keys_py(LATER)
 
 
 # -- crash and restart -------------------------------------------------------------------
