@@ -5,15 +5,14 @@ Signal handlers only set flags; the loop acts on them between ticks.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 import time
 
 from node import log
-from node.config import Config
-from node.proc import ENV_CONFIG, RET_OK, child_signals, die_with_parent, set_title
+from node.config import load_run_config
+from node.proc import RET_OK, child_signals, die_with_parent, set_title
 
 _flags = {"stop": False, "reload": False}
 
@@ -26,9 +25,6 @@ def _on_hup(signum: int, frame: object) -> None:
     _flags["reload"] = True
 
 
-def _load_config() -> Config:
-    with open(os.environ[ENV_CONFIG], encoding="utf-8") as f:
-        return Config.from_json(json.load(f))
 
 
 def main() -> int:
@@ -37,7 +33,7 @@ def main() -> int:
     set_title("qn-keeper")
     signal.signal(signal.SIGTERM, _on_term)
     signal.signal(signal.SIGHUP, _on_hup)
-    config = _load_config()
+    config = load_run_config("keeper")
     log.setup("keeper", verbose=bool(os.environ.get("QUEUE_NODE_VERBOSE")))
 
     from keeper.ask import AskServer
@@ -75,7 +71,7 @@ def main() -> int:
             asks.answer(request, keeper.answer(request, time.time()))
         if _flags["reload"]:
             _flags["reload"] = False
-            new_config = _load_config()
+            new_config = load_run_config("keeper")
             keeper.buckets.reconfigure(new_config)
             keeper.config = new_config
             keeper.next_publish = 0.0

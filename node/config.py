@@ -7,6 +7,7 @@ every error names the option, where it came from and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import socket
@@ -333,6 +334,22 @@ def check_name(name: str) -> str:
             f"node name {name!r} is not valid: use [A-Za-z0-9._-], 1 to 64 characters"
         )
     return name
+
+
+def load_run_config(role: str) -> Config:
+    """A child's configuration: the resolved JSON the supervisor wrote, named
+    by QUEUE_NODE_RUN_CONFIG. ``role`` only words the error."""
+    from node.errors import NodeError
+    from node.proc import ENV_CONFIG
+
+    path = os.environ.get(ENV_CONFIG)
+    if not path:
+        raise NodeError(f"{ENV_CONFIG} is not set: the {role} is started by the node supervisor")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return Config.from_json(json.load(f))
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise NodeError(f"cannot read the run configuration {path}: {exc}") from None
 
 
 def _clean_host_name() -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -30,10 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from node import log
-from node.config import Config
+from node.config import Config, load_run_config
 from node.errors import NodeError
 from node.proc import (
-    ENV_CONFIG,
     ENV_STARTED_AT,
     RET_ERROR,
     RET_OK,
@@ -65,15 +63,6 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _load_config() -> Config:
-    path = os.environ.get(ENV_CONFIG)
-    if not path:
-        raise NodeError(f"{ENV_CONFIG} is not set: workers are started by the node supervisor")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return Config.from_json(json.load(f))
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise NodeError(f"cannot read the run configuration {path}: {exc}") from None
 
 
 def _ssl_context(config: Config) -> ssl.SSLContext | None:
@@ -309,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         return RET_USAGE
     set_title(f"qn-worker-{args.index}")
     try:
-        config = _load_config()
+        config = load_run_config("worker")
         started_at = float(os.environ.get(ENV_STARTED_AT) or time.time())
         sock = socket.socket(fileno=args.listen_fd)
     except (NodeError, ValueError, OSError) as exc:

@@ -37,7 +37,6 @@ handler when the drain deadline (``drain_timeout_s`` after the signal, less
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -49,11 +48,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from node import log
-from node.config import Config
+from node.config import Config, load_run_config
 from node.errors import NodeError
 from node.handlers import Handler, HandlerError, encode_result
 from node.proc import (
-    ENV_CONFIG,
     RET_ERROR,
     RET_OK,
     RET_USAGE,
@@ -584,15 +582,6 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _load_config() -> Config:
-    path = os.environ.get(ENV_CONFIG)
-    if not path:
-        raise NodeError(f"{ENV_CONFIG} is not set: inference processes are started by the node")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return Config.from_json(json.load(f))
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise NodeError(f"cannot read the run configuration {path}: {exc}") from None
 
 
 def _store_routes(config: Config) -> Callable[[list[str]], dict[str, str]]:
@@ -626,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     log.setup("inference", verbose=bool(os.environ.get("QUEUE_NODE_VERBOSE")))
     try:
         args = _parse_args(list(sys.argv[1:] if argv is None else argv))
-        config = _load_config()
+        config = load_run_config("inference process")
     except (_UsageError, NodeError) as exc:
         print(f"python -m workers.inference: {exc}", file=sys.stderr)
         return RET_USAGE

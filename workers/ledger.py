@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 import signal
 import socket
@@ -33,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from node import log
-from node.config import Config
+from node.config import Config, load_run_config
 from node.errors import NodeError
 from node.ipc import MAX_FRAME, IpcError, RemoteError, pack, read_frame
-from node.proc import ENV_CONFIG, RET_ERROR, RET_OK, child_signals, die_with_parent, set_title
+from node.proc import RET_ERROR, RET_OK, child_signals, die_with_parent, set_title
 
 # Segments of the completion log live in <data-dir>/LOG_DIR.
 LOG_DIR = "log"
@@ -707,15 +706,6 @@ def _num_in(value: Any, name: str, low: float, high: float) -> float:
 # -- the process ------------------------------------------------------------------------
 
 
-def _load_config() -> Config:
-    path = os.environ.get(ENV_CONFIG)
-    if not path:
-        raise NodeError(f"{ENV_CONFIG} is not set: the ledger is started by the node supervisor")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return Config.from_json(json.load(f))
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise NodeError(f"cannot read the run configuration {path}: {exc}") from None
 
 
 def open_ledger(config: Config) -> Ledger:
@@ -747,7 +737,7 @@ def main() -> int:
     set_title("qn-ledger")
     log.setup("ledger", verbose=bool(os.environ.get("QUEUE_NODE_VERBOSE")))
     try:
-        config = _load_config()
+        config = load_run_config("ledger")
         ledger = asyncio.run(_amain(config))
     except (NodeError, OSError) as exc:  # a second ledger of this name; a missing segment
         log.error("ledger_failed", error=str(exc))
