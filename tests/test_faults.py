@@ -20,8 +20,9 @@ held key across three keeper publishes" (counted by the state buffer's publish
 counter) and "the request in flight at SIGTERM is answered before the drain
 deadline".
 
-One test is an expected failure (``xfail(strict=True)``) for a bug it found:
-a SIGTERM that lands between a request's headers and its body (see its reason).
+A bug these tests found, now fixed and kept as a regression test: a SIGTERM
+that lands between a request's headers and its body left the request
+unanswered and held the drain to its deadline.
 """
 
 from __future__ import annotations
@@ -523,15 +524,6 @@ def _listening(pid: int) -> bool:
         return False
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: on SIGTERM the HTTP worker's aiohttp shutdown (runner.cleanup -> "
-    "pre_shutdown -> RequestHandler.close) makes data_received drop every byte that "
-    "arrives afterwards, so a request whose headers came before the SIGTERM and whose "
-    "body comes after (http.client sends them in two send() calls) is never answered: "
-    "its handler waits in read_body for drain_timeout_s, the shared drain deadline runs "
-    "out, and the supervisor SIGKILLs the ledger and keeper instead of stopping them",
-)
 def test_sigterm_while_a_request_body_is_on_its_way_answers_it_and_stops_promptly(nodes):
     """A completion's headers reach the worker (it answers ``100 Continue``:
     the handler is reading the body); the node is sent SIGTERM; once the
