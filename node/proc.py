@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import os
 import signal
@@ -21,6 +22,21 @@ RET_NO_NODE = 4
 ENV_CONFIG = "QUEUE_NODE_RUN_CONFIG"  # path of the resolved config JSON
 ENV_SUPERVISOR = "QUEUE_NODE_SUPERVISOR_PID"
 ENV_STARTED_AT = "QUEUE_NODE_STARTED_AT"  # the node's start, wall seconds
+
+
+class UsageError(Exception):
+    """A child process was started with arguments it cannot take."""
+
+
+class ChildArgParser(argparse.ArgumentParser):
+    """argparse for a child process: a bad argument raises UsageError (the
+    child prints one line and exits RET_USAGE) instead of exiting in argparse."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog=prog, add_help=False)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message)
 
 
 def die_with_parent(expected_parent: int | None = None) -> None:

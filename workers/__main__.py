@@ -36,6 +36,8 @@ from node.proc import (
     RET_ERROR,
     RET_OK,
     RET_USAGE,
+    ChildArgParser,
+    UsageError,
     child_signals,
     die_with_parent,
     set_title,
@@ -49,17 +51,8 @@ EXPLAIN_TIMEOUT_S = 0.5
 DRAIN_POLL_S = 0.01
 
 
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise _UsageError(message)
-
-
 def _parse_args(argv: list[str]) -> argparse.Namespace:
-    p = _Parser(prog="python -m workers", add_help=False)
+    p = ChildArgParser("python -m workers")
     p.add_argument("--index", type=int, required=True)
     p.add_argument("--listen-fd", type=int, required=True)
     return p.parse_args(argv)
@@ -333,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     log.setup("worker", verbose=bool(os.environ.get("QUEUE_NODE_VERBOSE")))
     try:
         args = _parse_args(list(sys.argv[1:] if argv is None else argv))
-    except _UsageError as exc:
+    except UsageError as exc:
         print(f"python -m workers: {exc}", file=sys.stderr)
         return RET_USAGE
     set_title(f"qn-worker-{args.index}")

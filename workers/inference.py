@@ -55,6 +55,8 @@ from node.proc import (
     RET_ERROR,
     RET_OK,
     RET_USAGE,
+    ChildArgParser,
+    UsageError,
     child_signals,
     die_with_parent,
     set_title,
@@ -566,17 +568,8 @@ def _retryable(exc: BaseException) -> bool:
 # -- process ---------------------------------------------------------------------------------
 
 
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise _UsageError(message)
-
-
 def _parse_args(argv: list[str]) -> argparse.Namespace:
-    p = _Parser(prog="python -m workers.inference", add_help=False)
+    p = ChildArgParser("python -m workers.inference")
     p.add_argument("--index", type=int, required=True)
     p.add_argument("--gpu", type=int, default=None)
     return p.parse_args(argv)
@@ -616,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _parse_args(list(sys.argv[1:] if argv is None else argv))
         config = load_run_config("inference process")
-    except (_UsageError, NodeError) as exc:
+    except (UsageError, NodeError) as exc:
         print(f"python -m workers.inference: {exc}", file=sys.stderr)
         return RET_USAGE
     set_title(f"qn-infer-{args.index}")
