@@ -278,6 +278,22 @@ def _wrap(exc: sqlite3.Error, action: str) -> StoreError:
     return StoreError(f"SQLite store: {action}: {exc}")
 
 
+def _set_wal(conn: sqlite3.Connection) -> str:
+    """Switch to WAL, retrying while another process does the same: changing
+    the journal mode of a new file needs an exclusive lock, and SQLite answers
+    "database is locked" at once there instead of calling the busy handler."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    delay = 0.001
+    while True:
+        try:
+            return conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+        time.sleep(delay)  # backing off from another opener's lock, bounded
+        delay = min(delay * 2, 0.05)
+
+
 def _check_origin(origin: str) -> None:
     if origin not in ORIGINS:
         raise ValueError(f"origin must be one of {ORIGINS}, not {origin!r}")
@@ -351,7 +367,7 @@ class SQLiteStore(Store):
         except sqlite3.Error as exc:
             raise StoreUnavailable(f"SQLite store: cannot open {self.path}: {exc}") from exc
         try:
-            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            mode = _set_wal(conn)
             if mode != "wal":
                 raise StoreUnavailable(
                     f"SQLite store: {self.path} cannot use WAL mode (got {mode!r}); "
