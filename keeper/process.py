@@ -309,8 +309,7 @@ class Keeper:
         most every LOW_WATER_MIN_S, and only once the first load step is in."""
         if self._published_at + LOW_WATER_MIN_S > now:
             return False
-        take = getattr(self.ready, "take_low_water", None)
-        return bool(take is not None and take())
+        return self.ready.take_low_water()
 
     def publish(self, now: float) -> None:
         t0 = time.perf_counter()

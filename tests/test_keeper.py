@@ -3,6 +3,7 @@ segments, time passed in."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sqlite3
 import time
@@ -257,8 +258,9 @@ def test_route_default_change_reclassifies_in_memory(store, segments, node_name,
     _run_until_live(keeper, NOW)
     before = keeper.explain("p1", NOW)
     assert before["class"]["cadence_s"] == 3600
-    new = Config(**{**config.__dict__, "routes": {**config.routes,
-                 "pages": RouteConfig(cadence_s=600, sitemap_boost=0.5)}})
+    new = dataclasses.replace(
+        config, routes={**config.routes, "pages": RouteConfig(cadence_s=600, sitemap_boost=0.5)}
+    )
     reads_before = store.last_seq()
     keeper.buckets.reconfigure(new)
     after = keeper.explain("p1", NOW)
