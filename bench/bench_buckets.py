@@ -3,6 +3,7 @@ targets, and against a plain dict-and-sets layout for comparison:
 
     .venv/bin/python bench/bench_buckets.py --rows 250000
     .venv/bin/python bench/bench_buckets.py --rows 1000000 --layout packed
+    .venv/bin/python bench/bench_buckets.py --rows 250000 --detached
 
 Targets: apply one change <= 10 us; <= 160 B per row at 1,000,000 rows with
 ~55-character keys (key strings and every structure included); best 5,000
@@ -533,6 +534,52 @@ def bench_layout(layout: str, n: int, n_changes: int) -> dict[str, float]:
     return out
 
 
+def bench_detached(n: int, leased: int, k: int = 5000) -> dict[str, float]:
+    """``--detached``: the claim path with ``leased`` keys out on lease, the
+    most late ones (the heads ``best`` would take first), either detached or
+    passed as ``exclude=``. ``now`` is 3 days (at the default spread) past
+    the bench's usual one, so that more than ``leased + k`` rows are due."""
+    buckets = Buckets(ClassTable(CONFIG))
+    load_walk(buckets, n, row_columns(n))
+    now = NOW + SPREAD_S / 10
+    out: dict[str, float] = {"due_rows": buckets.counts(now)["due"]["total"]}
+    gc.collect()
+    out[f"best{k}_none_detached_ms"] = median_ms(
+        f"best{k}_none_detached_ms", lambda: buckets.best(now, k)
+    )
+    late = [entry[0] for entry in buckets.best(now, leased)]
+    exclude = set(late)
+    want = [entry[4] for entry in buckets.best(now, k, exclude=exclude)]
+    out[f"best{k}_exclude_{leased}_ms"] = median_ms(
+        f"best{k}_exclude_{leased}_ms", lambda: buckets.best(now, k, exclude=exclude), repeat=7
+    )
+    t0 = time.perf_counter()
+    for key in late:
+        buckets.detach(key)
+    out[f"detach_{leased}_us_each"] = (time.perf_counter() - t0) / len(late) * 1e6
+    assert [entry[4] for entry in buckets.best(now, k)] == want  # the same answer
+    out[f"best{k}_{leased}_detached_ms"] = median_ms(
+        f"best{k}_{leased}_detached_ms", lambda: buckets.best(now, k)
+    )
+    # The next k heads leased and returned again, as grants and releases go.
+    batch = [entry[0] for entry in buckets.best(now, k)]
+    detach_s, attach_s = [], []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for key in batch:
+            buckets.detach(key)
+        t1 = time.perf_counter()
+        for key in batch:
+            buckets.attach(key)
+        attach_s.append(time.perf_counter() - t1)
+        detach_s.append(t1 - t0)
+    out[f"detach_{len(batch)}_ms"] = statistics.median(detach_s) * 1000
+    out[f"attach_{len(batch)}_ms"] = statistics.median(attach_s) * 1000
+    out["detach_us_each"] = out[f"detach_{len(batch)}_ms"] / len(batch) * 1000
+    out["attach_us_each"] = out[f"attach_{len(batch)}_ms"] / len(batch) * 1000
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=250_000)
@@ -547,6 +594,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="load the packed layout by apply, row by row, instead of load_rows",
     )
+    parser.add_argument(
+        "--detached",
+        action="store_true",
+        help="only the claim path: --leased keys detached against passed as exclude=",
+    )
+    parser.add_argument("--leased", type=int, default=130_000, help="keys out on lease")
     parser.add_argument("--memory-child", choices=list(LAYOUTS), help=argparse.SUPPRESS)
     parser.add_argument("--traced", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -555,6 +608,14 @@ def main(argv: list[str] | None = None) -> int:
     APPLY_LOAD = args.apply_load
     if args.memory_child:
         print(json.dumps(memory_child(args.memory_child, args.rows, args.traced)))
+        return 0
+    if args.detached:
+        FASTEST.clear()
+        figures = bench_detached(args.rows, args.leased)
+        print(f"rows {args.rows:,}, {args.leased:,} leased  (timed reads: median, fastest)")
+        for name, value in figures.items():
+            fastest = f"  {FASTEST[name]:10,.3f}" if name in FASTEST else ""
+            print(f"  {name:32} {value:12,.3f}{fastest}")
         return 0
     layouts = list(LAYOUTS) if args.layout == "both" else [args.layout]
     print(

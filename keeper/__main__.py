@@ -38,6 +38,7 @@ def main() -> int:
 
     from keeper.ask import AskServer
     from keeper.process import Keeper
+    from node import metrics
     from node.store import open_store
     from shm.leases import LeaseTable
     from shm.ready import ReadySet
@@ -58,6 +59,7 @@ def main() -> int:
         test_hooks=os.environ.get("QUEUE_NODE_TEST_HOOKS") == "1",
         leases=leases,
     )
+    metrics.start()  # made now, not on the first observation inside the hot loop
     keeper.start(time.time())
     log.log("keeper_start", feed_seq=keeper.feed_seq)
     was_loading = True

@@ -8,16 +8,17 @@ plain dict-and-sets layout; the numbers are in its docstring: about 156 to
 160 bytes a row at 1,000,000 rows with 54-character keys, where the plain
 layout takes 380 to 515, and 4 to 5 µs an applied change):
 
-- A row lives in a **slot**, an index into four parallel columns:
-  ``_keys`` (list of str), ``_vers`` (int64), ``_mins`` (int32 due minute)
-  and ``_cids`` (int32 class id). No Python object is made per row except
-  the key string itself, which every structure shares.
+- A row lives in a **slot**, an index into five parallel columns:
+  ``_keys`` (list of str), ``_vers`` (int64), ``_mins`` (int32 due minute),
+  ``_cids`` (int32 class id) and ``_det`` (a bytearray: 1 when the row is
+  detached, see below). No Python object is made per row except the key
+  string itself, which every structure shares.
 - ``_table`` maps a key to its slot: an open-addressing hash table (linear
   probing, deletion by backward shift, so no tombstones) of int32 slot
   numbers, kept at most 2/3 full. A dict would cost a per-row int object
   for the slot on top of its own entry; this costs 8 to 16 bytes a row.
 - Each class keeps its rows as a sorted sequence of ``minute << 32 | slot``
-  in blocks of int64 arrays (``_Order``, a SortedList with no per-item
+  in blocks of int64 arrays (``keeper.order.Order``, a SortedList with no per-item
   objects). Sorted by minute, a class is already in rank order, so the best
   rows are a head of each class and no row is rescored; a count of rows
   between two minutes is two bisections, so counting follows classes, not
@@ -26,8 +27,9 @@ layout takes 380 to 515, and 4 to 5 µs an applied change):
 Loading: ``load_rows`` takes the walk a chunk at a time (about 1 µs a row
 here, against 2.5 to 3.5 by ``apply``). It enters the rows with one plain
 loop and leaves their order values *pending*, unsorted, per class; the next
-read (``best``, ``counts``, ``coming``, ``oldest_due``, ``reconfigure``;
-``remove`` finds a pending value where it is) merges each class's pending
+read (``best``, ``counts``, ``coming``, ``oldest_due``, ``lateness``,
+``count_due_between``, ``reconfigure``, ``detach``; ``remove`` finds a
+pending value where it is) merges each class's pending
 values in with one sort, so a load pays one sort a class per publish instead
 of a bisection and a block insert a row.
 
@@ -40,7 +42,37 @@ Counting: each class keeps a running count of its rows due through minute
 ``_through``; ``advance`` moves ``_through`` forward (or back, if the clock
 steps back) counting only the rows it crosses, and ``apply``/``remove`` keep
 the counts in step (pending values are counted when they are merged in, and
-``advance`` merges first).
+``advance`` merges first). ``count_due_between`` and ``lateness`` (due rows
+per bin of ``(now - minute * 60) / cadence_s``) are bisections a class too;
+``lateness`` finds each bin's minute bound from the float expression itself,
+since the floor of the bound computed in floats can be a minute off.
+
+Came due: ``came_due`` counts, for the life of the object, rows entering
+the due state: ``advance`` adds the rows it crosses in minutes it never
+reached before (a high-water minute; its first call only sets the mark, so
+rows already due when the buckets were built are not counted, and a clock
+stepping back and forward again counts nothing twice), and ``apply`` adds a
+row it makes due (minute at or before ``_through``) that was absent or not
+due. ``load_rows`` never counts: walked rows are restored state; a walked
+row due later counts when ``advance`` crosses it. Limit: a row applied while
+the clock is stepped back, with a minute between ``_through`` and the
+high-water minute, is never counted.
+
+Detached rows: ``detach(key)`` hides a row from ``best`` (the keeper
+detaches a key while it is leased, held or parked) and ``attach(key)``
+brings it back. A detached row keeps its slot and its place in every count
+(``get``, ``items``, ``len``, ``counts``, ``coming``, ``oldest_due``,
+``lateness``, ``count_due_between``, ``came_due``); its order value lives in
+its class's *detached* order, with its own due count, which ``best`` never
+reads: ``best`` costs the same with 130,000 keys detached at the class heads
+as with none, where an ``exclude`` set of them costs a set lookup per
+excluded head per call (about 100 ms at 250,000 rows; ``bench_buckets.py
+--detached``). Detach and attach cost about what ``apply`` does (5 µs).
+``apply``, ``load_rows`` and ``reconfigure`` move a detached row and keep it
+detached; ``remove`` forgets the flag. Detached orders never hold pending
+values (``detach`` merges them first, ``load_rows`` places a detached row's
+new value at once). Every class with a detached order has an attached one
+(maybe empty), so the read paths walk ``_order`` and look the other up.
 
 Hazards:
 
@@ -56,42 +88,32 @@ Hazards:
 - ``items`` walks the live columns: do not apply or remove while iterating.
 - Minutes must fit in int32 (due times 0 to year 3000 do) and a node holds
   fewer than 2**31 rows.
+- A class whose rows are all detached is not empty: it is not retired to
+  make room under max_classes.
 """
 
 from __future__ import annotations
 
 from array import array
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
-from itertools import chain, compress, islice, repeat
-from math import floor
+from itertools import chain, compress, islice, pairwise, repeat
+from math import floor, isfinite
 from operator import ge, is_, itemgetter, lt
 from typing import Any
 
 from keeper.classes import ClassTable
+from keeper.order import BLOCK_LOAD, SLOT_BITS, SLOT_MASK, Order, last_minute
 from node.config import Config
 from node.errors import TooManyClasses
 
-# Entries per block of a class's order: inserting shifts at most 2x this many
-# int64s (~16 KB), a block split or join copies as much; larger blocks cost
-# less per block, smaller ones less per insert.
-BLOCK_LOAD = 1000
-# ``_Order.flush``: rebuild the whole order (one sort that merges two runs)
-# when it holds fewer than MERGE_REBUILD values per value added, else work
-# block by block, merging a block whose share is more than 1/MERGE_BLOCK of
-# it and inserting into the others.
-MERGE_REBUILD = 8
-MERGE_BLOCK = 10
 # ``best`` looks for a rank threshold that takes between k and
 # k + max(BEST_SLACK_MIN, k >> BEST_SLACK_SHIFT) rows, in at most
 # BEST_STEPS counting passes over the classes (then it takes more).
 BEST_SLACK_MIN = 32
 BEST_SLACK_SHIFT = 5
 BEST_STEPS = 40
-# The low bits of an order entry hold the slot, the high bits the due minute.
-SLOT_BITS = 32
-SLOT_MASK = (1 << SLOT_BITS) - 1
 # Smallest hash table (cells); it doubles when more than 2/3 full.
 MIN_TABLE = 8
 _EMPTY = -1
@@ -115,251 +137,6 @@ _CLASS_FIELDS = itemgetter(2, 3, 4)  # (route, cadence_s, sitemap) of a walked r
 def minute_of(t: float) -> int:
     """The due minute of a unix time: ``floor(t / 60)``."""
     return int(t // 60)
-
-
-class _Order:
-    """One class's rows, ``minute << SLOT_BITS | slot`` ascending, in blocks of
-    int64 arrays with each block's last value in ``maxes`` (the layout of
-    sortedcontainers.SortedList, minus the per-item int objects).
-
-    ``pending`` holds values added in bulk (``load_rows``) and not merged in
-    yet: runs of them in no order, one exact-size int64 array a chunk (a list
-    of ints would keep an int object a value alive, scattered over the heap
-    by the time the flush sorts them, at a third more cost; one array grown
-    by appends leaves its old copies behind, about 2 bytes a row of memory
-    the process keeps). ``size`` counts them. Everything that reads the
-    blocks runs after ``flush``, which ``Buckets`` calls before any read."""
-
-    __slots__ = ("blocks", "maxes", "size", "load", "pending")
-
-    def __init__(self, load: int) -> None:
-        self.blocks: list[array[int]] = []
-        self.maxes: list[int] = []
-        self.size = 0
-        self.load = load
-        self.pending: list[array[int]] = []
-
-    @classmethod
-    def from_sorted(cls, values: Iterable[int], load: int) -> _Order:
-        order = cls(load)
-        flat = array("q", values)
-        for start in range(0, len(flat), load):
-            block = flat[start : start + load]
-            order.blocks.append(block)
-            order.maxes.append(block[-1])
-        order.size = len(flat)
-        return order
-
-    def __iter__(self) -> Iterator[int]:
-        return chain.from_iterable(self.blocks)
-
-    def add(self, value: int) -> None:
-        maxes = self.maxes
-        self.size += 1
-        if not maxes:
-            self.blocks.append(array("q", (value,)))
-            maxes.append(value)
-            return
-        i = bisect_left(maxes, value)
-        if i == len(maxes):
-            i -= 1
-            block = self.blocks[i]
-            block.append(value)
-            maxes[i] = value
-        else:
-            block = self.blocks[i]
-            block.insert(bisect_left(block, value), value)
-        if len(block) > 2 * self.load:
-            self._split(i)
-
-    def remove(self, value: int) -> bool:
-        """Remove a value the order holds (the caller knows it does). False
-        when it was still pending."""
-        for run in self.pending:
-            if value in run:
-                run.remove(value)
-                self.size -= 1
-                return False
-        maxes = self.maxes
-        i = bisect_left(maxes, value)
-        block = self.blocks[i]
-        j = bisect_left(block, value)
-        del block[j]
-        self.size -= 1
-        n = len(block)
-        if n == 0:
-            del self.blocks[i]
-            del maxes[i]
-            return True
-        if j == n:
-            maxes[i] = block[n - 1]
-        if n < self.load >> 1 and len(maxes) > 1:
-            self._join(i)
-        return True
-
-    def _split(self, i: int) -> None:
-        block = self.blocks[i]
-        half = len(block) >> 1
-        self.blocks.insert(i + 1, block[half:])
-        del block[half:]
-        self.maxes.insert(i, block[-1])
-
-    def _join(self, i: int) -> None:
-        """Join small block ``i`` with a neighbour, so blocks stay large enough
-        that their per-block cost stays small per row."""
-        if i + 1 == len(self.blocks):
-            i -= 1
-        left = self.blocks[i]
-        left.extend(self.blocks[i + 1])
-        del self.blocks[i + 1]
-        self.maxes[i] = self.maxes[i + 1]
-        del self.maxes[i + 1]
-        if len(left) > 2 * self.load:
-            self._split(i)
-
-    def count_range(self, lo: int, hi: int) -> int:
-        """How many values are in ``[lo, hi)``: two bisections plus a sum over
-        the blocks in between (each block holds hundreds of rows)."""
-        maxes = self.maxes
-        if hi <= lo or not maxes or maxes[-1] < lo or self.blocks[0][0] >= hi:
-            return 0
-        blocks = self.blocks
-        i = bisect_left(maxes, lo)
-        j = bisect_left(maxes, hi, i)
-        start = bisect_left(blocks[i], lo)
-        if i == j:
-            return bisect_left(blocks[i], hi, start) - start
-        n = len(blocks[i]) - start + sum(map(len, islice(blocks, i + 1, j)))
-        if j < len(blocks):
-            n += bisect_left(blocks[j], hi)
-        return n
-
-    def positions(self, bounds: list[int]) -> list[int]:
-        """For ascending ``bounds``, how many values are below each one."""
-        maxes, blocks = self.maxes, self.blocks
-        nblocks = len(maxes)
-        out: list[int] = []
-        bi = 0
-        before = 0  # values in blocks[:bi]
-        for bound in bounds:
-            i = bisect_left(maxes, bound, bi)
-            if i == nblocks:
-                out.extend([self.size] * (len(bounds) - len(out)))
-                break
-            if i > bi:
-                before += sum(map(len, islice(blocks, bi, i)))
-                bi = i
-            out.append(before + bisect_left(blocks[i], bound))
-        return out
-
-    def count_below(self, bound: int) -> int:
-        """How many values are below ``bound``; cheapest near the head."""
-        blocks = self.blocks
-        if not blocks:
-            return 0
-        first = blocks[0]
-        if first[-1] >= bound:
-            return bisect_left(first, bound)
-        i = bisect_left(self.maxes, bound)
-        n = sum(map(len, islice(blocks, i)))
-        if i < len(blocks):
-            n += bisect_left(blocks[i], bound)
-        return n
-
-    def head(self, n: int) -> array[int]:
-        """The first ``n`` values (at most ``size``)."""
-        first = self.blocks[0]
-        if n <= len(first):
-            return first[:n]
-        out = array("q")
-        for block in self.blocks:
-            if n <= len(block):
-                out += block[:n]
-                break
-            out += block
-            n -= len(block)
-        return out
-
-    def at(self, pos: int) -> int:
-        """The value at position ``pos`` (< ``size``)."""
-        for block in self.blocks:
-            if pos < len(block):
-                return block[pos]
-            pos -= len(block)
-        raise IndexError(pos)
-
-    def flush(self) -> list[int]:
-        """Merge the pending values in; returns them, ascending.
-
-        Few values for the order's size go in block by block: each block's
-        share is found with one bisection per block, then merged into it (one
-        sort of two runs) or, when it is small for the block, inserted from
-        the right, so the positions found first stay valid. Many values for
-        the order's size rebuild it with one sort of two runs. No bisection
-        of ``maxes`` per value, no split per value."""
-        if not self.pending:
-            return []
-        new: list[int] = []
-        for run in self.pending:
-            new += run  # fresh ints, side by side: a sort with fewer misses
-        self.pending = []
-        if not new:
-            return new
-        new.sort()
-        m = len(new)
-        held = self.size - m
-        if held < MERGE_REBUILD * m:
-            if held:
-                values: list[int] = []
-                for block in self.blocks:
-                    values += block
-                values += new
-                values.sort()  # two runs: a merge
-                self._rebuild(values)
-            else:
-                self._rebuild(new)
-            return new
-        blocks, maxes = self.blocks, self.maxes
-        cuts = list(map(bisect_right, repeat(new), maxes))
-        cuts[-1] = m  # above the last block's max: the last block
-        start = 0
-        for i, cut in enumerate(cuts):
-            if cut == start:
-                continue
-            part = new[start:cut]
-            start = cut
-            block = blocks[i]
-            if len(part) * MERGE_BLOCK > len(block):
-                values = block.tolist()
-                values += part
-                values.sort()
-                blocks[i] = block = array("q", values)
-            else:
-                at = list(map(bisect_left, repeat(block), part))
-                deque(map(block.insert, reversed(at), reversed(part)), maxlen=0)
-            maxes[i] = block[-1]
-        most = 2 * self.load
-        for i in range(len(blocks) - 1, -1, -1):
-            if len(blocks[i]) > most:
-                self._split_even(i)
-        return new
-
-    def _rebuild(self, values: list[int]) -> None:
-        load = self.load
-        self.blocks = [
-            array("q", values[start : start + load]) for start in range(0, len(values), load)
-        ]
-        self.maxes = [block[-1] for block in self.blocks]
-
-    def _split_even(self, i: int) -> None:
-        """Split block ``i`` (over twice the load) into blocks of about the
-        load each."""
-        block = self.blocks[i]
-        n = len(block)
-        step = -(-n // (n // self.load))
-        pieces = [block[start : start + step] for start in range(0, n, step)]
-        self.blocks[i : i + 1] = pieces
-        self.maxes[i : i + 1] = [piece[-1] for piece in pieces]
 
 
 def _enter_probing(
@@ -428,9 +205,20 @@ class Buckets:
         self._table = array("i", [_EMPTY]) * MIN_TABLE
         self._mask = MIN_TABLE - 1
         self.reserve(capacity)
-        self._order: dict[int, _Order] = {}
+        self._order: dict[int, Order] = {}
         self._due: dict[int, int] = {}  # rows with minute <= _through, per class
+        # Detached rows (``detach``): a flag a slot, and per class their own
+        # order and due count, which ``best`` never reads. A class with a
+        # detached order always has an attached one too (maybe empty).
+        self._det = bytearray()
+        self._order_detached: dict[int, Order] = {}
+        self._due_detached: dict[int, int] = {}
+        self._detached = 0
         self._through = -1
+        # Lifetime count of rows entering the due state (see ``advance``),
+        # and the highest minute ``advance`` has reached (None: never called).
+        self.came_due = 0
+        self._high: int | None = None
         # Where the last ``best`` found its threshold, and how many
         # excluded keys its candidates held: the next call starts from them.
         self._best_hint: float | None = None
@@ -440,7 +228,7 @@ class Buckets:
         # ascends, a walked key cannot be held yet.
         self._strays = 0
         self._walk_last: str | None = None
-        self._dirty: dict[int, _Order] = {}  # classes with pending values
+        self._dirty: dict[int, Order] = {}  # classes with pending values
 
     # -- the hash table ---------------------------------------------------------
 
@@ -530,6 +318,8 @@ class Buckets:
             old_cid = self._cids[slot]
             old_minute = self._mins[slot]
             if old_cid != cid or old_minute != minute:
+                if minute <= self._through < old_minute:
+                    self.came_due += 1
                 self._unplace(slot, old_cid, old_minute)
                 self._mins[slot] = minute
                 self._cids[slot] = cid
@@ -552,9 +342,12 @@ class Buckets:
             self._vers.append(version)
             self._mins.append(minute)
             self._cids.append(cid)
+            self._det.append(0)
         self._table[i] = slot
         self._live += 1
         self._strays += 1
+        if minute <= self._through:
+            self.came_due += 1
         self._place(slot, cid, minute)
         return True
 
@@ -568,6 +361,9 @@ class Buckets:
         if version is not None and self._vers[slot] > version:
             return False
         self._unplace(slot, self._cids[slot], self._mins[slot])
+        if self._det[slot]:
+            self._det[slot] = 0  # a freed slot is attached when reused
+            self._detached -= 1
         self._keys[slot] = None
         self._free.append(slot)
         self._live -= 1
@@ -640,11 +436,15 @@ class Buckets:
 
     def _load_one_by_one(self, rows: Iterable[WalkedRow]) -> tuple[int, int]:
         applied = refused = 0
+        came_due = self.came_due
         for row in rows:
             try:
                 applied += self.apply(*row)
             except TooManyClasses:
                 refused += 1
+        # Walked rows are restored state, not new occurrences: undo what
+        # ``apply`` counted as coming due.
+        self.came_due = came_due
         return applied, refused
 
     def _find_held(
@@ -704,6 +504,7 @@ class Buckets:
         self._vers += array("q", versions)
         self._mins += array("i", minutes)
         self._cids += array("i", cids)
+        self._det += bytes(len(versions))
         self._live += len(versions)
         for cid, values in pending.items():
             if values:
@@ -751,14 +552,18 @@ class Buckets:
         self, slot: int, version: int, cid: int, minute: int, values: dict[int, list[int]]
     ) -> None:
         """``apply`` to a held row; its new order value goes to ``values`` by
-        class, for the caller to leave pending."""
+        class, for the caller to leave pending (a detached row's goes to its
+        detached order at once: those hold no pending values)."""
         self._vers[slot] = version
         old_cid, old_minute = self._cids[slot], self._mins[slot]
         if old_cid != cid or old_minute != minute:
             self._unplace(slot, old_cid, old_minute)
             self._mins[slot] = minute
             self._cids[slot] = cid
-            values.setdefault(cid, []).append(minute << SLOT_BITS | slot)
+            if self._det[slot]:
+                self._place(slot, cid, minute)
+            else:
+                values.setdefault(cid, []).append(minute << SLOT_BITS | slot)
 
     def _pend(self, cid: int, values: Sequence[int]) -> None:
         """Leave order values of class ``cid`` pending (a run of them, as one
@@ -768,7 +573,7 @@ class Buckets:
         if order is None:
             order = self._order.get(cid)
             if order is None:
-                order = self._order[cid] = _Order(self._block_load)
+                order = self._order[cid] = Order(self._block_load)
                 self._due[cid] = 0
             self._dirty[cid] = order
         order.pending.append(array("q", values))
@@ -787,18 +592,38 @@ class Buckets:
         self._dirty.clear()
 
     def _place(self, slot: int, cid: int, minute: int) -> None:
-        order = self._order.get(cid)
-        if order is None:
-            order = self._order[cid] = _Order(self._block_load)
-            self._due[cid] = 0
+        """Enter a slot's order value in its class's attached or detached
+        order, as the slot's flag says."""
+        if self._det[slot]:
+            order, due = self._order_detached.get(cid), self._due_detached
+            if order is None:
+                order = self._new_detached_order(cid)
+        else:
+            order, due = self._order.get(cid), self._due
+            if order is None:
+                order = self._order[cid] = Order(self._block_load)
+                due[cid] = 0
         order.add(minute << SLOT_BITS | slot)
         if minute <= self._through:
-            self._due[cid] += 1
+            due[cid] += 1
 
     def _unplace(self, slot: int, cid: int, minute: int) -> None:
+        value = minute << SLOT_BITS | slot
+        if self._det[slot]:
+            self._order_detached[cid].remove(value)
+            if minute <= self._through:
+                self._due_detached[cid] -= 1
         # A pending value was not counted as due yet.
-        if self._order[cid].remove(minute << SLOT_BITS | slot) and minute <= self._through:
+        elif self._order[cid].remove(value) and minute <= self._through:
             self._due[cid] -= 1
+
+    def _new_detached_order(self, cid: int) -> Order:
+        if cid not in self._order:
+            self._order[cid] = Order(self._block_load)
+            self._due[cid] = 0
+        order = self._order_detached[cid] = Order(self._block_load)
+        self._due_detached[cid] = 0
+        return order
 
     def _class_of(self, route: str, cadence_s: int | None, sitemap: bool) -> int:
         try:
@@ -814,12 +639,56 @@ class Buckets:
         retired = 0
         for cid in self.classes.ids():
             order = self._order.get(cid)
-            if order is None or not order.size:
+            detached = self._order_detached.get(cid)
+            if (order is None or not order.size) and (detached is None or not detached.size):
                 self._order.pop(cid, None)
                 self._due.pop(cid, None)
+                self._order_detached.pop(cid, None)
+                self._due_detached.pop(cid, None)
                 self.classes.retire(cid)
                 retired += 1
         return retired
+
+    # -- detached rows --------------------------------------------------------------
+
+    def detach(self, key: str) -> bool:
+        """Hide a row from ``best`` (a leased, held or parked key) until
+        ``attach``; it stays in every count and in ``get``/``items``. False
+        when the key is absent or detached already. A few µs: its order value
+        moves to the class's detached order."""
+        slot = self._table[self._cell(key)]
+        if slot < 0 or self._det[slot]:
+            return False
+        if self._dirty:
+            self._flush()  # else finding the value means scanning the pending runs
+        cid, minute = self._cids[slot], self._mins[slot]
+        self._unplace(slot, cid, minute)
+        self._det[slot] = 1
+        self._detached += 1
+        self._place(slot, cid, minute)
+        return True
+
+    def attach(self, key: str) -> bool:
+        """Undo ``detach``: ``best`` sees the row again. False when the key is
+        absent or not detached."""
+        slot = self._table[self._cell(key)]
+        if slot < 0 or not self._det[slot]:
+            return False
+        cid, minute = self._cids[slot], self._mins[slot]
+        self._unplace(slot, cid, minute)
+        self._det[slot] = 0
+        self._detached -= 1
+        self._place(slot, cid, minute)
+        return True
+
+    def is_detached(self, key: str) -> bool:
+        slot = self._table[self._cell(key)]
+        return slot >= 0 and bool(self._det[slot])
+
+    @property
+    def detached(self) -> int:
+        """How many rows are detached."""
+        return self._detached
 
     # -- reading ----------------------------------------------------------------
 
@@ -1042,22 +911,48 @@ class Buckets:
 
     def advance(self, now_minute: int) -> None:
         """Bring the per-class due counts to ``now_minute``, counting only the
-        rows whose minute lies between the last call's and this one's."""
+        rows whose minute lies between the last call's and this one's.
+
+        Moving past minutes never reached before adds the rows it crosses to
+        ``came_due``; the first call only sets that high-water minute (the
+        rows due then came due before these buckets counted), and a clock
+        that steps back and forward again counts nothing twice."""
         if self._dirty:
             self._flush()
+        high = self._high
+        if high is None:
+            high = self._high = now_minute
         through = self._through
         if now_minute == through:
             return
-        due = self._due
         if now_minute > through:
             lo, hi = (through + 1) << SLOT_BITS, (now_minute + 1) << SLOT_BITS
-            for cid, order in self._order.items():
-                due[cid] += order.count_range(lo, hi)
+            fresh = (max(through, high) + 1) << SLOT_BITS  # never crossed before
+            came = 0
+            for orders, due in self._both:
+                for cid, order in orders.items():
+                    n = order.count_range(lo, hi)
+                    due[cid] += n
+                    if n and fresh < hi:
+                        came += n if fresh == lo else order.count_range(fresh, hi)
+            self.came_due += came
+            self._high = max(high, now_minute)
         else:
             lo, hi = (now_minute + 1) << SLOT_BITS, (through + 1) << SLOT_BITS
-            for cid, order in self._order.items():
-                due[cid] -= order.count_range(lo, hi)
+            for orders, due in self._both:
+                for cid, order in orders.items():
+                    due[cid] -= order.count_range(lo, hi)
         self._through = now_minute
+
+    @property
+    def _both(self) -> tuple[tuple[dict[int, Order], dict[int, int]], ...]:
+        """The attached and the detached orders, each with its due counts."""
+        return (self._order, self._due), (self._order_detached, self._due_detached)
+
+    def _orders_of(self, cid: int, order: Order) -> tuple[Order, ...]:
+        """A class's attached ``order``, and its detached one if it holds rows."""
+        detached = self._order_detached.get(cid)
+        return (order, detached) if detached is not None and detached.size else (order,)
 
     def counts(self, now: float) -> dict[str, Any]:
         """``{"due": {"sitemap", "discovered", "total"}, "per_class": {cid:
@@ -1067,11 +962,15 @@ class Buckets:
         info = self.classes.info
         sitemap = discovered = 0
         per_class: dict[int, tuple[int, int]] = {}
+        detached, due_detached = self._order_detached, self._due_detached
         for cid, order in self._order.items():
-            if not order.size:
+            rows, due = order.size, self._due[cid]
+            if cid in detached:
+                rows += detached[cid].size
+                due += due_detached[cid]
+            if not rows:
                 continue
-            due = self._due[cid]
-            per_class[cid] = (order.size, due)
+            per_class[cid] = (rows, due)
             if info(cid).sitemap:
                 sitemap += due
             else:
@@ -1094,7 +993,7 @@ class Buckets:
         lo, hi = bounds[0], bounds[-1]
         soon = 0
         by_hour = [0] * COMING_HOURS
-        for order in self._order.values():
+        for order in chain(self._order.values(), self._order_detached.values()):
             if not order.size or order.maxes[-1] < lo or order.blocks[0][0] >= hi:
                 continue
             p = order.positions(bounds)
@@ -1104,16 +1003,58 @@ class Buckets:
                 by_hour[h] += p[h + 2] - p[h + 1]
         return {"15m": soon, "60m": by_hour[0], "24h": sum(by_hour), "by_hour": by_hour}
 
+    def count_due_between(self, lo_minute: int, hi_minute: int) -> int:
+        """How many rows have ``lo_minute < minute <= hi_minute``, all classes:
+        two bisections a class."""
+        if hi_minute <= lo_minute:
+            return 0
+        if self._dirty:
+            self._flush()
+        lo, hi = (lo_minute + 1) << SLOT_BITS, (hi_minute + 1) << SLOT_BITS
+        orders = chain(self._order.values(), self._order_detached.values())
+        return sum(order.count_range(lo, hi) for order in orders)
+
+    def lateness(self, now: float, edges: Sequence[float]) -> dict[int, list[int]]:
+        """Per class with due rows, how many of them fall in each bin of
+        lateness ratio ``(now - minute * 60) / cadence_s`` (no boost): bin i
+        holds ``edges[i] <= ratio < edges[i + 1]``, the last bin ``ratio >=
+        edges[-1]``. ``edges`` start at 0 and increase. A bisection per edge
+        a class: the cost follows classes, not rows."""
+        if not edges or edges[0] != 0 or not all(map(isfinite, edges)):
+            raise ValueError(f"lateness edges must start at 0 and be finite, got {edges!r}")
+        if any(b <= a for a, b in pairwise(edges)):
+            raise ValueError(f"lateness edges must increase, got {edges!r}")
+        if self._dirty:
+            self._flush()
+        now_minute = int(now // 60)
+        limit = (now_minute + 1) << SLOT_BITS
+        info = self.classes.info
+        out: dict[int, list[int]] = {}
+        for cid, order in self._order.items():
+            orders = [o for o in self._orders_of(cid, order) if o.size and o.blocks[0][0] < limit]
+            if not orders:
+                continue
+            cadence_s = info(cid).cadence_s
+            # ratio >= edge  <=>  minute <= last: bounds ascend as edges descend.
+            lasts = [min(last_minute(now, edge, cadence_s), now_minute) for edge in edges]
+            bounds = [(last + 1) << SLOT_BITS for last in reversed(lasts)]
+            at_least = list(map(sum, zip(*(o.positions(bounds) for o in orders), strict=True)))
+            at_least.reverse()  # at_least[i]: due rows with ratio >= edges[i]
+            at_least.append(0)
+            out[cid] = [a - b for a, b in pairwise(at_least)]
+        return out
+
     def oldest_due(self, now: float) -> dict[int, int]:
         """The head (earliest) minute of each class that has due rows."""
         if self._dirty:
             self._flush()
         limit = (int(now // 60) + 1) << SLOT_BITS
-        return {
-            cid: order.blocks[0][0] >> SLOT_BITS
-            for cid, order in self._order.items()
-            if order.size and order.blocks[0][0] < limit
-        }
+        out = {}
+        for cid, order in self._order.items():
+            heads = [o.blocks[0][0] for o in self._orders_of(cid, order) if o.size]
+            if heads and min(heads) < limit:
+                out[cid] = min(heads) >> SLOT_BITS
+        return out
 
     # -- configuration ----------------------------------------------------------
 
@@ -1122,15 +1063,19 @@ class Buckets:
         rows of a class that merged into another move there. No store reads."""
         if self._dirty:
             self._flush()
+        cids = self._cids
         for old, new in self.classes.reconfigure(config):
-            src = self._order.pop(old, None)
-            moved_due = self._due.pop(old, 0)
-            if src is None or not src.size:
-                continue
-            cids = self._cids
-            for value in src:
-                cids[value & SLOT_MASK] = new
-            dst = self._order.get(new)
-            values = sorted(chain(src, dst)) if dst is not None else list(src)
-            self._order[new] = _Order.from_sorted(values, self._block_load)
-            self._due[new] = self._due.get(new, 0) + moved_due
+            for orders, due in self._both:
+                src = orders.pop(old, None)
+                moved_due = due.pop(old, 0)
+                if src is None or not src.size:
+                    continue
+                for value in src:
+                    cids[value & SLOT_MASK] = new
+                dst = orders.get(new)
+                values = sorted(chain(src, dst)) if dst is not None else list(src)
+                orders[new] = Order.from_sorted(values, self._block_load)
+                due[new] = due.get(new, 0) + moved_due
+            if new not in self._order:  # only detached rows moved: keep the invariant
+                self._order[new] = Order(self._block_load)
+                self._due[new] = 0

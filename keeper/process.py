@@ -29,8 +29,9 @@ import msgpack
 
 from keeper.buckets import Buckets
 from keeper.classes import ClassTable
+from node import log, metrics
 from node.config import Config
-from node.errors import TooManyClasses
+from node.errors import NodeError, TooManyClasses
 from node.rows import OP_DELETE, OP_INSERT, ORIGIN_EXTERNAL, ORIGIN_WRITEBACK
 from node.store.base import BadRow, Store
 
@@ -63,6 +64,16 @@ LOW_WATER_MIN_S = 0.01
 LAG_SAMPLES = 10_000
 # Class rows in the state document; more are summarised and flagged truncated.
 STATE_CLASS_ROWS = 1_000
+# Lateness bins of the state document, in lateness / cadence: bin i holds the
+# due rows with edges[i] <= ratio < edges[i + 1], the last bin the rest.
+LATENESS_EDGES = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
+LATENESS_LABELS = ("<0.25", "0.25-0.5", "0.5-1", "1-2", "2-4", ">=4")
+# Routes listed one by one in the lateness group (the busiest first).
+STATE_ROUTE_ROWS = 200
+# Flow counts per minute, in the order the document lists them.
+FLOW_FIELDS = ("came_due", "added", "updated", "triggered", "rescheduled", "removed")
+# The store meta entry that carries the lifetime received count over restarts.
+RECEIVED_META = "received"
 
 
 class _Stats:
@@ -156,6 +167,15 @@ class Keeper:
         self.feed_seq = 0
         self.stats = _Stats()
         self.paused_routes: frozenset[str] = frozenset()
+        self.paused_node = False
+        # Occurrences that came due (``received``): the count saved by the
+        # last run plus what this run's buckets counted since its load.
+        self._received_base = 0
+        self._came_due_offset = 0
+        self._received_saved: dict[str, int] | None = None
+        # Counter values at the last flow sample: the deltas go to the minute.
+        self._came_due_mark = 0
+        self._grants_mark: int | None = None
         # Keys left out of the last publish because they were leased, held or
         # parked: a new write of one of them clears its misses and hold.
         self.exclude: set[str] = set()
@@ -182,7 +202,10 @@ class Keeper:
         self.buckets.reserve(self.store.count())
         self.stats.load["started_at"] = now
         self._t_start = time.perf_counter()
-        self.paused_routes = frozenset(self.store.get_meta("paused_routes", []) or [])
+        self._read_paused()
+        saved = self.store.get_meta(RECEIVED_META)
+        if isinstance(saved, dict):
+            self._received_saved = saved
         self.next_verify = now + self.config.verify_interval_s
         self.state.heartbeat(now, "loading", False, "walking 0 rows")
 
@@ -194,6 +217,7 @@ class Keeper:
         self.drain_feed(now)
         if self._loading:
             self._load_step(now)
+        self._sample_flow(now)
         if self.ready_low(now) or now >= self.next_publish:
             self.publish(now)
         if now >= self.next_state:
@@ -217,6 +241,7 @@ class Keeper:
         changes = self.store.changes
         apply = self.buckets.apply
         remove = self.buckets.remove
+        detach = self.buckets.detach
         loading = self._loading
         tombstones = self._tombstones
         exclude = self.exclude if self.leases is not None else ()
@@ -242,9 +267,13 @@ class Keeper:
                 except TooManyClasses:
                     remove(ch.key)
                     self.stats.apply["refused_classes"] += 1
-                if ch.key in exclude and ch.origin != ORIGIN_WRITEBACK:
-                    # A new write of a key with misses clears them.
-                    self.leases.clear_on_write(ch.key)
+                if ch.key in exclude:
+                    # Inserted again while out (deleted and written back
+                    # during its lease): it stays out.
+                    detach(ch.key)
+                    if ch.origin != ORIGIN_WRITEBACK:
+                        # A new write of a key with misses clears them.
+                        self.leases.clear_on_write(ch.key)
                 if ch.op == OP_INSERT:
                     flow["added"] += 1
                 elif ch.origin == ORIGIN_WRITEBACK:
@@ -259,8 +288,10 @@ class Keeper:
         else:
             self._caught_up = False
         if applied:
+            spent = time.perf_counter() - t0
             self.stats.apply["changes"] += applied
-            self.stats.apply["feed_s"] += time.perf_counter() - t0
+            self.stats.apply["feed_s"] += spent
+            metrics.observe_apply(spent / applied)
         if applied and not self._loading and self._caught_up:
             self._set_exact(True, now)
         return applied
@@ -270,14 +301,37 @@ class Keeper:
         node, outside = self.stats.lag_node, self.stats.lag_outside
         for ch in batch:
             (outside if ch.origin == ORIGIN_EXTERNAL else node).append(wall - ch.at)
+        # The histogram gets the batch's oldest change of each origin, not
+        # every change (an observation costs a few µs in multiprocess mode).
+        first: dict[str, float] = {}
+        for ch in batch:
+            if ch.origin not in first:
+                first[ch.origin] = ch.at
+                if len(first) == 3:
+                    break
+        for origin, at in first.items():
+            metrics.observe_lag(origin, wall - at)
 
     def _flow_minute(self, now: float) -> dict[str, int]:
         minute = int(now // 60)
         if not self._flow or self._flow[-1][0] != minute:
-            self._flow.append(
-                (minute, {"added": 0, "updated": 0, "rescheduled": 0, "removed": 0})
-            )
+            self._flow.append((minute, dict.fromkeys(FLOW_FIELDS, 0)))
         return self._flow[-1][1]
+
+    def _sample_flow(self, now: float) -> None:
+        """Move what the buckets and the lease table counted since the last
+        sample into the current minute: rows that came due, leases granted."""
+        came_due = self.buckets.came_due
+        grants = self.leases.counters()["grants"] if self.leases is not None else 0
+        if self._grants_mark is None:
+            self._grants_mark = grants  # granted before this keeper started: not its flow
+        if came_due == self._came_due_mark and grants == self._grants_mark:
+            return
+        flow = self._flow_minute(now)
+        if not self._loading:  # a load's rows are restored, not new occurrences
+            flow["came_due"] += came_due - self._came_due_mark
+        flow["triggered"] += grants - self._grants_mark
+        self._came_due_mark, self._grants_mark = came_due, grants
 
     # -- loading --------------------------------------------------------------
 
@@ -288,6 +342,9 @@ class Keeper:
         load["unreadable"] += len(bad)
         _applied, refused = self.buckets.load_rows(rows, self._tombstones)
         self.stats.apply["refused_classes"] += refused
+        if self.exclude:  # leased before this keeper started: keep them out
+            for key in self.exclude.intersection([row[0] for row in rows]):
+                self.buckets.detach(key)
         self._load_after = after
         walked = load["rows"]
         if after is None:
@@ -296,11 +353,55 @@ class Keeper:
             self.drain_feed(now)
             self.stats.load["done_s"] = round(time.perf_counter() - self._t_start, 4)
             self.status = "live"
+            self._start_received(now)
             self._set_exact(self._caught_up, now)
             self.next_publish = 0.0  # publish the complete picture at once
             self.next_state = 0.0
         else:
             self.state.heartbeat(now, "loading", False, f"walking {walked} rows")
+
+    def _start_received(self, now: float) -> None:
+        """At the end of the load: the lifetime received count is the saved
+        one plus the rows that came due while no keeper counted them (due
+        minutes after the saved minute, through now). From here the buckets
+        count (``came_due``)."""
+        minute = int(now // 60)
+        self.buckets.advance(minute)
+        saved = self._received_saved or {}
+        since = int(saved.get("minute", -(2**31)))
+        self._received_base = int(saved.get("total", 0)) + (
+            self.buckets.count_due_between(since, minute) if since < minute else 0
+        )
+        self._came_due_offset = self.buckets.came_due
+        self._came_due_mark = self.buckets.came_due
+
+    def received(self) -> int:
+        """Occurrences that came due, lifetime (counted once the load is done)."""
+        if self._loading:
+            return int((self._received_saved or {}).get("total", 0))
+        return self._received_base + self.buckets.came_due - self._came_due_offset
+
+    def _save_received(self, now: float) -> None:
+        """Keep the received count over a restart: the count through the
+        current minute (the buckets have advanced to it)."""
+        if self._loading:
+            return
+        value = {"total": self.received(), "minute": int(now // 60)}
+        try:
+            self.store.set_meta(RECEIVED_META, value)
+        except NodeError as exc:  # a locked or full store: the next write catches up
+            log.warn("received_save_failed", error=str(exc))
+
+    def _read_paused(self) -> None:
+        self.paused_routes = frozenset(self.store.get_meta("paused_routes", []) or [])
+        self.paused_node = bool(self.store.get_meta("paused_node", False))
+
+    def reload_paused(self, now: float) -> dict[str, Any]:
+        """Re-read pause and resume from the store and publish at once."""
+        self._read_paused()
+        self.publish(now)
+        return {"ok": True, "paused_routes": sorted(self.paused_routes),
+                "paused_node": self.paused_node}
 
     # -- publishing -----------------------------------------------------------
 
@@ -314,13 +415,17 @@ class Keeper:
     def publish(self, now: float) -> None:
         t0 = time.perf_counter()
         if self.leases is not None:
-            self.exclude = self.leases.excluded_keys(now)
-        entries = self.buckets.best(
-            now, self.config.ready_size, paused_routes=self.paused_routes,
-            exclude=self.exclude or None,
-        )
+            self._follow_leases(now)
+        if self.paused_node:
+            entries = []
+        else:
+            entries = self.buckets.best(
+                now, self.config.ready_size, paused_routes=self.paused_routes
+            )
         self.ready.publish(entries, now)
-        ms = (time.perf_counter() - t0) * 1000
+        spent = time.perf_counter() - t0
+        metrics.observe_publish(spent)
+        ms = spent * 1000
         pub = self.stats.publish
         pub["count"] += 1
         pub["last_ms"] = round(ms, 3)
@@ -334,6 +439,20 @@ class Keeper:
         self.state.heartbeat(now, self.status, self.exact, self._phase(), published=True)
         if not self._loading:
             self._check_top(entries[:TOP_CHECK], now)
+
+    def _follow_leases(self, now: float) -> None:
+        """Keep the leased, held and parked keys out of the publish: a key
+        that became one since the last publish is detached from its class's
+        order (it stays in every count), one that no longer is comes back.
+        The cost follows the keys that changed, not the keys out."""
+        excluded = self.leases.excluded_keys(now)
+        before = self.exclude
+        detach, attach = self.buckets.detach, self.buckets.attach
+        for key in excluded - before:
+            detach(key)
+        for key in before - excluded:
+            attach(key)
+        self.exclude = excluded
 
     def _phase(self) -> str:
         if self._loading:
@@ -392,6 +511,8 @@ class Keeper:
             return False
         self.buckets.remove(key)
         self.buckets.apply(key, row.version, row.route, row.cadence_s, row.sitemap, row.due_at)
+        if key in self.exclude:
+            self.buckets.detach(key)
         return True
 
     def start_verify(self, now: float) -> None:
@@ -454,41 +575,40 @@ class Keeper:
 
     def counts_doc(self, now: float) -> dict[str, Any]:
         counts = self.buckets.counts(now)
-        class_rows = []
         per_class = counts["per_class"]
         oldest = self.buckets.oldest_due(now)
+        class_rows = []
         for cid, (rows, due) in per_class.items():
-            info = self.classes.info(cid)
             head = oldest.get(cid)
             class_rows.append(
                 {
-                    "route": info.route,
-                    "cadence_s": info.cadence_s,
-                    "source": info.source,
-                    "sitemap": info.sitemap,
-                    "boost": info.boost,
+                    **self._class_identity(cid),
                     "rows": rows,
                     "due": due,
                     "oldest_due_minute": head,
                     "oldest_lateness_ratio": (
-                        None if head is None else round((now - head * 60) / info.cadence_s, 4)
+                        None
+                        if head is None
+                        else round((now - head * 60) / self.classes.info(cid).cadence_s, 4)
                     ),
                 }
             )
         class_rows.sort(key=lambda c: (-(c["due"]), c["route"]))
         truncated = len(class_rows) > STATE_CLASS_ROWS
-        flow = [{"minute": m, **c} for m, c in self._flow]
         return {
             "now": {
                 "due": counts["due"],
                 "rows": len(self.buckets),
                 "classes": len(self.classes),
                 "paused": sorted(self.paused_routes),
+                "paused_node": self.paused_node,
             },
             "coming": self.buckets.coming(now),
+            "lateness": self._lateness_doc(now, oldest, per_class),
             "classes": class_rows[:STATE_CLASS_ROWS],
             "classes_truncated": truncated,
-            "flow": flow,
+            "flow": self._flow_doc(),
+            "counters": {"received": self.received()},
             "trust": {
                 "phase": self._phase(),
                 "load": self.stats.load,
@@ -500,9 +620,60 @@ class Keeper:
             },
         }
 
+    def _class_identity(self, cid: int) -> dict[str, Any]:
+        info = self.classes.info(cid)
+        return {"route": info.route, "cadence_s": info.cadence_s, "source": info.source,
+                "sitemap": info.sitemap, "boost": info.boost}
+
+    def _lateness_doc(
+        self, now: float, oldest: dict[int, int], per_class: dict[int, tuple[int, int]]
+    ) -> dict[str, Any]:
+        """Due rows by lateness / cadence (bins of LATENESS_EDGES), by kind
+        and by route, and the oldest due row of every class."""
+        bins = len(LATENESS_EDGES)
+        kinds = {"sitemap": [0] * bins, "discovered": [0] * bins}
+        routes: dict[str, list[int]] = {}
+        for cid, counts in self.buckets.lateness(now, LATENESS_EDGES).items():
+            info = self.classes.info(cid)
+            kind = kinds["sitemap" if info.sitemap else "discovered"]
+            route = routes.setdefault(info.route, [0] * bins)
+            for i, n in enumerate(counts):
+                kind[i] += n
+                route[i] += n
+        busiest = sorted(routes, key=lambda r: (-sum(routes[r]), r))
+        heads = []
+        for cid, minute in oldest.items():
+            info = self.classes.info(cid)
+            lateness_s = round(now - minute * 60, 3)
+            heads.append({**self._class_identity(cid), "due": per_class.get(cid, (0, 0))[1],
+                          "oldest_due_minute": minute, "lateness_s": lateness_s,
+                          "lateness_ratio": round(lateness_s / info.cadence_s, 4)})
+        heads.sort(key=lambda h: (-h["lateness_ratio"], h["route"]))
+        return {
+            "edges": list(LATENESS_EDGES),
+            "labels": list(LATENESS_LABELS),
+            **kinds,
+            "total": [a + b for a, b in zip(kinds["sitemap"], kinds["discovered"], strict=True)],
+            "by_route": {r: routes[r] for r in busiest[:STATE_ROUTE_ROWS]},
+            "by_route_truncated": len(busiest) > STATE_ROUTE_ROWS,
+            "oldest": heads[:STATE_CLASS_ROWS],
+            "oldest_truncated": len(heads) > STATE_CLASS_ROWS,
+        }
+
+    def _flow_doc(self) -> dict[str, Any]:
+        minutes = [{"minute": m, **c} for m, c in self._flow]
+        last_hour = dict.fromkeys(FLOW_FIELDS, 0)
+        for _m, c in self._flow:
+            for name in FLOW_FIELDS:
+                last_hour[name] += c[name]
+        return {"minutes": minutes, "last_hour": last_hour}
+
     def write_state(self, now: float) -> None:
         self.next_state = now + self.config.state_interval_s
+        self._read_paused()  # a pause written while no keeper was asked
+        self._sample_flow(now)
         self.state.write_doc(self.counts_doc(now), now)
+        self._save_received(now)
 
     # -- questions from workers -----------------------------------------------------
 
@@ -510,6 +681,8 @@ class Keeper:
         op = request.get("op")
         if op == "explain":
             return self.explain(str(request.get("key")), now)
+        if op == "reload_paused":
+            return self.reload_paused(now)
         if op == "verify":
             self.start_verify(now)
             return {"ok": True, "status": self.status}
@@ -547,8 +720,9 @@ class Keeper:
                       "source": info.source, "sitemap": info.sitemap, "boost": info.boost},
             "due": due,
             "rank": rank,
-            "paused": info.route in self.paused_routes,
+            "paused": self.paused_node or info.route in self.paused_routes,
             "in_ready_set": position is not None,
+            "left_out": key in self.exclude,
             "ready_position": position,
         }
 

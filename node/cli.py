@@ -16,6 +16,13 @@ from collections.abc import Sequence
 from node.errors import ConfigError, NodeError, NodeNotRunning
 from node.proc import RET_ERROR, RET_NO_NODE, RET_NOT_VOUCHED, RET_OK, RET_USAGE
 
+# --watch looks for a new document this often; the keeper writes one every
+# state_interval_s (5 s by default), and one is printed as soon as it lands.
+WATCH_POLL_S = 0.1
+# With no new document for this long (a stalled keeper writes none), the
+# state is printed anyway: it says the keeper no longer vouches, and why.
+WATCH_QUIET_S = 5.0
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse that says what is wrong in one line and exits 2."""
@@ -56,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("state", help="print the shared state buffer as JSON")
     s.add_argument("--name")
     s.add_argument("--watch", action="store_true")
-    s.add_argument("--interval", type=float, default=1.0, help=argparse.SUPPRESS)
+    s.add_argument("--interval", type=float, default=WATCH_POLL_S, help=argparse.SUPPRESS)
     sub.add_parser("import", help="import rows from JSON lines, CSV or a sitemap", add_help=False)
     return parser
 
@@ -83,22 +90,61 @@ def _state_name(name: str | None) -> str:
 
 
 def _cmd_state(args: argparse.Namespace) -> int:
+    """Print the queue state once: exit 0 when the keeper vouches, 3 when it
+    does not, 4 when no node of that name runs here. ``--watch``: again at
+    every new document until Ctrl-C or SIGTERM (exit 0)."""
     from shm.state import read_state
 
     name = _state_name(args.name)
-    while True:
-        try:
-            state = read_state(name)
-        except NodeNotRunning as exc:
-            print(f"node state: {exc}", file=sys.stderr)
-            if not args.watch:
-                return RET_NO_NODE
-            state = None
-        if state is not None:
+    try:
+        state = read_state(name)
+    except NodeNotRunning as exc:
+        print(f"node state: {exc}", file=sys.stderr)
+        return RET_NO_NODE
+    if args.watch:
+        return _watch_state(name, state, max(0.01, args.interval))
+    print(json.dumps(state, sort_keys=True), flush=True)
+    return RET_OK if state["trust"]["vouched"] else RET_NOT_VOUCHED
+
+
+def _watch_state(name: str, state: dict, poll_s: float) -> int:
+    """One JSON document per line: the state at every new document of the
+    keeper (every state interval), until SIGINT or SIGTERM (exit 0); exit 4
+    when the node goes away meanwhile."""
+    import signal
+    import threading
+
+    from shm.state import read_state
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()  # only the flag: the loop below does the stopping
+
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
             print(json.dumps(state, sort_keys=True), flush=True)
-        if not args.watch:
-            return RET_OK if state["trust"]["vouched"] else RET_NOT_VOUCHED
-        time.sleep(max(0.1, args.interval))  # a display refresh, not synchronisation
+            printed_at, counts_at = time.monotonic(), state["trust"].get("counts_at")
+            while not stop.wait(poll_s):
+                try:
+                    state = read_state(name)
+                except NodeNotRunning as exc:
+                    print(f"node state: {exc}", file=sys.stderr)
+                    return RET_NO_NODE
+                quiet_s = time.monotonic() - printed_at
+                if state["trust"].get("counts_at") != counts_at or quiet_s >= WATCH_QUIET_S:
+                    break
+            if stop.is_set():
+                return RET_OK
+    except BrokenPipeError:
+        # The reader went away (| head): nothing more to say, and nothing to
+        # flush at exit either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return RET_OK
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

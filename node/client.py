@@ -269,15 +269,32 @@ class Client:
         return self.request("GET", "/accounting")
 
     def queue_state(self, scope: str | None = None) -> dict[str, Any]:
-        """``GET /queue-state``. A 503 that carries a queue state (the keeper
-        cannot vouch: ``trust.vouched`` is false) is returned, not raised."""
-        path = "/queue-state" + (f"?scope={scope}" if scope else "")
+        """``GET /queue-state`` (``scope="cluster"``: the fleet's). A 503 that
+        carries a queue state is returned, not raised: the keeper cannot vouch,
+        ``doc["trust"]["vouched"]`` is false (with ``trust.reason``) and the
+        document has no counts, only ``trust`` and ``now: {in_flight, paused,
+        status}``. Every other error raises ``ClientError`` (a bad scope:
+        400 ``invalid_scope``)."""
+        path = "/queue-state"
+        if scope is not None:
+            path += "?" + urllib.parse.urlencode({"scope": scope})
         try:
             return self.request("GET", path)
         except ClientError as exc:
             if exc.status == 503 and isinstance(exc.body, dict) and "trust" in exc.body:
                 return exc.body
             raise
+
+    def pause(self, route: str | None = None) -> dict[str, Any]:
+        """Stop granting ``route``'s rows (None: every row of the node); it
+        survives a restart. ``{"paused": {"node", "routes"}, "applied"}``:
+        ``applied`` is false when the keeper did not confirm in time (it then
+        applies the pause at its next state write)."""
+        return self.request("POST", "/admin/pause", {} if route is None else {"route": route})
+
+    def resume(self, route: str | None = None) -> dict[str, Any]:
+        """Undo ``pause(route)``; resuming the node leaves paused routes paused."""
+        return self.request("POST", "/admin/resume", {} if route is None else {"route": route})
 
 
 # -- on the host -----------------------------------------------------------------------

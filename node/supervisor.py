@@ -14,6 +14,10 @@ Restart policy: a child that dies is started again after a backoff that
 doubles from 0.1 s up to 5 s, and is reset once the child has stayed up for
 30 s; every restart is logged with the exit status.
 
+Metrics: the supervisor owns ``<data-dir>/metrics``, prometheus_client's
+multiprocess directory (``node.metrics``): emptied at the start, named in every
+child's environment, and told when a child exits.
+
 The supervisor's signal handlers only set flags and write to a wake-up pipe
 (signal.set_wakeup_fd); all work happens in the loop.
 """
@@ -31,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from node import log
+from node import log, metrics
 from node.config import Config
 from node.errors import ConfigError, NodeError
 from node.proc import ENV_CONFIG, ENV_STARTED_AT, ENV_SUPERVISOR, python_argv
@@ -84,6 +88,11 @@ class Supervisor:
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.run_dir.mkdir(exist_ok=True, mode=0o700)
         self._refuse_second_node()
+        # After the refusal: a second node must not empty the running one's files.
+        try:
+            self.metrics_dir = metrics.prepare_dir(self.data_dir)
+        except OSError as exc:
+            raise ConfigError(f"cannot prepare {self.data_dir / metrics.DIR_NAME}: {exc}") from None
         from node.handlers import check_spec
         from node.store import open_store
 
@@ -203,6 +212,8 @@ class Supervisor:
         env[ENV_CONFIG] = str(self.config_path)
         env[ENV_SUPERVISOR] = str(os.getpid())
         env[ENV_STARTED_AT] = repr(self.started_at)
+        # Read by prometheus_client when the child imports it: set before exec.
+        env[metrics.ENV_DIR] = str(self.metrics_dir)
         if self.verbose:
             env["QUEUE_NODE_VERBOSE"] = "1"
         return env
@@ -275,6 +286,7 @@ class Supervisor:
             )
             child.backoff_s = min(child.backoff_s * 2, BACKOFF_MAX_S)
             child.proc = None
+            self._metrics_forget(proc.pid)
             changed = True
         for child in self.children:
             if child.proc is None and child.restart_at is not None and now >= child.restart_at:
@@ -282,6 +294,14 @@ class Supervisor:
                 self._spawn(child)
                 changed = True
         return changed
+
+    def _metrics_forget(self, pid: int) -> None:
+        # Its counters stay in the directory (a restarted worker still counts
+        # what it did before); a failure here must not stop the restart.
+        try:
+            metrics.process_died(pid, self.metrics_dir)
+        except OSError as exc:
+            log.warn("metrics_forget_failed", pid=pid, error=str(exc))
 
     def _next_restart_in(self, now: float) -> float:
         waits = [c.restart_at - now for c in self.children if c.restart_at is not None]

@@ -10,9 +10,10 @@
  * into the buffer, checked for bounds and natural alignment on every call: a
  * bad offset is a ValueError, never a stray write into someone's memory.
  *
- * The scans (find_hash, find_code, scan_codes, scan_f64, find_u64) exist because the
- * same loops in Python cost about 0.3 us a slot, and a probe for a free slot
- * in a nearly full table may have to visit all of them. excluded_keys reads
+ * The scans (find_hash, find_code, scan_codes, scan_f64, find_u64, code_counts)
+ * exist because the same loops in Python cost about 0.3 us a slot, and a probe
+ * for a free slot in a nearly full table may have to visit all of them;
+ * code_counts is what every GET /queue-state asks of the table. excluded_keys reads
  * and decodes the keeper's excluded keys in one pass (about 1 us a key in
  * Python).
  */
@@ -339,6 +340,44 @@ view_scan_codes(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
             return NULL;
         }
         Py_DECREF(pair);
+    }
+    return out;
+}
+
+/* code_counts(states_off, count, updating_code) -> [n of code 0, ..., n of code 15]
+ *
+ * How many slots are in each state, in one pass over the state words. A slot
+ * whose code is updating_code counts as the code it was (bits 4-7, `prev`):
+ * its current record still stands, as the lease table's scans read it. */
+static PyObject *
+view_code_counts(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NARGS(3, "code_counts");
+    Py_ssize_t count;
+    uint64_t updating;
+    if (as_ssize(args[1], &count) < 0 || as_u64(args[2], &updating) < 0)
+        return NULL;
+    uint64_t *states = words(self, args[0], count);
+    if (states == NULL)
+        return NULL;
+    Py_ssize_t n[16] = {0};
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint64_t w = __atomic_load_n(&states[i], __ATOMIC_ACQUIRE);
+        uint64_t code = w & 0xF;
+        if (code == updating)
+            code = (w >> 4) & 0xF;
+        n[code]++;
+    }
+    PyObject *out = PyList_New(16);
+    if (out == NULL)
+        return NULL;
+    for (int c = 0; c < 16; c++) {
+        PyObject *v = PyLong_FromSsize_t(n[c]);
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, c, v);
     }
     return out;
 }
@@ -676,6 +715,8 @@ static PyMethodDef view_methods[] = {
      "find_u64(off, count, start, value) -> index or -1"},
     {"scan_codes", (PyCFunction)(void (*)(void))view_scan_codes, METH_FASTCALL,
      "scan_codes(states_off, count, code_mask) -> [(index, word)]"},
+    {"code_counts", (PyCFunction)(void (*)(void))view_code_counts, METH_FASTCALL,
+     "code_counts(states_off, count, updating_code) -> [slots per state code, 16 entries]"},
     {"scan_f64", (PyCFunction)(void (*)(void))view_scan_f64, METH_FASTCALL,
      "scan_f64(states_off, count, code_mask, base, stride, off0, off1, limit, above)"
      " -> [(index, word)]"},

@@ -27,6 +27,7 @@ class View:
     def scan_codes(
         self, states_off: int, count: int, code_mask: int, /
     ) -> list[tuple[int, int]]: ...
+    def code_counts(self, states_off: int, count: int, updating_code: int, /) -> list[int]: ...
     def scan_f64(
         self,
         states_off: int,

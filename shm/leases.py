@@ -1302,6 +1302,16 @@ class LeaseTable:
         """Leases live now (expired ones not yet swept included): in flight."""
         return len(self._view.scan_codes(STATES, self.capacity, _mask(LEASED)))
 
+    def code_counts(self) -> dict[str, int]:
+        """Slots per state (CODE_NAMES), in one pass in C over the state words
+        and nothing else: what ``GET /queue-state`` asks at every call
+        (``leased`` = in flight, ``held``, ``parked``; one key, one slot, so
+        these are distinct keys). A slot held mid-change counts as the state
+        it was in, as ``_scan`` reads it; ``claiming`` is a slot getting a
+        new key, not yet leased."""
+        counts = self._view.code_counts(STATES, self.capacity, UPDATING)
+        return {name: counts[code] for code, name in enumerate(CODE_NAMES)}
+
     # -- a clean shutdown and the next start -----------------------------------------
 
     def save(self, path: str | os.PathLike[str], now: float) -> int:

@@ -49,7 +49,7 @@ from typing import Any
 
 import msgpack
 
-from node.errors import NodeNotRunning
+from node.errors import NodeError, NodeNotRunning
 from shm import segment
 from shm.segment import HEADER_SIZE, U32, Segment, SnapshotUnstable, pid_alive, segment_name
 
@@ -322,14 +322,152 @@ def _vouch(state: dict, now: float) -> tuple[bool, str | None]:
     return True, None
 
 
+# -- the /queue-state document ----------------------------------------------------------
+#
+# One builder for ``GET /queue-state`` (workers/state_http.py) and ``read_state``
+# (``python -m node state``, an autoscaler on the host), so the two cannot drift.
+# The counts come from the keeper's document, taken at its ``counts_at``; the
+# lease figures (in flight, held, parked) from the lease table, read now.
+
+# The document's groups that ``queue_state`` reshapes; any other group of the
+# document is passed through as it is.
+_RESHAPED = frozenset(
+    ["now", "coming", "lateness", "flow", "classes", "classes_truncated", "counters", "trust"]
+)
+
+
+def lease_counts(node: str) -> dict[str, int] | None:
+    """The lease table's slots per state (``LeaseTable.code_counts``), or None
+    when it cannot be mapped: the node runs without the work path, or this
+    user may not map it (the table is 0600; the state buffer may be shared
+    with a group, the lease table never is)."""
+    try:
+        from shm.leases import LeaseTable
+
+        with LeaseTable.attach(node) as table:
+            return table.code_counts()
+    except (ImportError, NodeError, OSError):
+        return None
+
+
+def _paused(doc_now: dict) -> dict[str, Any]:
+    return {
+        "node": bool(doc_now.get("paused_node", False)),
+        "routes": sorted(doc_now.get("paused") or []),
+    }
+
+
+def _leased(counts: dict[str, int] | None) -> dict[str, int | None]:
+    if counts is None:
+        return {"in_flight": None, "held": None, "parked": None}
+    return {"in_flight": counts["leased"], "held": counts["held"], "parked": counts["parked"]}
+
+
+def _unclaimed(due: Any, leased: dict[str, int | None]) -> int | None:
+    """Due rows no lease, hold or parking keeps from a claim: an estimate.
+    ``due`` is the keeper's count at ``counts_at``, the rest the lease table
+    now, and a leased or held key need not be a due row (its row may have
+    been rewritten to a later time since)."""
+    total = due.get("total") if isinstance(due, dict) else None
+    if total is None or leased["in_flight"] is None:
+        return None
+    return max(0, total - leased["in_flight"] - leased["held"] - leased["parked"])
+
+
+def _trust(state: dict, doc: dict, now: float, reason: str | None) -> dict[str, Any]:
+    hb_age = _age(now, state["heartbeat_at"])
+    trust = dict(doc.get("trust") or {})
+    verify = trust.get("verify") or {}
+    trust.update(
+        vouched=reason is None,
+        # The keeper process is running and heartbeating, whether or not it
+        # can vouch for its numbers yet (claimers are still served).
+        live=pid_alive(state["writer_pid"]) and hb_age is not None and hb_age < HEARTBEAT_MAX_AGE_S,
+        reason=reason,
+        status=state["status"],
+        phase=state["phase"],
+        exact=state["exact"],
+        counts_at=state["counts_at"] or None,
+        state_age_s=_age(now, state["counts_at"]),
+        heartbeat_age_s=hb_age,
+        # Rows the verification walk put right, by cause: rows a change of
+        # class membership gained, and writes the change feed missed.
+        repairs={
+            "total": verify.get("repairs", 0),
+            "membership": verify.get("repairs_membership", 0),
+            "feed_missed": verify.get("repairs_feed_missed", 0),
+        },
+    )
+    return trust
+
+
+def not_vouched(
+    trust: dict[str, Any], counts: dict[str, int] | None, paused: dict[str, Any], status: Any
+) -> dict[str, Any]:
+    """The answer when the keeper does not vouch: no counts at all, only what
+    the lease table knows now and the last known pause."""
+    return {
+        "trust": trust,
+        "now": {"in_flight": _leased(counts)["in_flight"], "paused": paused, "status": status},
+    }
+
+
+def unreadable_state(reason: str, counts: dict[str, int] | None = None) -> dict[str, Any]:
+    """``not_vouched`` for a reader that could not read the buffer at all."""
+    trust = {"vouched": False, "live": False, "reason": reason, "status": None}
+    return not_vouched(trust, counts, {"node": False, "routes": []}, None)
+
+
+def queue_state(state: dict, now: float, counts: dict[str, int] | None = None) -> dict:
+    """The ``/queue-state`` document (docs/api.md) from a ``StateBuffer.read()``
+    and the lease table's ``code_counts()`` (None: no lease figures).
+
+    ``trust.vouched`` decides the shape: when false, only ``trust`` and
+    ``now: {in_flight, paused, status}`` (``not_vouched``); the counts of a
+    keeper that cannot vouch for them are not shown at all."""
+    doc = state["doc"] or {}
+    doc_now = doc.get("now") or {}
+    vouched, reason = _vouch(state, now)
+    trust = _trust(state, doc, now, reason)
+    paused = _paused(doc_now)
+    if not vouched:
+        return not_vouched(trust, counts, paused, state["status"])
+    leased = _leased(counts)
+    kept = {k: v for k, v in doc_now.items() if k not in ("paused", "paused_node")}
+    out: dict[str, Any] = {
+        "now": {
+            **kept,
+            "at": state["counts_at"],
+            **leased,
+            "unclaimed": _unclaimed(doc_now.get("due"), leased),
+            "paused": paused,
+            "status": state["status"],
+        },
+        "coming": doc.get("coming"),
+        "lateness": doc.get("lateness"),
+        "flow": doc.get("flow"),
+        "classes": {
+            "rows": doc.get("classes") or [],
+            "truncated": bool(doc.get("classes_truncated", False)),
+        },
+        "counters": doc.get("counters"),
+    }
+    for key, value in doc.items():
+        if key not in _RESHAPED:
+            out[key] = value
+    out["trust"] = trust
+    return out
+
+
 def read_state(node: str, now: float | None = None) -> dict:
-    """The node's queue state, in the contract's ``/queue-state`` shape.
+    """The node's queue state: what ``GET /queue-state`` answers (built by the
+    same ``queue_state``), the lease figures included when this user can map
+    the lease table.
 
     For readers on the host (an autoscaler, ``python -m node state``): maps the
     buffer read-only, reads it and closes it. Raises NodeNotRunning when no node
     of that name runs here (no buffer, or its supervisor is gone).
     """
-    now = time.time() if now is None else now
     with StateBuffer.attach(node, read_only=True) as buf:
         state = buf.read()
     owner = state["owner_pid"]
@@ -338,25 +476,5 @@ def read_state(node: str, now: float | None = None) -> dict:
             f"node {node!r} is not running: its supervisor (pid {owner}) is gone "
             f"and left {segment_name(node, KIND)} behind"
         )
-    doc = state["doc"]
-    vouched, reason = _vouch(state, now)
-    hb_age = _age(now, state["heartbeat_at"])
-    trust = dict(doc.get("trust") or {})
-    trust.update(
-        vouched=vouched,
-        # The keeper process is running and heartbeating, whether or not it
-        # can vouch for its numbers yet (claimers are still served).
-        live=pid_alive(state["writer_pid"]) and hb_age is not None and hb_age < HEARTBEAT_MAX_AGE_S,
-        reason=reason,
-        status=state["status"],
-        phase=state["phase"],
-        exact=state["exact"],
-        state_age_s=_age(now, state["counts_at"]),
-        heartbeat_age_s=hb_age,
-    )
-    out = {key: value for key, value in doc.items() if key not in ("now", "trust")}
-    out["now"] = {**(doc.get("now") or {}), "status": state["status"]}
-    for group in ("coming", "lateness", "flow"):
-        out.setdefault(group, None)
-    out["trust"] = trust
-    return out
+    counts = lease_counts(node)
+    return queue_state(state, time.time() if now is None else now, counts)

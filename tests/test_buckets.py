@@ -4,6 +4,7 @@ make every split, join, probe collision and backward shift happen often."""
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import Counter
 from contextlib import ExitStack
 from random import Random
@@ -32,6 +33,10 @@ CONFIG = Config(
     },
 )
 KEYS = [f"https://example.com/items/{i:04d}" for i in range(40)]
+# The keeper's lateness bins (keeper/process.py), and others whose boundaries
+# fall on exact minutes or between them.
+LATENESS_EDGES = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
+EDGE_SETS = [LATENESS_EDGES, (0.0,), (0.0, 0.1, 1 / 3, 0.7), (0.0, 1.0, 1.0000001, 40.0)]
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -71,6 +76,22 @@ class Model:
         info = self.info(key)
         minute = self.rows[key][4]
         return (now - minute * 60) / info.cadence_s + info.boost
+
+    def lateness(self, now: float, edges: tuple[float, ...]) -> dict[tuple, list[int]]:
+        """Due rows per lateness bin, by class identity: each row's ratio
+        placed with a bisection of the edges."""
+        out: dict[tuple, list[int]] = {}
+        for key, row in self.rows.items():
+            if row[4] <= minute_of(now):
+                info = self.info(key)
+                ratio = (now - row[4] * 60) / info.cadence_s
+                out.setdefault(identity(info), [0] * len(edges))[
+                    bisect_right(edges, ratio) - 1
+                ] += 1
+        return out
+
+    def due_between(self, lo_minute: int, hi_minute: int) -> int:
+        return sum(1 for row in self.rows.values() if lo_minute < row[4] <= hi_minute)
 
 
 def identity(info: ClassInfo) -> tuple:
@@ -136,6 +157,15 @@ def check_equal(buckets: Buckets, model: Model, now: float) -> None:
     got_oldest = {identity(classes.info(cid)): m for cid, m in buckets.oldest_due(now).items()}
     assert got_oldest == oldest
 
+    for edges in EDGE_SETS:
+        got_lateness = {
+            identity(classes.info(cid)): bins for cid, bins in buckets.lateness(now, edges).items()
+        }
+        assert got_lateness == model.lateness(now, edges)
+    for lo, hi in ((now_minute - 90, now_minute), (now_minute, now_minute + 60), (-(2**31), 0)):
+        assert buckets.count_due_between(lo, hi) == model.due_between(lo, hi)
+    assert buckets.count_due_between(now_minute, now_minute - 5) == 0
+
 
 def best_via_columns(buckets: Buckets, *args: Any, **kwargs: Any) -> list[tuple]:
     columns = buckets.best_columns(*args, **kwargs)
@@ -152,13 +182,19 @@ def check_best(
     paused: frozenset,
     exclude: set,
     best: Any = Buckets.best,
+    detached: Any = frozenset(),
 ) -> None:
+    """``best`` against the model's ranks; ``detached`` keys (the model's)
+    are left out as ``exclude`` would leave them."""
     got = best(buckets, now, k, paused_routes=paused, exclude=exclude or None)
     now_minute = minute_of(now)
     eligible = {
         key: model.rank(key, now)
         for key, row in model.rows.items()
-        if row[4] <= now_minute and row[1] not in paused and key not in exclude
+        if row[4] <= now_minute
+        and row[1] not in paused
+        and key not in exclude
+        and key not in detached
     }
     assert len({entry[0] for entry in got}) == len(got)
     for key, version, minute, cid, rank in got:
@@ -450,23 +486,31 @@ def check_orders(buckets: Buckets, flush: bool = True) -> None:
     pending values are merged in."""
     load = buckets._block_load
     placed = set()
-    for cid, order in buckets._order.items():
-        values = list(order)
-        assert values == sorted(values)
-        assert order.maxes == [block[-1] for block in order.blocks]
-        assert all(0 < len(block) <= 2 * load for block in order.blocks)
-        assert not order.pending or buckets._dirty[cid] is order
-        for run in order.pending:
-            values += run
-        assert order.size == len(values) == len(set(values))
-        for value in values:
-            slot = value & buckets_module.SLOT_MASK
-            assert buckets._cids[slot] == cid
-            assert buckets._mins[slot] == value >> buckets_module.SLOT_BITS
-            placed.add(slot)
+    assert set(buckets._order_detached) <= set(buckets._order)
+    assert set(buckets._due) == set(buckets._order)
+    assert set(buckets._due_detached) == set(buckets._order_detached)
+    for orders, flag in ((buckets._order, 0), (buckets._order_detached, 1)):
+        for cid, order in orders.items():
+            values = list(order)
+            assert values == sorted(values)
+            assert order.maxes == [block[-1] for block in order.blocks]
+            assert all(0 < len(block) <= 2 * load for block in order.blocks)
+            assert not order.pending or (flag == 0 and buckets._dirty[cid] is order)
+            for run in order.pending:
+                values += run
+            assert order.size == len(values) == len(set(values))
+            for value in values:
+                slot = value & buckets_module.SLOT_MASK
+                assert buckets._cids[slot] == cid
+                assert buckets._mins[slot] == value >> buckets_module.SLOT_BITS
+                assert buckets._det[slot] == flag
+                placed.add(slot)
     live = {slot for slot, key in enumerate(buckets._keys) if key is not None}
     assert placed == live
     assert set(buckets._free) == set(range(len(buckets._keys))) - live
+    assert len(buckets._det) == len(buckets._keys)
+    assert not any(buckets._det[slot] for slot in buckets._free)
+    assert buckets.detached == sum(buckets._det)
     if flush:
         buckets._flush()
         check_orders(buckets, flush=False)
@@ -709,3 +753,415 @@ def test_best_columns_publish_as_best_does(node_name):
     finally:
         ready.close()
         ReadySet.unlink(node_name)
+
+
+# -- lateness -----------------------------------------------------------------------
+
+
+def test_lateness_bins_at_exact_boundaries():
+    """Rows whose ratio is exactly an edge fall in the bin the edge opens; the
+    minutes on either side fall on either side."""
+    buckets = Buckets(ClassTable(CONFIG))
+    now = BASE - BASE % 60 + 30.0  # half a minute into a minute
+    now_minute = minute_of(now)
+    cadence = 3600  # ratio 0.25 = 900 s late = 15 minutes, less the half minute
+    keys = []
+    for back in range(0, 260):
+        key = f"k{back}"
+        keys.append(key)
+        # due at the minute's start: lateness = back * 60 + 30 s
+        assert buckets.apply(key, 1, "pages", cadence, False, (now_minute - back) * 60)
+    assert buckets.apply("future", 1, "pages", cadence, False, now + 60)
+    [(cid, bins)] = buckets.lateness(now, LATENESS_EDGES).items()
+    want = [0] * len(LATENESS_EDGES)
+    for back in range(260):
+        ratio = (back * 60 + 30) / cadence
+        want[bisect_right(LATENESS_EDGES, ratio) - 1] += 1
+    assert bins == want
+    # Exactly on the edge: now on a whole minute, 15 minutes late is 0.25.
+    whole = float(now_minute * 60)
+    one = Buckets(ClassTable(CONFIG))
+    for back in (14, 15, 16):
+        one.apply(f"b{back}", 1, "pages", cadence, False, whole - back * 60)
+    assert list(one.lateness(whole, LATENESS_EDGES).values()) == [[1, 2, 0, 0, 0, 0]]
+    assert one.lateness(whole - 60 * 17, (0.0, 1.0)) == {}  # none due yet
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    now=st.floats(0, 4e9),
+    offsets=st.lists(st.integers(-5, 3000), min_size=1, max_size=30),
+    cadence=st.sampled_from([1, 60, 61, 900, 3600, 86400, 604800]),
+    edges=st.lists(st.floats(0.0, 50.0, exclude_min=True), max_size=6, unique=True),
+)
+def test_lateness_equals_the_ratio_of_every_row(now, offsets, cadence, edges):
+    """Any now, any edges: floats whose quotient rounds across a minute."""
+    edges = (0.0, *sorted(edges))
+    buckets = Buckets(ClassTable(CONFIG))
+    model = Model(CONFIG)
+    now_minute = minute_of(now)
+    for i, back in enumerate(offsets):
+        args = (f"k{i}", 1, "pages", cadence, False, (now_minute - back) * 60.0)
+        buckets.apply(*args)
+        model.apply(*args)
+    got = {identity(buckets.classes.info(c)): b for c, b in buckets.lateness(now, edges).items()}
+    assert got == model.lateness(now, edges)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    now=st.one_of(st.floats(0, 1e5), st.floats(1.6e9, 1.8e9)),
+    offsets=st.lists(st.integers(0, 300), min_size=1, max_size=20),
+    cadence=st.sampled_from([1, 3, 7, 60, 900, 3600]),
+    picks=st.lists(st.integers(0, 19), max_size=5),
+)
+def test_lateness_edges_on_rows_own_ratios(now, offsets, cadence, picks):
+    """Edges equal to rows' own ratios: the row sits exactly on the boundary,
+    where the floor of the float bound is sometimes a minute short."""
+    buckets = Buckets(ClassTable(CONFIG))
+    model = Model(CONFIG)
+    now_minute = minute_of(now)
+    for i, back in enumerate(offsets):
+        args = (f"k{i}", 1, "pages", cadence, False, (now_minute - back) * 60.0)
+        buckets.apply(*args)
+        model.apply(*args)
+    ratios = {(now - (now_minute - offsets[p % len(offsets)]) * 60) / cadence for p in picks}
+    edges = (0.0, *sorted(r for r in ratios if r > 0))
+    got = {identity(buckets.classes.info(c)): b for c, b in buckets.lateness(now, edges).items()}
+    assert got == model.lateness(now, edges)
+
+
+def test_lateness_where_the_floor_of_the_bound_is_a_minute_short():
+    now, cadence, minute = 3912.7, 60, -107
+    edge = (now - minute * 60) / cadence
+    assert int((now - edge * cadence) // 60) == minute - 1  # the naive bound
+    buckets = Buckets(ClassTable(CONFIG))
+    for m in (minute - 1, minute, minute + 1):
+        buckets.apply(f"m{m}", 1, "pages", cadence, False, m * 60.0)
+    assert list(buckets.lateness(now, (0.0, edge)).values()) == [[1, 2]]
+
+
+def test_lateness_refuses_bad_edges():
+    buckets = Buckets(ClassTable(CONFIG))
+    for edges in ((), (0.5, 1.0), (0.0, 1.0, 1.0), (0.0, 2.0, 1.0), (0.0, float("inf"))):
+        with pytest.raises(ValueError):
+            buckets.lateness(BASE, edges)
+
+
+# -- came due ------------------------------------------------------------------------
+
+
+class DueModel(Model):
+    """The model, and rows entering the due state counted as the buckets
+    count them: forward past minutes never reached, or applied at or before
+    the minute reached while absent or not due."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.through = -1
+        self.high: int | None = None
+        self.came_due = 0
+
+    def apply(self, key, version, route, cadence_s, sitemap, due_at) -> bool:
+        held = self.rows.get(key)
+        if not super().apply(key, version, route, cadence_s, sitemap, due_at):
+            return False
+        minute = self.rows[key][4]
+        if minute <= self.through and (held is None or held[4] > self.through):
+            self.came_due += 1
+        return True
+
+    def load(self, row: tuple) -> bool:
+        return Model.apply(self, *row)
+
+    def advance(self, now_minute: int) -> None:
+        if self.high is None:
+            self.high = now_minute
+        if now_minute > self.through:
+            self.came_due += self.due_between(max(self.through, self.high), now_minute)
+            self.high = max(self.high, now_minute)
+        self.through = now_minute
+
+
+minute_steps = st.integers(-3, 6)
+came_due_ops = st.lists(
+    st.one_of(
+        applies,
+        removes,
+        st.tuples(st.just("advance"), minute_steps),
+        st.tuples(st.just("load"), chunks),
+    ),
+    min_size=1,
+    max_size=60,
+)
+
+
+@SETTINGS
+@given(ops=came_due_ops, start=st.integers(-100, 100), load=block_loads)
+def test_came_due_counts_rows_entering_the_due_state(ops, start, load):
+    buckets = Buckets(ClassTable(CONFIG), block_load=load)
+    model = DueModel(CONFIG)
+    minute = minute_of(BASE) + start
+    for op in ops:
+        if op[0] == "apply":
+            assert buckets.apply(*op[1:]) == model.apply(*op[1:])
+        elif op[0] == "remove":
+            assert buckets.remove(op[1], op[2]) == model.remove(op[1], op[2])
+        elif op[0] == "advance":
+            minute += op[1]
+            buckets.advance(minute)
+            model.advance(minute)
+        else:
+            rows, how, _flush = op[1]
+            rows = walk_order(rows, how)
+            want = sum(model.load(row) for row in rows)
+            assert buckets.load_rows(rows) == (want, 0)
+        assert buckets.came_due == model.came_due
+    check_equal(buckets, model, minute * 60.0 + 1)
+
+
+def test_came_due_first_advance_counts_nothing_and_steps_back_count_once():
+    buckets = Buckets(ClassTable(CONFIG))
+    now_minute = minute_of(BASE)
+    for i in range(10):  # due at now_minute - 5 .. now_minute + 4
+        buckets.apply(f"k{i}", 1, "pages", None, False, (now_minute - 5 + i) * 60.0)
+    buckets.advance(now_minute)
+    assert buckets.came_due == 0  # due before anyone counted
+    buckets.advance(now_minute + 2)
+    assert buckets.came_due == 2
+    buckets.advance(now_minute - 3)  # the clock steps back ...
+    buckets.advance(now_minute + 3)  # ... and forward: only the new minute counts
+    assert buckets.came_due == 3
+    buckets.apply("k0", 2, "pages", None, False, (now_minute + 1) * 60.0)  # was due: no
+    buckets.apply("k9", 2, "pages", None, False, (now_minute + 1) * 60.0)  # now due: yes
+    buckets.apply("new", 1, "pages", None, False, now_minute * 60.0)  # new and due: yes
+    buckets.apply("later", 1, "pages", None, False, (now_minute + 9) * 60.0)
+    assert buckets.came_due == 5
+    # Loaded rows are restored state; a future one counts when it comes due.
+    buckets.load_rows([("l1", 1, "pages", None, False, BASE - 600)])
+    buckets.load_rows([("l2", 1, "pages", None, False, (now_minute + 5) * 60.0)])
+    buckets._load_one_by_one([("l3", 1, "pages", None, False, BASE - 600)])
+    assert buckets.came_due == 5
+    buckets.advance(now_minute + 5)
+    assert buckets.came_due == 6  # l2 (k9, at +4 before, moved to +1)
+    assert buckets.count_due_between(now_minute + 3, now_minute + 5) == 1
+
+
+# -- detached rows ---------------------------------------------------------------------
+
+
+class DetachModel(DueModel):
+    """The model with a set of detached keys: ``best`` never sees them,
+    everything else counts them; apply keeps the flag, remove forgets it."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.detached: set[str] = set()
+
+    def remove(self, key: str, version: int | None) -> bool:
+        if not super().remove(key, version):
+            return False
+        self.detached.discard(key)
+        return True
+
+    def detach(self, key: str) -> bool:
+        if key not in self.rows or key in self.detached:
+            return False
+        self.detached.add(key)
+        return True
+
+    def attach(self, key: str) -> bool:
+        if key not in self.detached:
+            return False
+        self.detached.remove(key)
+        return True
+
+
+detaches = st.tuples(st.just("detach"), st.sampled_from(KEYS))
+attaches = st.tuples(st.just("attach"), st.sampled_from(KEYS))
+bests = st.tuples(
+    st.just("best"),
+    nows,
+    st.integers(1, 30),
+    st.sets(st.sampled_from(KEYS), max_size=5),  # a small exclude= set as well
+)
+reconfigures = st.tuples(st.just("reconfigure"), st.builds(lambda: None))
+detach_ops = st.lists(
+    st.one_of(
+        applies,
+        applies,
+        removes,
+        detaches,
+        detaches,
+        detaches,
+        attaches,
+        st.tuples(st.just("advance"), minute_steps),
+        st.tuples(st.just("load"), chunks),
+        bests,
+        checks,
+    ),
+    min_size=1,
+    max_size=80,
+)
+
+
+def run_detached(buckets: Buckets, model: DetachModel, ops: list[tuple], minute: int) -> int:
+    """Interleave every kind of change with detach and attach; after each,
+    the flags and came_due agree with the model. Returns the minute reached."""
+    for op in ops:
+        kind = op[0]
+        if kind == "detach":
+            assert buckets.detach(op[1]) == model.detach(op[1])
+        elif kind == "attach":
+            assert buckets.attach(op[1]) == model.attach(op[1])
+        elif kind == "advance":
+            minute += op[1]
+            buckets.advance(minute)
+            model.advance(minute)
+        elif kind == "load":
+            rows, how, flush = op[1]
+            rows = walk_order(rows, how)
+            want = sum(model.load(row) for row in rows)
+            assert buckets.load_rows(rows) == (want, 0)
+            check_orders(buckets, flush)
+        elif kind in ("best", "check"):
+            now = op[1]
+            model.advance(minute_of(now))  # both advance the buckets
+            if kind == "best":
+                check_best(
+                    buckets, model, now, op[2], frozenset(), op[3], Buckets.best, model.detached
+                )
+            else:
+                check_equal(buckets, model, now)
+            minute = minute_of(now)
+        elif kind == "apply":
+            assert buckets.apply(*op[1:]) == model.apply(*op[1:])
+        else:
+            assert buckets.remove(op[1], op[2]) == model.remove(op[1], op[2])
+        assert buckets.came_due == model.came_due
+        assert buckets.detached == len(model.detached)
+        for key in KEYS:
+            assert buckets.is_detached(key) == (key in model.detached)
+    return minute
+
+
+@SETTINGS
+@given(
+    ops=detach_ops,
+    now=nows,
+    k=st.integers(1, 40),
+    load=block_loads,
+    search=searches,
+    hint=hints,
+)
+def test_detached_rows_are_counted_but_never_best(ops, now, k, load, search, hint):
+    buckets = Buckets(ClassTable(CONFIG), block_load=load)
+    model = DetachModel(CONFIG)
+    run_detached(buckets, model, ops, minute_of(BASE))
+    check_orders(buckets)
+    model.advance(minute_of(now))
+    check_equal(buckets, model, now)
+    with searching(search):
+        for best in (Buckets.best, best_via_columns):
+            buckets._best_hint = hint
+            check_best(buckets, model, now, k, frozenset(), set(), best, model.detached)
+            check_best(
+                buckets, model, now, k, frozenset({"feeds"}), set(KEYS[:5]), best, model.detached
+            )
+    assert buckets.came_due == model.came_due
+
+
+@SETTINGS
+@given(config=configs, ops=detach_ops, more=detach_ops, now=nows, load=block_loads)
+def test_reconfigure_carries_detached_rows(config, ops, more, now, load):
+    buckets = Buckets(ClassTable(CONFIG), block_load=load)
+    model = DetachModel(CONFIG)
+    minute = run_detached(buckets, model, ops, minute_of(BASE))
+    buckets.reconfigure(config)
+    model.config = config
+    check_orders(buckets)
+    minute = run_detached(buckets, model, more, minute)
+    model.advance(minute_of(now))
+    check_equal(buckets, model, now)
+    check_best(buckets, model, now, 25, frozenset(), set(), Buckets.best, model.detached)
+
+
+def test_merged_classes_carry_their_detached_rows(monkeypatch):
+    # As test_reconfigure_moves_the_rows_of_merged_classes: an identity blind
+    # to the source merges the default-cadence class into its twin.
+    monkeypatch.setattr(classes_module, "_identity", lambda i: (i.route, i.cadence_s, i.sitemap))
+    buckets = Buckets(ClassTable(CONFIG), block_load=2)
+    for i, key in enumerate(KEYS):
+        cadence = None if i % 2 else 900
+        buckets.apply(key, i + 1, "pages", cadence, False, BASE + (i - 20) * 60)
+    detached = set(KEYS[1::2]) | set(KEYS[::4])  # every default-cadence row, some others
+    for key in detached:
+        assert buckets.detach(key)
+    before = buckets.counts(BASE)
+    lateness = sum(map(sum, buckets.lateness(BASE, (0.0, 1.0)).values()))
+    buckets.reconfigure(Config(routes={"pages": RouteConfig(cadence_s=900)}))
+    check_orders(buckets)
+    [(cid, (rows, due))] = buckets.counts(BASE)["per_class"].items()
+    assert (rows, due) == (len(KEYS), before["due"]["total"])
+    assert sum(buckets.lateness(BASE, (0.0, 1.0))[cid]) == lateness == due
+    assert {c for _k, _m, c, _v in buckets.items()} == {cid}
+    due_keys = {key for key, minute, _c, _v in buckets.items() if minute <= minute_of(BASE)}
+    assert {e[0] for e in buckets.best(BASE, 100)} == due_keys - detached
+    for key in KEYS[1::2]:
+        assert buckets.attach(key)
+    assert {e[0] for e in buckets.best(BASE, 100)} == due_keys - set(KEYS[::4])
+    check_orders(buckets)
+
+
+def test_a_class_of_detached_rows_is_not_retired():
+    buckets = Buckets(ClassTable(Config(max_classes=2)))
+    buckets.apply("a", 1, "r", 60, False, BASE)
+    buckets.apply("b", 1, "r", 120, False, BASE)
+    assert buckets.detach("a")
+    with pytest.raises(TooManyClasses):
+        buckets.apply("c", 1, "r", 180, False, BASE)
+    assert buckets.get("a")[1] in buckets.classes
+    assert buckets.remove("a")
+    assert not buckets.is_detached("a") and buckets.detached == 0
+    assert buckets.apply("c", 1, "r", 180, False, BASE)  # a's class retired now
+    assert sorted(entry[0] for entry in buckets.best(BASE + 60, 10)) == ["b", "c"]
+    check_orders(buckets)
+
+
+def test_detach_and_attach_answer_for_absent_and_repeated_keys():
+    buckets = Buckets(ClassTable(CONFIG))
+    assert not buckets.detach("nope") and not buckets.attach("nope")
+    assert not buckets.is_detached("nope")
+    buckets.apply("a", 1, "pages", None, False, BASE - 600)
+    assert not buckets.attach("a")
+    assert buckets.detach("a") and not buckets.detach("a")
+    assert buckets.is_detached("a") and buckets.detached == 1
+    assert buckets.best(BASE, 10) == []
+    assert buckets.counts(BASE)["due"]["total"] == 1
+    # A newer version, by apply or by the walk, moves it and keeps it detached.
+    assert buckets.apply("a", 2, "feeds", 60, True, BASE - 1200)
+    assert buckets.load_rows([("a", 3, "feeds", 60, True, BASE - 1800)]) == (1, 0)
+    assert buckets.is_detached("a") and buckets.best(BASE, 10) == []
+    assert buckets.get("a") == (
+        minute_of(BASE - 1800),
+        buckets.classes.class_of("feeds", 60, True),
+        3,
+    )
+    assert buckets.oldest_due(BASE) == {buckets.get("a")[1]: minute_of(BASE - 1800)}
+    assert buckets.attach("a") and not buckets.is_detached("a") and buckets.detached == 0
+    assert [e[0] for e in buckets.best(BASE, 10)] == ["a"]
+    check_orders(buckets)
+
+
+def test_detach_during_a_load_flushes_the_pending_values_first():
+    buckets = Buckets(ClassTable(CONFIG), block_load=4)
+    rows = [(f"k{i:03d}", 1, "pages", None, False, BASE - i * 60) for i in range(50)]
+    assert buckets.load_rows(rows) == (50, 0)
+    assert buckets._dirty
+    assert buckets.detach("k010")
+    assert not buckets._dirty
+    assert buckets.load_rows([(f"m{i:03d}", 1, "pages", None, False, BASE) for i in range(9)])
+    assert buckets.attach("k010")  # into an order with values pending
+    check_orders(buckets)
+    assert buckets.counts(BASE)["due"]["total"] == 59
+    assert len(buckets.best(BASE, 100)) == 59

@@ -301,3 +301,167 @@ def test_explain_answers_through_the_ask_channel(store, segments, node_name, tmp
     finally:
         server.close()
         unlink_all(node_name)
+
+
+# -- received, flow, lateness, leases left out, pause ---------------------------
+
+
+def _minute(t: float) -> int:
+    return int(t // 60)
+
+
+def test_received_counts_rows_as_they_come_due_and_survives_a_restart(
+    store, segments, node_name, tmp_path
+):
+    def rows(prefix: str, n: int, due_at: float) -> list[RowWrite]:
+        return [RowWrite(key=f"{prefix}{i}", route="pages", due_at=due_at) for i in range(n)]
+
+    store.upsert(rows("late", 10, NOW - 600) + rows("soon", 7, NOW + 90)
+                 + rows("later", 5, NOW + 400), now=NOW)
+    config = _config(node_name, tmp_path, state_interval_s=1000)
+    keeper = Keeper(config, store, *segments)
+    keeper.start(NOW)
+    _run_until_live(keeper, NOW)
+    # A first start counts what is due already.
+    keeper.write_state(NOW)
+    assert segments[1].read()["doc"]["counters"]["received"] == 10
+    # The minute of NOW + 90 comes: the 7 rows come due, once each.
+    t = NOW + 121
+    for _ in range(3):
+        keeper.tick(t)
+    keeper.write_state(t)
+    doc = segments[1].read()["doc"]
+    assert doc["counters"]["received"] == 17
+    by_minute = {m["minute"]: m for m in doc["flow"]["minutes"]}
+    assert by_minute[_minute(t)]["came_due"] == 7
+    assert doc["flow"]["last_hour"]["came_due"] == 7
+    # A row written already due comes due when it is applied; moving a due
+    # row to another due minute is not a new occurrence.
+    store.upsert(rows("now", 1, t - 5), now=t)
+    store.upsert([RowWrite(key="late0", route="pages", due_at=NOW - 900)], now=t)
+    keeper.tick(t)
+    keeper.write_state(t)
+    assert segments[1].read()["doc"]["counters"]["received"] == 18
+    # A new keeper (a restart) starts from the saved count and counts the rows
+    # that came due while none was running (the 5 at NOW + 400), once.
+    again = Keeper(config, store, *segments)
+    t2 = NOW + 500
+    again.start(t2)
+    _run_until_live(again, t2)
+    again.write_state(t2)
+    assert segments[1].read()["doc"]["counters"]["received"] == 23
+    again.tick(t2 + 1)
+    again.write_state(t2 + 1)
+    assert segments[1].read()["doc"]["counters"]["received"] == 23
+
+
+def test_lateness_bins_match_a_count_over_the_table(store, segments, node_name, tmp_path):
+    from keeper.process import LATENESS_EDGES
+
+    store.upsert(_rows(3000, seed=11), now=NOW)
+    config = _config(node_name, tmp_path)
+    keeper = Keeper(config, store, *segments)
+    keeper.start(NOW)
+    _run_until_live(keeper, NOW)
+    keeper.write_state(NOW)
+    lateness = segments[1].read()["doc"]["lateness"]
+    bins = len(LATENESS_EDGES)
+    want = {"sitemap": [0] * bins, "discovered": [0] * bins}
+    by_route: dict[str, list[int]] = {}
+    oldest: dict[tuple, int] = {}
+    for row in store.walk(None, 10_000):
+        minute = _minute(row.due_at)
+        if minute > _minute(NOW):
+            continue
+        route = config.routes.get(row.route)
+        cadence = row.cadence_s or (route.cadence_s if route else config.defaults.cadence_s)
+        ratio = (NOW - minute * 60) / cadence
+        i = max(j for j, edge in enumerate(LATENESS_EDGES) if ratio >= edge)
+        want["sitemap" if row.sitemap else "discovered"][i] += 1
+        by_route.setdefault(row.route, [0] * bins)[i] += 1
+        ident = (row.route, cadence, bool(row.sitemap))
+        oldest[ident] = min(oldest.get(ident, minute), minute)
+    assert lateness["sitemap"] == want["sitemap"]
+    assert lateness["discovered"] == want["discovered"]
+    assert lateness["by_route"] == by_route
+    got_oldest = {
+        (h["route"], h["cadence_s"], h["sitemap"]): h["oldest_due_minute"]
+        for h in lateness["oldest"]
+    }
+    # Classes are (route, cadence, source, sitemap): fold the source away.
+    folded: dict[tuple, int] = {}
+    for ident, minute in got_oldest.items():
+        folded[ident] = min(folded.get(ident, minute), minute)
+    assert folded == oldest
+    ratios = [h["lateness_ratio"] for h in lateness["oldest"]]
+    assert ratios == sorted(ratios, reverse=True)
+
+
+def test_leased_keys_are_left_out_of_the_publish_but_counted(segments, node_name, tmp_path):
+    from shm.leases import LeaseTable
+
+    store = open_store("memory://")
+    store.upsert(_rows(2000, seed=12), now=NOW)
+    leases = LeaseTable.create(node_name, capacity=4096, max_misses=3)
+    try:
+        keeper = Keeper(_config(node_name, tmp_path), store, *segments, leases=leases)
+        keeper.start(NOW)
+        _run_until_live(keeper, NOW)
+        keeper.write_state(NOW)
+        due_before = segments[1].read()["doc"]["now"]["due"]
+        top = [e.key for e in segments[0].snapshot().entries[:300]]
+        granted = {key: leases.grant(key, "t", 60, NOW, 3600) for key in top}
+        assert all(granted.values())
+        keeper.publish(NOW + 1)
+        published = [e.key for e in segments[0].snapshot().entries]
+        assert not set(top) & set(published)
+        assert published[0] not in top and len(published) == 500
+        keeper.write_state(NOW + 1)
+        assert segments[1].read()["doc"]["now"]["due"] == due_before
+        # A hold keeps a key out; its end and a completion bring keys back.
+        held, done = top[:10], top[10:20]
+        for key in held:
+            leases.release(key, granted[key].lease_id, NOW + 1, error="boom")
+        for key in done:
+            leases.complete(key, granted[key].lease_id, NOW + 1)
+        keeper.publish(NOW + 2)
+        published = {e.key for e in segments[0].snapshot().entries}
+        assert not set(held) & published
+        assert set(done) <= published
+        assert keeper.answer({"op": "explain", "key": held[0]}, NOW + 2)["left_out"]
+        # A keeper that restarts while keys are leased leaves them out too.
+        again = Keeper(_config(node_name, tmp_path), store, *segments, leases=leases)
+        again.start(NOW + 3)
+        _run_until_live(again, NOW + 3)
+        again.publish(NOW + 3)
+        published = {e.key for e in segments[0].snapshot().entries}
+        assert not (set(top) - set(done)) & published
+    finally:
+        leases.close()
+        LeaseTable.unlink(node_name)
+        store.close()
+
+
+def test_pause_and_resume_are_read_from_the_store(store, segments, node_name, tmp_path):
+    store.upsert(_rows(1000, seed=13), now=NOW)
+    keeper = Keeper(_config(node_name, tmp_path), store, *segments)
+    keeper.start(NOW)
+    _run_until_live(keeper, NOW)
+    store.set_meta("paused_node", True)
+    answer = keeper.answer({"op": "reload_paused"}, NOW)
+    assert answer == {"ok": True, "paused_routes": [], "paused_node": True}
+    assert segments[0].snapshot().entries == []
+    store.set_meta("paused_node", False)
+    store.set_meta("paused_routes", ["pages"])
+    keeper.answer({"op": "reload_paused"}, NOW + 1)
+    routes = {keeper.classes.info(e.class_id).route for e in segments[0].snapshot().entries}
+    assert routes and "pages" not in routes
+    keeper.write_state(NOW + 1)
+    now_group = segments[1].read()["doc"]["now"]
+    assert now_group["paused"] == ["pages"] and now_group["paused_node"] is False
+    # A pause written while the keeper was not asked is seen at the next state write.
+    store.set_meta("paused_routes", [])
+    keeper.write_state(NOW + 2)
+    keeper.publish(NOW + 2)
+    routes = {keeper.classes.info(e.class_id).route for e in segments[0].snapshot().entries}
+    assert "pages" in routes

@@ -614,7 +614,10 @@ def test_read_state_vouches_for_a_live_exact_fresh_keeper(node):
     assert got["trust"]["lag_s"] == 0.2
     assert got["trust"]["heartbeat_age_s"] == 1.0 and got["trust"]["state_age_s"] == 1.0
     assert got["trust"]["status"] == "live" and got["trust"]["phase"] == "serving"
-    assert got["now"] == {**doc["now"], "status": "live"}
+    assert got["now"] == {
+        **doc["now"], "at": 1000.0, "in_flight": None, "held": None, "parked": None,
+        "unclaimed": None, "paused": {"node": False, "routes": []}, "status": "live",
+    }  # fmt: skip
     assert got["coming"] == {"15m": 5} and got["lateness"] == {"r": 0.5}
     assert got["flow"] is None
     assert got["extra"] == {"kept": True}
@@ -670,7 +673,10 @@ def test_read_state_when_the_keeper_process_is_gone(node):
     assert got["trust"]["vouched"] is False
     assert got["trust"]["reason"] == f"keeper process {proc.pid} is not alive (last status live)"
     assert got["trust"]["live"] is False
-    assert got["now"] == {"in_flight": 1, "status": "live"}
+    # No counts when the keeper cannot vouch; no lease table here: in_flight null.
+    assert set(got) == {"trust", "now"}
+    paused = {"node": False, "routes": []}
+    assert got["now"] == {"in_flight": None, "paused": paused, "status": "live"}
 
 
 def test_read_state_when_the_supervisor_is_gone_is_node_not_running(node):

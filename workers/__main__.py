@@ -222,8 +222,12 @@ async def serve(
     from aiohttp import web
 
     from node.store import open_store
+    from workers.console_http import routes as console_routes
     from workers.http import WorkerContext, make_app
     from workers.http_errors import SERVED
+    from workers.metrics_http import count_requests
+    from workers.metrics_http import routes as metrics_routes
+    from workers.state_http import routes as state_routes
     from workers.work_http import routes as work_routes
 
     ssl_context = _ssl_context(config)  # before anything is opened: a bad cert fails fast
@@ -247,7 +251,10 @@ async def serve(
             store_executor=store_thread,
         )
         ctx.work = await work_side.start(ctx, config, keeper.wake)
-        app = make_app(ctx, extra_routes=work_routes)
+        app = make_app(
+            ctx, extra_routes=[*work_routes, *state_routes, *metrics_routes, *console_routes]
+        )
+        app.middlewares.insert(0, count_requests)
         drain = _Drain(stop)
 
         @web.middleware

@@ -50,6 +50,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "invalid_row": (400, "a row is not a JSON object"),
     "invalid_key": (400, "key is not a non-empty UTF-8 string of at most 1,024 bytes"),
     "invalid_route": (400, "route is not a non-empty string of at most 128 bytes"),
+    "invalid_scope": (400, "scope of GET /queue-state is other than cluster"),
     "invalid_cadence": (400, "cadence_s is not a whole number from 60 to 31,536,000"),
     "invalid_sitemap": (400, "sitemap is not true or false"),
     "invalid_due_at": (400, "due_at is not unix seconds in range"),

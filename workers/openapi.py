@@ -212,6 +212,50 @@ def spec() -> dict[str, Any]:
                 }
             },
             **_work_paths(),
+            **_state_paths(),
+            **_page_paths(),
+        },
+    }
+
+
+def _text(media_type: str, description: str) -> dict[str, Any]:
+    return {"description": description, "content": {media_type: {"schema": {"type": "string"}}}}
+
+
+def _page_paths() -> dict[str, Any]:
+    """The console (docs/console.md) and the Prometheus scrape (docs/metrics.md)."""
+    return {
+        "/": {
+            "get": {
+                "summary": "the console",
+                "responses": {"200": _text("text/html", "the console page")},
+            }
+        },
+        "/console/{name}": {
+            "get": {
+                "summary": "the console's files",
+                "parameters": [
+                    {
+                        "name": "name",
+                        "in": "path",
+                        "required": True,
+                        "schema": {
+                            "type": "string",
+                            "enum": ["index.html", "console.js", "console.css"],
+                        },
+                    }
+                ],
+                "responses": {
+                    "200": _text("text/plain", "the file (text/html, text/javascript, text/css)"),
+                    "404": _error_response("no such file"),
+                },
+            }
+        },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus text format, every process of the node",
+                "responses": {"200": _text("text/plain", "the metrics")},
+            }
         },
     }
 
@@ -402,6 +446,189 @@ def _work_paths() -> dict[str, Any]:
             "clear the hold or parking of keys",
             _obj({"keys": {"type": "array", "items": _KEY, "maxItems": 10_000}}, ("keys",)),
             _obj({"unheld": {"type": "integer"}}),
+            {},
+        ),
+    }
+
+
+def _queue_state_schemas() -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the 200 answer, the 503 answer) of GET /queue-state; docs/api.md
+    describes every field."""
+    count = {"type": "integer", "minimum": 0}
+    maybe_count = {"type": ["integer", "null"], "minimum": 0}
+    kinds = _obj({"sitemap": count, "discovered": count, "total": count})
+    paused = _obj(
+        {"node": {"type": "boolean"}, "routes": {"type": "array", "items": {"type": "string"}}},
+        ("node", "routes"),
+    )
+    bins = {"type": "array", "items": count, "minItems": 6, "maxItems": 6}
+    identity = {
+        "route": {"type": "string"},
+        "cadence_s": {"type": "integer"},
+        "source": {"enum": ["route", "row"]},
+        "sitemap": {"type": "boolean"},
+        "boost": {"type": "number"},
+    }
+    trust = {
+        "type": "object",
+        "required": ["vouched", "live", "reason", "status"],
+        "properties": {
+            "vouched": {"type": "boolean"},
+            "live": {"type": "boolean"},
+            "reason": {"type": ["string", "null"], "description": "why not vouched"},
+            "status": {"type": ["string", "null"]},
+            "phase": {"type": ["string", "null"]},
+            "exact": {"type": "boolean"},
+            "counts_at": {"type": ["number", "null"]},
+            "state_age_s": {"type": ["number", "null"]},
+            "heartbeat_age_s": {"type": ["number", "null"]},
+            "load": {"type": "object"},
+            "publish": {"type": "object"},
+            "verify": {"type": "object"},
+            "repairs": _obj({"total": count, "membership": count, "feed_missed": count}),
+            "apply": {"type": "object"},
+            "lag": {"type": "object"},
+            "feed_seq": {"type": "integer"},
+        },
+    }
+    scope = {
+        "scope": {"const": "cluster", "description": "only with ?scope=cluster"},
+        "nodes": {"type": "array", "items": {"type": "string"}},
+    }
+    vouched = _obj(
+        {
+            "now": _obj(
+                {
+                    "at": {"type": "number", "description": "the counts' time"},
+                    "due": kinds,
+                    "in_flight": maybe_count,
+                    "unclaimed": {**maybe_count, "description": "an estimate"},
+                    "held": maybe_count,
+                    "parked": maybe_count,
+                    "rows": count,
+                    "classes": count,
+                    "paused": paused,
+                    "status": {"type": "string"},
+                }
+            ),
+            "coming": _obj(
+                {
+                    "15m": count,
+                    "60m": count,
+                    "24h": count,
+                    "by_hour": {"type": "array", "items": count, "minItems": 24, "maxItems": 24},
+                }
+            ),
+            "lateness": _obj(
+                {
+                    "edges": {"type": "array", "items": {"type": "number"}},
+                    "labels": {"type": "array", "items": {"type": "string"}},
+                    "sitemap": bins,
+                    "discovered": bins,
+                    "total": bins,
+                    "by_route": {"type": "object", "additionalProperties": bins},
+                    "by_route_truncated": {"type": "boolean"},
+                    "oldest": {
+                        "type": "array",
+                        "items": _obj(
+                            {
+                                **identity,
+                                "due": count,
+                                "oldest_due_minute": {"type": "integer"},
+                                "lateness_s": {"type": "number"},
+                                "lateness_ratio": {"type": "number"},
+                            }
+                        ),
+                    },
+                    "oldest_truncated": {"type": "boolean"},
+                }
+            ),
+            "flow": _obj(
+                {
+                    "minutes": {"type": "array", "items": {"type": "object"}},
+                    "last_hour": {"type": "object"},
+                }
+            ),
+            "classes": _obj(
+                {
+                    "rows": {
+                        "type": "array",
+                        "items": _obj(
+                            {
+                                **identity,
+                                "rows": count,
+                                "due": count,
+                                "oldest_due_minute": {"type": ["integer", "null"]},
+                                "oldest_lateness_ratio": {"type": ["number", "null"]},
+                            }
+                        ),
+                    },
+                    "truncated": {"type": "boolean"},
+                }
+            ),
+            "counters": _obj({"received": count}),
+            "trust": trust,
+            **scope,
+        },
+        ("now", "coming", "lateness", "flow", "trust"),
+    )
+    refused = _obj(
+        {
+            "now": _obj(
+                {
+                    "in_flight": maybe_count,
+                    "paused": paused,
+                    "status": {"type": ["string", "null"]},
+                },
+                ("in_flight", "paused", "status"),
+            ),
+            "trust": trust,
+            **scope,
+        },
+        ("now", "trust"),
+    )
+    return vouched, refused
+
+
+def _state_paths() -> dict[str, Any]:
+    """Queue state and pausing (``workers/state_http.py``)."""
+    vouched, refused = _queue_state_schemas()
+    state = _get(
+        "the queue's state: counts the keeper vouches for, lease figures read now",
+        {"scope": {"enum": ["cluster"], "description": "absent: this node"}},
+        vouched,
+        {},
+    )
+    state["get"]["responses"]["503"] = _json(
+        refused, "the keeper cannot vouch (trust.reason says why): no counts"
+    )
+    route_body = _obj(
+        {"route": {"type": "string", "minLength": 1, "description": "at most 128 bytes"}}
+    )
+    route_body["additionalProperties"] = False
+    paused = _obj(
+        {
+            "paused": _obj(
+                {
+                    "node": {"type": "boolean"},
+                    "routes": {"type": "array", "items": {"type": "string"}},
+                }
+            ),
+            "applied": {"type": "boolean", "description": "the keeper confirmed a republish"},
+        }
+    )
+    return {
+        "/queue-state": state,
+        "/admin/pause": _post(
+            "stop granting a route's rows ({route}) or every row ({}); survives a restart",
+            route_body,
+            paused,
+            {},
+        ),
+        "/admin/resume": _post(
+            "grant a route's rows ({route}) or the node's ({}) again",
+            route_body,
+            paused,
             {},
         ),
     }

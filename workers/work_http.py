@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import time
 from collections.abc import Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from typing import Any
 
 from aiohttp import web
 
-from node import log
+from node import log, metrics
 from node.errors import ValidationError
 from node.ipc import IpcError, RemoteError
 from node.rows import check_job, check_key
@@ -179,6 +180,7 @@ async def _ledger(work: WorkPath, op: str, timeout_s: float = LEDGER_TIMEOUT_S, 
 
 @routes.post("/claim")
 async def claim(request: web.Request) -> web.Response:
+    started = time.perf_counter()  # claim latency, for queue_node_claim_seconds
     ctx = request.app[CTX]
     work = _work(request)
     body = await _object(request, ("max", "lease_s", "consumer"))
@@ -199,6 +201,7 @@ async def claim(request: web.Request) -> web.Response:
         grants = await loop.run_in_executor(
             work.claim_executor, big.claim, max_n, lease_s, consumer, now
         )
+    metrics.observe_claim(time.perf_counter() - started, len(grants))
     return reply(request, {"leases": [_lease_json(grant) for grant in grants]})
 
 
