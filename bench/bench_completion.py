@@ -7,7 +7,8 @@
 - commit: durable results per second with group commit: append a batch of
   1 KiB results, flush (one write, one fsync), repeat for --seconds; per
   batch size. ``fsync="batch"``, the default policy.
-- recover: write --results results of 1 KiB (fsync="never" to build the
+- recover: write --results results of 1 KiB in the current segment format
+  (2: docs/completion-log.md, "Format 2: measured"; fsync="never" to build the
   file quickly, then one fsync), ack all but a --pending fraction of them,
   close, and time ``recover()`` of a fresh store: warm (files in the page
   cache) and cold (after posix_fadvise(DONTNEED) on every segment).

@@ -400,6 +400,7 @@ class Keeper:
         """Re-read pause and resume from the store and publish at once."""
         self._read_paused()
         self.publish(now)
+        self.next_state = 0.0  # queue-state shows it at the next tick
         return {"ok": True, "paused_routes": sorted(self.paused_routes),
                 "paused_node": self.paused_node}
 

@@ -12,7 +12,7 @@ Where each term is counted:
 | finished | results made durable (RESULT records) | completion log |
 | acknowledged, discarded | durable ACK / DISCARD records | completion log |
 | awaiting_ack | the log's pending index, counted, not derived | completion log |
-| received | occurrences that came due: the keeper's, not wired yet (0) | — |
+| received | occurrences that came due (lifetime), outside the law | the keeper's state document |
 
 The law, exact at quiescence (no grant, completion, release or sweep in
 progress, and the log flushed)::
@@ -81,8 +81,11 @@ def build(
     """The contract's ``/accounting`` object (plus ``discarded``).
 
     ``table`` is the lease table's counters with any restored base added
-    (``AccountingFile.totals``). ``received`` is counted by the keeper (not
-    yet): None reports 0 and leaves it out of the law.
+    (``AccountingFile.totals``). ``received`` is the keeper's lifetime count
+    of occurrences that came due (``counters.received`` in the state
+    buffer's document, read by the ledger); None reports 0. It is not part
+    of the law: an occurrence can come due and not be routed yet, or come
+    due again before it is (``docs/accounting.md``).
     """
     routed = table["grants"]
     expired = table["expired"] - table["late_expired"]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from node.errors import ConfigError
-from node.rows import MAX_CADENCE_S, MIN_CADENCE_S
+from node.rows import JOB_RE, MAX_CADENCE_S, MIN_CADENCE_S
 
 NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 ENV_PREFIX = "QUEUE_NODE_"
@@ -44,6 +44,19 @@ class RouteConfig:
     cadence_s: int = 86400
     sitemap_boost: float = 0.5
     handler: str | None = None
+
+
+# A job's retention: at most ten years (and more than nothing).
+MAX_RETENTION_S = 10 * 365 * 86400
+
+
+@dataclass(frozen=True, slots=True)
+class JobConfig:
+    """``[jobs.NAME]``: per-job settings of the ledger. ``retention_s``: a
+    result not acknowledged this long after it finished is discarded (counted
+    in ``discarded``, docs/delivery.md); None keeps it until it is acked."""
+
+    retention_s: float | None = None
 
 
 def _default_workers() -> int:
@@ -82,6 +95,7 @@ class Config:
     handler_timeout_s: float | None = None
     defaults: RouteConfig = RouteConfig()
     routes: dict[str, RouteConfig] = field(default_factory=dict)
+    jobs: dict[str, JobConfig] = field(default_factory=dict)
     config_file: Path | None = None
 
     @property
@@ -109,7 +123,7 @@ class Config:
                 value = str(value)
             elif isinstance(value, RouteConfig):
                 value = dataclasses.asdict(value)
-            elif f.name == "routes":
+            elif f.name in ("routes", "jobs"):
                 value = {k: dataclasses.asdict(v) for k, v in value.items()}
             elif isinstance(value, tuple):
                 value = list(value)
@@ -124,6 +138,7 @@ class Config:
                 doc[key] = Path(doc[key])
         doc["defaults"] = RouteConfig(**doc["defaults"])
         doc["routes"] = {k: RouteConfig(**v) for k, v in doc["routes"].items()}
+        doc["jobs"] = {k: JobConfig(**v) for k, v in doc.get("jobs", {}).items()}
         doc["gpus"] = tuple(doc["gpus"])
         return cls(**doc)
 
@@ -289,7 +304,38 @@ def _route_config(
     return RouteConfig(**values)
 
 
-def _from_file(path: Path) -> tuple[dict[str, Any], RouteConfig, dict[str, RouteConfig]]:
+def _job_config(doc: Any, name: str, text: str, path: Path) -> JobConfig:
+    """One ``[jobs.NAME]`` table: ``retention_s`` (a duration above 0)."""
+    table = f"jobs.{name}"
+
+    def src(key: str) -> str:
+        line = _line_of(text, key, table)
+        return f"{path}:{line}" if line else str(path)
+
+    if not JOB_RE.fullmatch(name):
+        raise ConfigError(f"job name {name!r} must match [A-Za-z0-9._:-]{{1,128}}", str(path))
+    if not isinstance(doc, dict):
+        raise ConfigError(f"[{table}] must be a table", str(path))
+    retention_s = None
+    for key, value in doc.items():
+        if key != "retention_s":
+            raise ConfigError(f"unknown setting {table}.{key}: allowed retention_s", src(key))
+        try:
+            retention_s = parse_duration(value, f"{table}.retention_s")
+        except ConfigError as exc:
+            raise ConfigError(str(exc), src(key)) from None
+        if not 0 < retention_s <= MAX_RETENTION_S:
+            raise ConfigError(
+                f"{table}.retention_s = {value!r} is out of range: more than 0 and at most "
+                f"{MAX_RETENTION_S} seconds (3650d)",
+                src(key),
+            )
+    return JobConfig(retention_s=retention_s)
+
+
+def _from_file(
+    path: Path,
+) -> tuple[dict[str, Any], RouteConfig, dict[str, RouteConfig], dict[str, JobConfig]]:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -304,7 +350,7 @@ def _from_file(path: Path) -> tuple[dict[str, Any], RouteConfig, dict[str, Route
     for key, value in doc.items():
         if key == "defaults":
             defaults = _route_config(value, RouteConfig(), "defaults", text, path, "defaults")
-        elif key == "routes":
+        elif key in ("routes", "jobs"):
             continue
         elif key in OPTIONS:
             line = _line_of(text, key)
@@ -313,7 +359,7 @@ def _from_file(path: Path) -> tuple[dict[str, Any], RouteConfig, dict[str, Route
             line = _line_of(text, key)
             raise ConfigError(
                 f"unknown option {key!r}; allowed: {', '.join(sorted(OPTIONS))}, "
-                "[defaults], [routes.NAME]",
+                "[defaults], [routes.NAME], [jobs.NAME]",
                 f"{path}:{line}" if line else str(path),
             )
     route_docs = doc.get("routes", {})
@@ -325,7 +371,11 @@ def _from_file(path: Path) -> tuple[dict[str, Any], RouteConfig, dict[str, Route
         routes[name] = _route_config(
             value, defaults, f"routes.{name}", text, path, f"routes.{name}"
         )
-    return options, defaults, routes
+    job_docs = doc.get("jobs", {})
+    if not isinstance(job_docs, dict):
+        raise ConfigError("jobs must be tables: [jobs.NAME]", str(path))
+    jobs = {name: _job_config(value, name, text, path) for name, value in job_docs.items()}
+    return options, defaults, routes, jobs
 
 
 def check_name(name: str) -> str:
@@ -370,10 +420,10 @@ def load_config(
     env = dict(os.environ if env is None else env)
     path = config_file or flags.pop("config", None) or env.get(ENV_PREFIX + "CONFIG")
     values: dict[str, Any] = {}
-    defaults, routes = RouteConfig(), {}
+    defaults, routes, jobs = RouteConfig(), {}, {}
     if path:
         path = Path(path)
-        file_options, defaults, routes = _from_file(path)
+        file_options, defaults, routes, jobs = _from_file(path)
         values.update(file_options)
         values["config_file"] = path
     for name in OPTIONS:
@@ -386,6 +436,7 @@ def load_config(
         values[name] = _convert(name, value, "--" + name.replace("_", "-"))
     values["defaults"] = defaults
     values["routes"] = routes
+    values["jobs"] = jobs
     config = Config(**values)
     return validate(config)
 

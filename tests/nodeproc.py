@@ -119,7 +119,8 @@ class NodeProcess:
                 raw = resp.read()
                 return resp.status, json.loads(raw) if raw else None
         except urllib.error.HTTPError as exc:
-            raw = exc.read()
+            with exc:  # it holds the connection: closed here, not by the GC mid-test
+                raw = exc.read()
             try:
                 return exc.code, json.loads(raw)
             except json.JSONDecodeError:

@@ -213,6 +213,20 @@ def test_discard_and_retention_count_as_discarded(log):
     assert log.counters().discarded == 5 and log.pending_count() == 5
 
 
+def test_expired_lists_what_retention_would_discard_oldest_first_up_to_a_limit(log):
+    ids = log.append_results([result(i, job="a") for i in range(10)])
+    ids += log.append_results([result(i, job="b") for i in range(10, 12)])
+    log.flush()
+    log.ack(ids[1:2])
+    # finished_at = NOW + i; an acked one in between is skipped, not a stop.
+    assert log.expired("a", NOW + 5) == [ids[0], ids[2], ids[3], ids[4]]
+    assert log.expired("a", NOW + 5, limit=2) == [ids[0], ids[2]]
+    assert log.expired("a", NOW) == [] and log.expired("nobody", NOW + 99) == []
+    assert log.pending_count("a") == 9  # nothing retired by looking
+    assert log.discard(log.expired("a", NOW + 5, limit=2), "retention") == 2
+    assert log.expired("a", NOW + 5) == [ids[3], ids[4]]
+
+
 def test_fsync_always_makes_each_call_durable(disk):
     store = disk.open(CompletionConfig(fsync="always"))
     store.recover()
@@ -582,6 +596,111 @@ def test_read_back_detects_rot_after_recovery(seg):
     with pytest.raises(LogCorrupt):
         store.read_result(ids[3])
     assert store.read_result(ids[4]).key == "k4"
+    store.close()
+
+
+# -- format 2 (results with a head) and format 1 segments -------------------------------
+
+
+def _v1_segment(path: Path, number: int, first_id: int, records: list[tuple]) -> None:
+    """A segment file as format 1 wrote it: a version-1 header and records
+    that are each one msgpack array."""
+    import zlib
+
+    import msgpack
+
+    head = HEADER.pack(b"QNODECPL", 1, 0, number, first_id, 0)[:28]
+    out = [head, zlib.crc32(head).to_bytes(4, "little")]
+    for rec in records:
+        body = msgpack.packb(rec, use_bin_type=True)
+        out.append(FRAME.pack(len(body), zlib.crc32(body)) + body)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / segment_name(number)).write_bytes(b"".join(out))
+
+
+def test_format_1_segments_are_read_and_appends_go_to_a_new_segment(tmp_path):
+    path = tmp_path / "completion"
+    v1 = [(1, i, "j", f"k{i}", 1000 + i, 7, NOW + i, 3600, 1, b'{"n":%d}' % i) for i in (1, 2, 3)]
+    _v1_segment(path, 1, 1, [*v1, (2, (1,)), (3, (2,), "retention")])
+    store, report = reopen(path)
+    assert report.exact and report.results == 3
+    assert store.counters().acked == 1 and store.counters().discarded == 1
+    assert [p.id for p in store.pending()] == [3]
+    assert store.read_result(3).value() == {"n": 3} and store.read_result(3).lease_id == 1003
+    [new] = store.append_results(results(1, start=9))
+    store.ack([3])
+    store.flush()
+    store.close()
+    assert segments_on_disk(path) == [1, 2]  # format 1 is never appended to
+    assert HEADER.unpack(seg_path(path, 2).read_bytes()[: HEADER.size])[1] == FORMAT_VERSION
+    store, report = reopen(path)
+    assert report.exact and [p.id for p in store.pending()] == [new]
+    assert store.read_result(new).key == "k9"
+    assert [r[0] for r in read_segment_records(seg_path(path, 2))] == [1, 2]
+    store.close()
+
+
+def test_a_rotten_payload_in_an_older_segment_is_found_when_read(tmp_path):
+    """Recovery checks an older segment's results by their head (length and
+    meta), not their payload: rot in a payload is found when the result is
+    read back (LogCorrupt), and the counts stay exact."""
+    path = tmp_path / "completion"
+    store = SegmentStore(path, SMALL)
+    store.recover()
+    ids = []
+    for b in range(4):
+        ids += store.append_results(results(4, start=b * 4, size=300))
+        store.flush()
+    victim = store.get_pending(ids[1])
+    assert victim.segment != store._active
+    store.close()
+    f = seg_path(path, victim.segment)
+    data = bytearray(f.read_bytes())
+    data[victim.offset + FRAME.size + 200] ^= 0x10  # inside the payload
+    f.write_bytes(bytes(data))
+    store, report = reopen(path, SMALL)
+    assert report.exact and [p.id for p in store.pending()] == ids
+    with pytest.raises(LogCorrupt, match="checksum"):
+        store.read_result(ids[1])
+    assert store.read_result(ids[2]).data == bytes([2]) * 300
+    store.close()
+
+
+@pytest.mark.parametrize("where", ["meta", "length"])
+def test_a_rotten_result_head_in_an_older_segment_is_corruption(tmp_path, where):
+    path = tmp_path / "completion"
+    store = SegmentStore(path, SMALL)
+    store.recover()
+    ids = []
+    for b in range(4):
+        ids += store.append_results(results(4, start=b * 4, size=300))
+        store.flush()
+    victim = store.get_pending(ids[1])
+    store.close()
+    f = seg_path(path, victim.segment)
+    data = bytearray(f.read_bytes())
+    if where == "meta":
+        data[victim.offset + FRAME.size + 12] ^= 0x01
+    else:  # a length still inside the file: only the head checksum can tell
+        data[victim.offset] ^= 0x04
+    f.write_bytes(bytes(data))
+    store, report = reopen(path, SMALL)
+    assert not report.exact and report.corrupt[0].segment == victim.segment
+    assert ids[1] not in [p.id for p in store.pending()]
+    store.close()
+
+
+def test_the_last_segment_checks_whole_records(seg):
+    """In the last segment a payload that fails its checksum is a torn tail
+    (its flush may never have finished): cut, not kept."""
+    path, ids = seg
+    f = seg_path(path)
+    data = bytearray(f.read_bytes())
+    data[-5] ^= 0x01  # the last result's payload
+    f.write_bytes(bytes(data))
+    store, report = reopen(path)
+    assert len(report.cuts) == 1 and report.cuts[0].reason == "checksum mismatch"
+    assert [p.id for p in store.pending()] == ids[2:-1]
     store.close()
 
 

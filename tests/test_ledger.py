@@ -548,3 +548,93 @@ def test_a_grant_between_the_peek_and_the_lease_end_keeps_the_durable_result(tmp
     finally:
         table.close()
         LeaseTable.unlink(node_name)
+
+
+def _memory_ledger(tmp_path: Path, node_name: str, **config: object):
+    """A Ledger over in-memory twins (log, store) and a real lease table."""
+    from node.completion.memory import MemoryCompletionStore
+
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    table = LeaseTable.create(node_name, capacity=64)
+    cfg = Config(data_dir=data_dir, name=node_name, store="memory://", **config)  # type: ignore[arg-type]
+    ledger = Ledger(
+        cfg, LeaseTable.attach(node_name), open_store("memory://"), MemoryCompletionStore()
+    )
+    ledger.recover(time.time())
+    return ledger, table
+
+
+def test_received_is_the_keepers_count_and_the_last_one_read(tmp_path, node_name, monkeypatch):
+    from shm.state import StateBuffer
+    from workers import ledger as ledger_module
+
+    monkeypatch.setattr(ledger_module, "RECEIVED_REREAD_S", 0.0)  # read at every call
+    ledger, table = _memory_ledger(tmp_path, node_name)
+    try:
+        assert ledger.accounting()["received"] == 0  # no state buffer yet
+        buf = StateBuffer.create(node_name, started_at=time.time())
+        assert ledger.accounting()["received"] == 0  # the keeper has not written
+        buf.write_doc({"now": {}}, time.time())
+        assert ledger.accounting()["received"] == 0  # a document without counters
+        buf.write_doc({"counters": {"received": 41}}, time.time())
+        assert ledger.accounting()["received"] == 41
+        buf.write_doc({"counters": {"received": 57}}, time.time())
+        acct = ledger.accounting()
+        assert acct["received"] == 57 and acct["balanced"] is True  # outside the law
+        buf.close()
+        StateBuffer.unlink(node_name)
+        ledger._state.close()
+        ledger._state = None  # as if the buffer were being rebuilt: unreadable
+        assert ledger.accounting()["received"] == 57  # the last value read
+        buf = StateBuffer.create(node_name, started_at=time.time())
+        buf.write_doc({"counters": {"received": "junk"}}, time.time())
+        assert ledger.accounting()["received"] == 57
+        buf.close()
+    finally:
+        StateBuffer.unlink(node_name)
+        ledger.close()
+        table.close()
+        LeaseTable.unlink(node_name)
+
+
+def test_retention_discards_only_what_outlived_it_and_drops_offers(tmp_path, node_name):
+    """In process: one sweep discards each job's expired results (oldest
+    first, whatever their offer), leaves younger ones and jobs without
+    retention alone, and says so in one log line."""
+    from node.completion import Result
+    from node.config import JobConfig
+
+    ledger, table = _memory_ledger(
+        tmp_path, node_name, jobs={"short": JobConfig(retention_s=60.0), "keep": JobConfig()}
+    )
+    try:
+        now = time.time()
+
+        def add(job: str, finished_at: float, n: int) -> list[int]:
+            ids = ledger.log.append_results(
+                [Result(f"{job}/{finished_at}/{i}", job, 1, 1, finished_at, 600, b"{}", "json")
+                 for i in range(n)]
+            )  # fmt: skip
+            ledger.log.flush()
+            for rid in ids:
+                ledger.delivery.add(rid, job)
+            return ids
+
+        old = add("short", now - 120, 3)
+        add("keep", now - 120, 2)
+        young = add("short", now - 1, 4)
+        offered = ledger.delivery.poll("short", 1, now)
+        assert offered == old[:1]
+        assert ledger.retain(now) == {"short": 3}
+        assert ledger.retain(now) == {}  # nothing more: the cost is what was dropped
+        ledger.log.flush()
+        assert ledger.delivery.poll("short", 100, now) == young
+        assert ledger.delivery.retire("short", offered, now) == []  # its ack counts 0
+        acct = ledger.accounting()
+        assert (acct["discarded"], acct["awaiting_ack"], acct["finished"]) == (3, 6, 9)
+        assert ledger.stats_reply()["discarded"] == 3
+    finally:
+        ledger.close()
+        table.close()
+        LeaseTable.unlink(node_name)

@@ -201,7 +201,9 @@ def test_pause_a_route_then_the_node_over_a_restart(node):
     assert client.resume("a") == {"paused": {"node": False, "routes": []}, "applied": True}
     granted = _claim_until(node, 10, "the rows of a")
     assert sorted(granted) == sorted(f"a-{i}" for i in range(10))
-    state = _state_when(node, lambda s: s["now"]["paused"]["node"] is False, "resumed in state")
+    state = _state_when(
+        node, lambda s: s["now"]["paused"] == {"node": False, "routes": []}, "resumed in state"
+    )
     assert state["now"]["paused"] == {"node": False, "routes": []}
     assert state["now"]["in_flight"] == 25
     client.close()

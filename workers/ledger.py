@@ -41,6 +41,19 @@ from node.proc import RET_ERROR, RET_OK, child_signals, die_with_parent, set_tit
 LOG_DIR = "log"
 # Expiry sweep, retries of write-backs and lease ends, accounting checkpoint.
 SWEEP_INTERVAL_S = 0.1
+# Job retention ([jobs.NAME] retention_s): how often the ledger discards the
+# results that outlived it, and at most how many per job at a time (the rest
+# go at the next sweep: a long backlog never stalls the loop).
+RETENTION_INTERVAL_S = 1.0
+RETENTION_MAX_PER_SWEEP = 50_000
+RETENTION_REASON = "retention"
+# /accounting's received: the keeper's state document is read at most this
+# often (it is rewritten every state_interval_s, 5 s; decoding it costs a few
+# milliseconds of the ledger's loop).
+RECEIVED_REREAD_S = 1.0
+# Test hooks only (QUEUE_NODE_TEST_HOOKS=1): a file whose content injects disk
+# faults into the completion log (node/completion/faults.py).
+ENV_LOG_FAULTS = "QUEUE_NODE_TEST_LOG_FAULTS"
 # Group commit: wait this long after a completion arrives before flushing.
 # 0 (the default) flushes what is queued at once: completions that arrive
 # during a flush wait in the socket buffers and make up the next group. A
@@ -98,6 +111,7 @@ class _Stats:
     acks: int = 0
     acked: int = 0
     expired: int = 0
+    discarded: int = 0  # by retention, since this process started
     sweeps: int = 0
     writeback_skipped: int = 0  # the row moved on or is gone: the newer write wins
     writeback_failed: int = 0
@@ -130,6 +144,13 @@ class Ledger:
         self._writebacks: list[tuple[str, float, int]] = []  # key, due_at, if_version
         self._checkpointed: dict[str, int] = {}
         self._checkpoint_due = 0.0
+        self._retention_due = 0.0
+        self._retention = {
+            job: jc.retention_s for job, jc in config.jobs.items() if jc.retention_s is not None
+        }
+        self._state: Any = None  # the keeper's state buffer, attached on first use
+        self._received = 0  # the last counters.received read from it
+        self._received_read_at = float("-inf")
         self._connections: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task] = set()  # requests being answered, all connections
         self.accounting_at_stop: dict[str, Any] = {}
@@ -310,7 +331,8 @@ class Ledger:
             # the result is durable, so it is delivered all the same.
             self.stats.superseded_after_durable += 1
             log.warn("complete_superseded_after_durable", key=key, lease_id=lease_id, id=rid)
-        self.delivery.add(rid, job)
+        if self.log.get_pending(rid) is not None:  # not discarded while its lease was busy
+            self.delivery.add(rid, job)
 
     async def complete(self, request: dict) -> dict:
         items = _check_items(request.get("items"))
@@ -447,7 +469,35 @@ class Ledger:
         c = self.log.counters()
         counts = LogCounts(c.durable, c.acked, c.discarded, self.log.pending_count())
         totals = self.acct.totals(self.leases.counters())
-        return build(totals, self.leases.live_count(), counts, self.acct.since)
+        return build(totals, self.leases.live_count(), counts, self.acct.since, self.received())
+
+    def received(self) -> int:
+        """The keeper's lifetime count of occurrences that came due
+        (``counters.received`` in the state buffer's document): the last
+        value read, when the buffer cannot be read now; 0 before the keeper
+        first wrote it."""
+        from shm.state import StateBuffer
+
+        now = time.monotonic()
+        if now - self._received_read_at < RECEIVED_REREAD_S:
+            return self._received
+        self._received_read_at = now
+        try:
+            if self._state is None:
+                self._state = StateBuffer.attach(self.config.name, read_only=True)
+            counters = self._state.read()["doc"].get("counters") or {}
+        except Exception:  # noqa: BLE001 - absent, being rebuilt, unstable: keep the last
+            if self._state is not None:
+                try:
+                    self._state.close()
+                except Exception:  # noqa: BLE001
+                    pass
+                self._state = None
+            return self._received
+        value = counters.get("received") if isinstance(counters, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            self._received = value
+        return self._received
 
     def unhold(self, request: dict) -> dict:
         keys = request.get("keys")
@@ -475,6 +525,8 @@ class Ledger:
             "acked": s.acked,
             "sweeps": s.sweeps,
             "expired": s.expired,
+            "discarded": s.discarded,
+            "retention_s": dict(self._retention),
             "writeback_skipped": s.writeback_skipped,
             "writeback_failed": s.writeback_failed,
             "writeback_retrying": len(self._writebacks),
@@ -503,8 +555,29 @@ class Ledger:
             todo_wb, self._writebacks = self._writebacks, []
             for key, due_at, version in todo_wb:
                 self._write_back(key, due_at, version)
+        if self._retention and now >= self._retention_due:
+            self.retain(now)
         if now >= self._checkpoint_due:
             self.checkpoint(now)
+
+    def retain(self, now: float) -> dict[str, int]:
+        """Job retention: discard each job's results not acked within its
+        ``retention_s`` of finishing, oldest first (the cost follows what is
+        dropped, not the backlog). The DISCARD records are made durable by
+        the flush that follows every sweep. One log line when anything went."""
+        self._retention_due = now + RETENTION_INTERVAL_S
+        dropped: dict[str, int] = {}
+        for job, keep_s in self._retention.items():
+            ids = self.log.expired(job, now - keep_s, RETENTION_MAX_PER_SWEEP)
+            if not ids:
+                continue
+            dropped[job] = self.log.discard(ids, RETENTION_REASON)
+            self.delivery.remove(ids, job)  # an offer out now: its ack counts 0
+        if dropped:
+            total = sum(dropped.values())
+            self.stats.discarded += total
+            log.log("retention_discarded", total=total, jobs=dropped)
+        return dropped
 
     def checkpoint(self, now: float) -> None:
         from node.accounting import CHECKPOINT_INTERVAL_S
@@ -650,6 +723,8 @@ class Ledger:
             finally:
                 self.store.close()
                 self.leases.close()
+                if self._state is not None:
+                    self._state.close()
 
 
 class _NeverOfferedReply(Exception):
@@ -706,8 +781,6 @@ def _num_in(value: Any, name: str, low: float, high: float) -> float:
 # -- the process ------------------------------------------------------------------------
 
 
-
-
 def open_ledger(config: Config) -> Ledger:
     from node.completion import CompletionConfig, open_completion_store
     from node.store import open_store
@@ -717,7 +790,16 @@ def open_ledger(config: Config) -> Ledger:
     store = open_store(config.store_url)
     log_dir = Path(config.data_dir).resolve() / LOG_DIR
     log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    completion = open_completion_store(f"segments:///{log_dir}", CompletionConfig(fsync="batch"))
+    file_ops = None
+    faults = os.environ.get(ENV_LOG_FAULTS)
+    if faults and os.environ.get("QUEUE_NODE_TEST_HOOKS") == "1":
+        from node.completion.faults import ControlledFileOps
+
+        file_ops = ControlledFileOps(Path(faults))
+        log.warn("test_hook_log_faults", control=faults)
+    completion = open_completion_store(
+        f"segments:///{log_dir}", CompletionConfig(fsync="batch"), file_ops=file_ops
+    )
     return Ledger(config, leases, store, completion)
 
 

@@ -12,6 +12,8 @@ single writer, calls it once at start and reports what it found.
 
 from __future__ import annotations
 
+from typing import Any
+
 from node.completion.base import (
     FSYNC_ALWAYS,
     FSYNC_BATCH,
@@ -67,7 +69,11 @@ def check_completion_url(url: str) -> str:
     )
 
 
-def open_completion_store(url: str, config: CompletionConfig | None = None) -> CompletionStore:
+def open_completion_store(
+    url: str, config: CompletionConfig | None = None, file_ops: Any = None
+) -> CompletionStore:
+    """``file_ops``: a ``segments.FileOps`` for the segment files (tests
+    inject disk faults with it; ``faults.ControlledFileOps``)."""
     check_completion_url(url)
     if url == "memory://":
         from node.completion.memory import MemoryCompletionStore
@@ -76,4 +82,4 @@ def open_completion_store(url: str, config: CompletionConfig | None = None) -> C
     from node.completion.segments import SegmentStore
 
     # segments:///relative/dir and segments:////absolute/dir, as sqlite:/// URLs.
-    return SegmentStore(url[len("segments:///") :], config)
+    return SegmentStore(url[len("segments:///") :], config, file_ops)

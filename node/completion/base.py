@@ -277,6 +277,11 @@ class CompletionStore(abc.ABC):
         time, in id order up to the first one that is not. Returns how many."""
 
     @abc.abstractmethod
+    def expired(self, job: str, finished_before: float, limit: int | None = None) -> list[int]:
+        """The ids ``discard_expired`` would discard (at most ``limit``),
+        without discarding them: costs what it returns."""
+
+    @abc.abstractmethod
     def pending(self, job: str | None = None, limit: int | None = None) -> list[Pending]:
         """Pending results in id order (of one job, or all); a snapshot."""
 
@@ -542,19 +547,24 @@ class PendingIndex:
                 out.append(q.entry(q.find(self._ids[i])))
         return out
 
-    def older_than(self, job: str, finished_before: float) -> list[int]:
+    def older_than(self, job: str, finished_before: float, limit: int | None = None) -> list[int]:
         """The job's pending ids from the oldest up to the first one finished
-        at or after ``finished_before``."""
+        at or after ``finished_before`` (at most ``limit``). Costs what it
+        returns, plus retired slots not yet swept."""
         q = self.queues.get(job)
         out: list[int] = []
         if q is None:
             return out
-        for i in range(q.head, len(q.ids)):
-            if not q.locs[i]:
-                continue
-            if q.fins[i] >= finished_before:
+        want = len(q.ids) if limit is None else max(0, limit)
+        locs, fins, ids = q.locs, q.fins, q.ids
+        for i in range(q.head, len(ids)):
+            if len(out) >= want:
                 break
-            out.append(q.ids[i])
+            if not locs[i]:
+                continue
+            if fins[i] >= finished_before:
+                break
+            out.append(ids[i])
         return out
 
 
@@ -898,6 +908,10 @@ class BufferedLog(CompletionStore):
     def discard_expired(self, job: str, finished_before: float, reason: str = "retention") -> int:
         self._check()
         return self._retire(RETIRE_DISCARD, self._index.older_than(job, finished_before), reason)
+
+    def expired(self, job: str, finished_before: float, limit: int | None = None) -> list[int]:
+        self._check()
+        return self._index.older_than(job, finished_before, limit)
 
     # -- reads ----------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ Segment file::
 
     offset  size  field
     0       8     magic  b"QNODECPL"
-    8       2     format version (u16 LE) = FORMAT_VERSION
+    8       2     format version (u16 LE) = FORMAT_VERSION (2; 1 is still read)
     10      2     flags (u16 LE) = 0
     12      8     segment number (u64 LE), equal to the file name
     20      8     first id (u64 LE): every RESULT here has id >= it, and ids
@@ -23,11 +23,26 @@ Record (frame)::
 
     0       4     body length n (u32 LE), 0 < n <= MAX_RECORD_BYTES
     4       4     crc32 of the body (u32 LE; zlib.crc32)
-    8       n     body: one msgpack array
-                    RESULT  [1, id, job, key, lease_id, version, finished_at,
-                             cadence_s, encoding (0 bytes, 1 json), data (bin)]
-                    ACK     [2, [id, ...]]
-                    DISCARD [3, [id, ...], reason]
+    8       n     body, told apart by its first byte:
+
+    RESULT (format 2)   0  1  kind = 1 (never the first byte of a msgpack array)
+                        1  4  meta length m (u32 LE)
+                        5  4  head crc: crc32 of the meta, seeded with n
+                        9  m  meta: msgpack [id, job, key, lease_id, version,
+                              finished_at, cadence_s, encoding (0 bytes, 1 json)]
+                        9+m   data: the result's bytes, to the end of the body
+    ACK                 msgpack [2, [id, ...]]
+    DISCARD             msgpack [3, [id, ...], reason]
+    RESULT (format 1)   msgpack [1, id, job, key, lease_id, version,
+                        finished_at, cadence_s, encoding, data (bin)]
+
+Format 2 exists so that recovery decodes a result's few small fields and
+never touches its payload (``docs/completion-log.md``, "Numbers"): in every
+segment but the last it checks the head crc only (which covers the length
+and the meta); the body crc is checked in the last segment, where a torn
+tail can be, and whenever a result is read back to be offered. Segments of format 1 are read as
+they are; appends never go into one (the first commit after recovering a
+format-1 last segment opens a new segment), so a file holds one format.
 
 A zero length is never written, so a zero-filled tail (a file extended but
 not written before a crash) reads as torn, not as empty records.
@@ -80,12 +95,21 @@ from node.completion.base import (
 )
 from node.log import log
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Segment format versions this build reads.
+READ_VERSIONS = (1, 2)
+# The checkpoint file's own version (unchanged by segment format 2).
+CHECKPOINT_VERSION = 1
 MAGIC = b"QNODECPL"
 CHECKPOINT_MAGIC = b"QNODECKP"
 HEADER = struct.Struct("<8sHHQQI")
 HEADER_CRC_SPAN = HEADER.size - 4
 FRAME = struct.Struct("<II")
+# Format 2 RESULT: kind, meta length, crc32 of the meta seeded with the
+# frame's length (so a rotten length field fails it too).
+RESULT_HEAD = struct.Struct("<BII")
+FRAME_RESULT_HEAD = struct.Struct("<IIBII")  # a frame and a format-2 result head
+HEAD_SIZE = FRAME_RESULT_HEAD.size
 CHECKPOINT_HEAD = struct.Struct("<8sHH")
 
 K_RESULT, K_ACK, K_DISCARD = 1, 2, 3
@@ -175,12 +199,14 @@ def _frame(body: bytes) -> bytes:
 
 
 def encode_result(rid: int, r: Result) -> bytes:
-    return _frame(
-        _packb(
-            (K_RESULT, rid, r.job, r.key, r.lease_id, r.version, r.finished_at,
-             r.cadence_s, _ENCODING_CODE[r.encoding], r.data)
-        )
+    """A format-2 RESULT frame: fixed head, small msgpack meta, raw data."""
+    meta = _packb(
+        (rid, r.job, r.key, r.lease_id, r.version, r.finished_at, r.cadence_s,
+         _ENCODING_CODE[r.encoding])
     )  # fmt: skip
+    n = RESULT_HEAD.size + len(meta) + len(r.data)
+    head = RESULT_HEAD.pack(K_RESULT, len(meta), zlib.crc32(meta, n))
+    return _frame(b"".join((head, meta, r.data)))
 
 
 def encode_retire(rt: _Retire) -> list[bytes]:
@@ -192,8 +218,25 @@ def encode_retire(rt: _Retire) -> list[bytes]:
     return out
 
 
+def decode_record(body: bytes | memoryview) -> tuple:
+    """One record body, either format, as a tuple: a RESULT is
+    ``(1, id, job, key, lease_id, version, finished_at, cadence_s, encoding,
+    data)`` whichever format wrote it; ACK and DISCARD as written."""
+    if body[0] == K_RESULT:  # format 2
+        if len(body) < RESULT_HEAD.size:
+            raise ValueError("result record shorter than its head")
+        meta_end = RESULT_HEAD.size + RESULT_HEAD.unpack_from(body, 0)[1]
+        if meta_end > len(body):
+            raise ValueError("result meta runs past the record")
+        meta = msgpack.unpackb(body[RESULT_HEAD.size : meta_end], use_list=False)
+        if len(meta) != 8:
+            raise ValueError(f"result meta has {len(meta)} fields, not 8")
+        return (K_RESULT, *meta, bytes(body[meta_end:]))
+    return msgpack.unpackb(body, use_list=False)
+
+
 def decode_result(body: bytes | memoryview) -> Result:
-    rec = msgpack.unpackb(body, use_list=False)
+    rec = decode_record(body)
     if rec[0] != K_RESULT:
         raise ValueError(f"record kind {rec[0]} is not a result")
     (_, rid, job, key, lease_id, version, finished_at, cadence_s, enc, data) = rec
@@ -375,7 +418,10 @@ class SegmentStore(BufferedLog):
             raise LogUnavailable(f"completion log: cannot read {where}: {exc}") from exc
         if len(body) != ln or zlib.crc32(body) != crc:
             raise LogCorrupt(f"completion log: result {result_id} in {where} fails its checksum")
-        result = decode_result(body)
+        try:
+            result = decode_result(body)
+        except (ValueError, TypeError, IndexError, KeyError, msgpack.UnpackException) as exc:
+            raise LogCorrupt(f"completion log: {where} does not decode: {exc}") from exc
         if result.id != result_id:
             raise LogCorrupt(f"completion log: {where} holds result {result.id}, not {result_id}")
         return result
@@ -398,7 +444,7 @@ class SegmentStore(BufferedLog):
 
     def _write_checkpoint(self, checkpoint: Checkpoint) -> None:
         body = msgpack.packb(checkpoint.to_dict())
-        data = CHECKPOINT_HEAD.pack(CHECKPOINT_MAGIC, FORMAT_VERSION, 0) + _frame(body)
+        data = CHECKPOINT_HEAD.pack(CHECKPOINT_MAGIC, CHECKPOINT_VERSION, 0) + _frame(body)
         tmp = self.path / (CHECKPOINT_NAME + ".tmp")
         fd = None
         try:
@@ -432,8 +478,8 @@ class SegmentStore(BufferedLog):
             body = data[CHECKPOINT_HEAD.size + FRAME.size :]
             if magic != CHECKPOINT_MAGIC or len(body) != ln or zlib.crc32(body) != crc:
                 raise ValueError("bad magic, length or checksum")
-            if version > FORMAT_VERSION:
-                raise ValueError(f"format version {version} is newer than {FORMAT_VERSION}")
+            if version > CHECKPOINT_VERSION:
+                raise ValueError(f"format version {version} is newer than {CHECKPOINT_VERSION}")
             return Checkpoint.from_dict(msgpack.unpackb(body))
         except (ValueError, KeyError, TypeError, struct.error) as exc:
             raise LogCorrupt(f"completion log: {path} is not a valid checkpoint: {exc}") from exc
@@ -506,17 +552,18 @@ class SegmentStore(BufferedLog):
         keep = False
         try:
             size = self.ops.size(fd)
-            first_id = self._check_header(fd, path, number, size, last)
-            if first_id is None:  # a segment torn while it was being created
+            header = self._check_header(fd, path, number, size, last)
+            if header is None:  # a segment torn while it was being created
                 report.cuts.append(TailCut(number, 0, size, 0, "torn segment header"))
                 report.removed_segments.append(number)
                 self.ops.unlink(path)
                 return
+            first_id, version = header
             stats = self._add_segment(number, first_id)
             end = self._scan(fd, stats, size, last, report) if size > HEADER.size else size
             report.segments += 1
             report.bytes_read += size
-            if last:
+            if last and version == FORMAT_VERSION:
                 self._fd, self._size, keep = fd, end, True
             else:
                 self._keep_reader(number, fd)
@@ -525,8 +572,12 @@ class SegmentStore(BufferedLog):
             if not keep:
                 self.ops.close(fd)
 
-    def _check_header(self, fd: int, path: Path, number: int, size: int, last: bool) -> int | None:
-        """The segment's first id; None for a torn header on the last segment."""
+    def _check_header(
+        self, fd: int, path: Path, number: int, size: int, last: bool
+    ) -> tuple[int, int] | None:
+        """The segment's (first id, format version); None for a torn header
+        on the last segment. An older format is read; appends then go to a
+        new segment (``_fd`` stays None)."""
         head = self.ops.pread(fd, HEADER.size, 0)
         if len(head) < HEADER.size:
             if last:
@@ -537,14 +588,14 @@ class SegmentStore(BufferedLog):
             if last and size == HEADER.size:
                 return None
             raise LogCorrupt(f"completion log: {path} has no valid segment header")
-        if version > FORMAT_VERSION:
+        if version not in READ_VERSIONS:
             raise LogCorrupt(
                 f"completion log: {path} is format version {version}; "
-                f"this build reads up to {FORMAT_VERSION}"
+                f"this build reads versions {', '.join(map(str, READ_VERSIONS))}"
             )
         if seg_no != number:
             raise LogCorrupt(f"completion log: {path} says it is segment {seg_no}")
-        return int(first_id)
+        return int(first_id), int(version)
 
     def _scan(
         self, fd: int, stats: SegmentStats, size: int, last: bool, report: RecoveryReport
@@ -556,7 +607,7 @@ class SegmentStore(BufferedLog):
         try:
             off = HEADER.size
             while True:
-                off, reason, end = self._scan_run(buf, off, size, stats, report)
+                off, reason, end = self._scan_run(buf, off, size, stats, report, last)
                 if not reason:
                     return off
                 if end < 0:
@@ -608,13 +659,25 @@ class SegmentStore(BufferedLog):
         except OSError as exc:
             raise LogUnavailable(f"completion log: cannot cut a torn tail: {exc}") from exc
 
-    def _scan_run(
-        self, buf: memoryview, off: int, size: int, stats: SegmentStats, report: RecoveryReport
+    def _scan_run(  # noqa: C901 - the hot loop, inlined on purpose
+        self,
+        buf: memoryview,
+        off: int,
+        size: int,
+        stats: SegmentStats,
+        report: RecoveryReport,
+        whole: bool,
     ) -> tuple[int, str, int]:
         """The hot loop: read good records from ``off`` to the end or to the
         first bad frame. Returns (end, "", -1), or (its offset, why it is
-        bad, the end of the frame when it is whole and checksummed else -1)."""
+        bad, the end of the frame when it is whole and checksummed else -1).
+
+        A format-2 RESULT is checked by its head checksum (frame length,
+        meta) and only its meta is decoded; its payload's checksum is checked
+        too when ``whole`` (the last segment, the only one that can hold a
+        torn tail) and otherwise when the result is read back."""
         frame = FRAME.unpack_from
+        frame_head = FRAME_RESULT_HEAD.unpack_from
         crc32 = zlib.crc32
         unpackb = msgpack.unpackb
         index = self._index
@@ -625,25 +688,44 @@ class SegmentStore(BufferedLog):
         body = None
         try:
             while off < size:
-                if off + 8 > size:
+                # The frame and, for a format-2 RESULT, its head in one call.
+                if off + HEAD_SIZE <= size:
+                    ln, crc, kind, meta_len, meta_crc = frame_head(buf, off)
+                elif off + FRAME.size <= size:
+                    ln, crc = frame(buf, off)
+                    kind = 0
+                else:
                     return off, "torn frame header", -1
-                ln, crc = frame(buf, off)
-                start = off + 8
-                end = start + ln
+                end = off + FRAME.size + ln
                 if ln == 0 or ln > MAX_RECORD_BYTES:
                     return off, f"bad record length {ln}", -1
                 if end > size:
                     return off, "record runs past the end of the file", -1
-                body = buf[start:end]
-                if crc32(body) != crc:
-                    return off, "checksum mismatch", -1
+                if kind == K_RESULT and ln >= RESULT_HEAD.size:
+                    # Format 2: check the head, decode the meta only; the
+                    # payload stays on disk until the result is offered.
+                    meta_end = off + HEAD_SIZE + meta_len
+                    body = buf[off + HEAD_SIZE : meta_end]
+                    if meta_end > end or crc32(body, ln) != meta_crc:
+                        return off, "result head checksum mismatch", -1
+                    if whole and crc32(buf[off + FRAME.size : end]) != crc:
+                        return off, "checksum mismatch", -1
+                else:
+                    body = buf[off + FRAME.size : end]
+                    if crc32(body) != crc:
+                        return off, "checksum mismatch", -1
+                    kind = 0
                 try:
-                    rec = unpackb(body, use_list=False)
-                    kind = rec[0]
+                    if kind == K_RESULT:
+                        rid, job, key, _, _, finished_at, _, _ = unpackb(body, use_list=False)
+                    else:
+                        rec = unpackb(body, use_list=False)
+                        kind = rec[0]
+                        if kind == K_RESULT:  # format 1
+                            _, rid, job, key, _, _, finished_at, _, _, _ = rec
                     if kind == K_RESULT:
                         # PendingIndex.add, inlined: a third of the scan's time
                         # otherwise. Checks first, so a bad record adds nothing.
-                        _, rid, job, key, _, _, finished_at, _, _, _ = rec
                         finished_at += 0.0
                         if rid <= last_id:
                             return off, f"result id {rid} out of order", end
@@ -699,13 +781,14 @@ def read_segment_records(path: str | os.PathLike[str]) -> list[tuple]:
     out = []
     off = HEADER.size
     while (end := _valid_frame_end(memoryview(data), off, len(data))) >= 0:
-        out.append(msgpack.unpackb(data[off + FRAME.size : end], use_list=False))
+        out.append(decode_record(data[off + FRAME.size : end]))
         off = end
     return out
 
 
 __all__: Sequence[str] = (
     "FORMAT_VERSION",
+    "READ_VERSIONS",
     "FileOps",
     "SegmentStore",
     "read_segment_records",
