@@ -681,6 +681,52 @@ class Buckets:
         self._place(slot, cid, minute)
         return True
 
+    def detach_many(self, keys: Iterable[str]) -> int:
+        """``detach`` for many keys at once (how many were detached): the
+        values of each class move in one removal and one merge, about a
+        third of the cost of one ``detach`` a key."""
+        return self._move_many(keys, detached=True)
+
+    def attach_many(self, keys: Iterable[str]) -> int:
+        """``attach`` for many keys at once (how many were attached)."""
+        return self._move_many(keys, detached=False)
+
+    def _move_many(self, keys: Iterable[str], detached: bool) -> int:
+        if self._dirty:
+            self._flush()
+        table, cell, det, cids, mins = self._table, self._cell, self._det, self._cids, self._mins
+        flag = 1 if detached else 0
+        by_class: dict[int, list[int]] = {}
+        for key in keys:
+            slot = table[cell(key)]
+            if slot < 0 or det[slot] == flag:
+                continue
+            det[slot] = flag
+            cid = cids[slot]
+            values = by_class.get(cid)
+            if values is None:
+                values = by_class[cid] = []
+            values.append(mins[slot] << SLOT_BITS | slot)
+        due_below = (self._through + 1) << SLOT_BITS
+        moved = 0
+        for cid, values in by_class.items():
+            values.sort()
+            if detached:
+                src, src_due = self._order[cid], self._due
+                dst = self._order_detached.get(cid) or self._new_detached_order(cid)
+                dst_due = self._due_detached
+            else:
+                src, src_due = self._order_detached[cid], self._due_detached
+                dst, dst_due = self._order[cid], self._due
+            src.remove_sorted(values)
+            dst.add_sorted(values)
+            due = bisect_left(values, due_below)
+            src_due[cid] -= due
+            dst_due[cid] += due
+            moved += len(values)
+        self._detached += moved if detached else -moved
+        return moved
+
     def is_detached(self, key: str) -> bool:
         slot = self._table[self._cell(key)]
         return slot >= 0 and bool(self._det[slot])

@@ -126,6 +126,53 @@ class Order:
             self._join(i)
         return True
 
+    def add_sorted(self, values: list[int]) -> None:
+        """Add many values (ascending, none held yet) with one merge: they
+        go in as a pending run that ``flush`` merges at once."""
+        if values:
+            self.pending.append(array("q", values))
+            self.size += len(values)
+            self.flush()
+
+    def remove_sorted(self, values: list[int]) -> None:
+        """Remove many values the order holds, ascending, none pending (the
+        caller flushes first). Each block's share is found with one
+        bisection; a block losing many values is filtered once, one losing
+        few loses them one ``del`` each. Then empty blocks go and small
+        neighbours join, in one pass."""
+        blocks, maxes = self.blocks, self.maxes
+        n = len(values)
+        k = i = 0
+        while k < n:
+            i = bisect_left(maxes, values[k], i)
+            end = bisect_right(values, maxes[i], k)
+            block = blocks[i]
+            if (end - k) * 8 > len(block):
+                drop = set(values[k:end])
+                blocks[i] = array("q", [v for v in block if v not in drop])
+            else:
+                for j in range(end - 1, k - 1, -1):
+                    del block[bisect_left(block, values[j])]
+            k = end
+        self.size -= n
+        self._tidy()
+
+    def _tidy(self) -> None:
+        """Drop empty blocks, join runs of small ones, recompute ``maxes``."""
+        half, most = self.load >> 1, 2 * self.load
+        out: list[array[int]] = []
+        for block in self.blocks:
+            if not block:
+                continue
+            if out and (len(out[-1]) < half or len(block) < half) and (
+                len(out[-1]) + len(block) <= most
+            ):
+                out[-1].extend(block)
+            else:
+                out.append(block)
+        self.blocks = out
+        self.maxes = [block[-1] for block in out]
+
     def _split(self, i: int) -> None:
         block = self.blocks[i]
         half = len(block) >> 1

@@ -343,8 +343,7 @@ class Keeper:
         _applied, refused = self.buckets.load_rows(rows, self._tombstones)
         self.stats.apply["refused_classes"] += refused
         if self.exclude:  # leased before this keeper started: keep them out
-            for key in self.exclude.intersection([row[0] for row in rows]):
-                self.buckets.detach(key)
+            self.buckets.detach_many(self.exclude.intersection([row[0] for row in rows]))
         self._load_after = after
         walked = load["rows"]
         if after is None:
@@ -448,11 +447,8 @@ class Keeper:
         The cost follows the keys that changed, not the keys out."""
         excluded = self.leases.excluded_keys(now)
         before = self.exclude
-        detach, attach = self.buckets.detach, self.buckets.attach
-        for key in excluded - before:
-            detach(key)
-        for key in before - excluded:
-            attach(key)
+        self.buckets.detach_many(excluded - before)
+        self.buckets.attach_many(before - excluded)
         self.exclude = excluded
 
     def _phase(self) -> str:

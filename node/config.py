@@ -11,6 +11,7 @@ import json
 import os
 import re
 import socket
+import ssl
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,9 @@ from node.rows import JOB_RE, MAX_CADENCE_S, MIN_CADENCE_S
 
 NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 ENV_PREFIX = "QUEUE_NODE_"
+# A bearer token travels in an HTTP header: visible ASCII only (RFC 6750's
+# b64token is narrower still), so every client can send it byte for byte.
+TOKEN_RE = re.compile(r"[\x21-\x7e]{1,4096}")
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -378,6 +382,35 @@ def _from_file(
     return options, defaults, routes, jobs
 
 
+_TLS_REASONS = {"KEY_VALUES_MISMATCH": "the key does not belong to the certificate"}
+
+
+def tls_context(config: Config) -> ssl.SSLContext | None:
+    """The server's TLS context, or None without ``tls_cert``/``tls_key``.
+
+    The supervisor calls it before anything starts, so a missing, unreadable
+    or mismatched certificate is one line and exit 2, not an HTTP worker in a
+    restart loop; each worker then builds its own the same way."""
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    for flag, path in (("--tls-cert", config.tls_cert), ("--tls-key", config.tls_key)):
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"{flag} {path}: {exc.strerror or exc}") from None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(str(config.tls_cert), str(config.tls_key))
+    except ssl.SSLError as exc:
+        reason = _TLS_REASONS.get(exc.reason or "", "")
+        raise ConfigError(
+            f"--tls-cert {config.tls_cert} with --tls-key {config.tls_key}: "
+            f"{reason or 'not a PEM certificate and its private key'} ({exc.reason or exc})"
+        ) from None
+    return context
+
+
 def check_name(name: str) -> str:
     if not NAME_RE.fullmatch(name):
         raise ConfigError(
@@ -455,6 +488,11 @@ def validate(config: Config) -> Config:
         raise ConfigError("give either --inference-procs or --gpus, not both")
     if (config.tls_cert is None) != (config.tls_key is None):
         raise ConfigError("--tls-cert and --tls-key go together")
+    if config.token is not None and not TOKEN_RE.fullmatch(config.token):
+        raise ConfigError(
+            "token is not valid: 1 to 4096 visible ASCII characters, no spaces "
+            "(it is sent as Authorization: Bearer <token>)"
+        )
     host = m.group(1).strip("[]")
     if host not in ("127.0.0.1", "localhost", "::1") and not config.token:
         raise ConfigError(

@@ -20,6 +20,12 @@ child's environment, and told when a child exits.
 
 The supervisor's signal handlers only set flags and write to a wake-up pipe
 (signal.set_wakeup_fd); all work happens in the loop.
+
+File modes: the node runs with umask 077 (set here, inherited by every
+child), so whatever it creates is owner-only whatever umask it was started
+with, including files made by code that passes no mode (prometheus_client's
+metrics files, the saved lease file). Where a wider mode is wanted it is set
+explicitly with fchmod (the state buffer's 0640 for ``state_group``).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from node import log, metrics
-from node.config import Config
+from node.config import Config, tls_context
 from node.errors import ConfigError, NodeError
 from node.proc import ENV_CONFIG, ENV_STARTED_AT, ENV_SUPERVISOR, python_argv
 
@@ -46,6 +52,8 @@ BACKOFF_MAX_S = 5.0
 BACKOFF_RESET_AFTER_S = 30.0
 # How often the loop wakes with nothing to do (children are reaped on SIGCHLD).
 IDLE_WAKE_S = 0.5
+# Every file, directory, segment and queue the node makes is owner-only.
+NODE_UMASK = 0o077
 
 
 @dataclass
@@ -101,6 +109,9 @@ class Supervisor:
         for spec in {self.config.handler, *(r.handler for r in self.config.routes.values())}:
             if spec is not None:
                 check_spec(spec)
+        # A missing or mismatched certificate: one line now, not a worker
+        # in a restart loop.
+        tls_context(self.config)
         # Open once here so a bad store (unreadable file, failed migration)
         # is one clear error now instead of a keeper in a restart loop.
         open_store(self.config.store_url).close()
@@ -467,4 +478,5 @@ def _drain_pipe(fd: int) -> None:
 
 def run(config: Config, verbose: bool = False) -> int:
     log.setup("supervisor", verbose)
+    os.umask(NODE_UMASK)
     return Supervisor(config, verbose).run()

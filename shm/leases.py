@@ -1331,7 +1331,9 @@ class LeaseTable:
         }
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
+        # Owner-only whatever the umask (the keys are the users' data).
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
             f.write(msgpack.packb(doc, use_bin_type=True))
             f.flush()
             os.fsync(f.fileno())

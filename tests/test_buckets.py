@@ -19,6 +19,7 @@ import keeper.buckets as buckets_module
 import keeper.classes as classes_module
 from keeper.buckets import Buckets, minute_of
 from keeper.classes import SOURCE_ROUTE, SOURCE_ROW, ClassInfo, ClassTable
+from keeper.order import Order
 from node.config import Config, RouteConfig
 from node.errors import TooManyClasses
 from shm.ready import ReadySet
@@ -979,6 +980,10 @@ class DetachModel(DueModel):
 
 detaches = st.tuples(st.just("detach"), st.sampled_from(KEYS))
 attaches = st.tuples(st.just("attach"), st.sampled_from(KEYS))
+# The keeper's way: many keys at once (absent, repeated and detached ones among them).
+bulk_moves = st.tuples(
+    st.sampled_from(["detach_many", "attach_many"]), st.lists(st.sampled_from(KEYS), max_size=12)
+)
 bests = st.tuples(
     st.just("best"),
     nows,
@@ -995,6 +1000,8 @@ detach_ops = st.lists(
         detaches,
         detaches,
         attaches,
+        bulk_moves,
+        bulk_moves,
         st.tuples(st.just("advance"), minute_steps),
         st.tuples(st.just("load"), chunks),
         bests,
@@ -1014,6 +1021,11 @@ def run_detached(buckets: Buckets, model: DetachModel, ops: list[tuple], minute:
             assert buckets.detach(op[1]) == model.detach(op[1])
         elif kind == "attach":
             assert buckets.attach(op[1]) == model.attach(op[1])
+        elif kind in ("detach_many", "attach_many"):
+            one = model.detach if kind == "detach_many" else model.attach
+            want = sum(one(key) for key in set(op[1]))
+            assert getattr(buckets, kind)(op[1]) == want
+            check_orders(buckets)
         elif kind == "advance":
             minute += op[1]
             buckets.advance(minute)
@@ -1165,3 +1177,31 @@ def test_detach_during_a_load_flushes_the_pending_values_first():
     check_orders(buckets)
     assert buckets.counts(BASE)["due"]["total"] == 59
     assert len(buckets.best(BASE, 100)) == 59
+
+
+@SETTINGS
+@given(
+    held=st.sets(st.integers(0, 5000), max_size=400),
+    load=st.sampled_from([4, 16, 64]),
+    picks=st.lists(st.integers(0, 10_000), max_size=120),
+    added=st.sets(st.integers(5001, 9000), max_size=200),
+)
+def test_order_bulk_removal_and_merge_agree_with_a_list(held, load, picks, added):
+    """``remove_sorted`` (both ways: a block filtered once, a block losing a
+    few values one by one) and ``add_sorted`` against a plain sorted list."""
+    order = Order.from_sorted(sorted(held), load)
+    for block in order.blocks:  # blocks of several sizes, as inserts leave them
+        if len(block) > 2:
+            order.remove_sorted([block[1]])
+            break
+    model = sorted(order)
+    gone = sorted({model[i % len(model)] for i in picks}) if model else []
+    order.remove_sorted(gone)
+    model = sorted(set(model) - set(gone))
+    assert list(order) == model and order.size == len(model)
+    assert order.maxes == [block[-1] for block in order.blocks]
+    assert all(0 < len(block) <= 2 * load for block in order.blocks)
+    order.add_sorted(sorted(added))
+    model = sorted(set(model) | added)
+    assert list(order) == model and order.size == len(model)
+    assert order.maxes == [block[-1] for block in order.blocks]

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from node import log
-from node.config import Config, load_run_config
+from node.config import Config, load_run_config, tls_context
 from node.errors import NodeError
 from node.proc import (
     ENV_STARTED_AT,
@@ -56,16 +56,6 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--index", type=int, required=True)
     p.add_argument("--listen-fd", type=int, required=True)
     return p.parse_args(argv)
-
-
-
-
-def _ssl_context(config: Config) -> ssl.SSLContext | None:
-    if config.tls_cert is None or config.tls_key is None:
-        return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(str(config.tls_cert), str(config.tls_key))
-    return context
 
 
 class _KeeperSide:
@@ -230,7 +220,7 @@ async def serve(
     from workers.state_http import routes as state_routes
     from workers.work_http import routes as work_routes
 
-    ssl_context = _ssl_context(config)  # before anything is opened: a bad cert fails fast
+    ssl_context = tls_context(config)  # before anything is opened: a bad cert fails fast
     loop = asyncio.get_running_loop()
     store_thread = ThreadPoolExecutor(1, thread_name_prefix="store")
     keeper: _KeeperSide | None = None
