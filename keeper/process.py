@@ -29,6 +29,7 @@ import msgpack
 
 from keeper.buckets import Buckets
 from keeper.classes import ClassTable
+from keeper.lag import LagWindow
 from node import log, metrics
 from node.config import Config
 from node.errors import NodeError, TooManyClasses
@@ -60,8 +61,6 @@ VERIFY_CHUNK = 2_000
 FLOW_MINUTES = 60
 # Claimers that drain the set ask for a republish; never more often than this.
 LOW_WATER_MIN_S = 0.01
-# Lag samples kept per origin (a ring: the figures follow recent load).
-LAG_SAMPLES = 10_000
 # Class rows in the state document; more are summarised and flagged truncated.
 STATE_CLASS_ROWS = 1_000
 # Lateness bins of the state document, in lateness / cadence: bin i holds the
@@ -106,21 +105,15 @@ class _Stats:
             "feed_s": 0.0,  # time in drain_feed, reading the feed included
         }
         # Commit-to-applied lag of recent changes, by origin, for p50/p99.
-        self.lag_node: deque[float] = deque(maxlen=LAG_SAMPLES)
-        self.lag_outside: deque[float] = deque(maxlen=LAG_SAMPLES)
+        self.lag_node = LagWindow()
+        self.lag_outside = LagWindow()
 
     def lag_figures(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for name, samples in (("node", self.lag_node), ("outside", self.lag_outside)):
-            if samples:
-                ordered = sorted(samples)
-                n = len(ordered)
-                out[name] = {
-                    "samples": n,
-                    "p50_ms": round(ordered[n // 2] * 1000, 3),
-                    "p99_ms": round(ordered[min(n - 1, (n * 99) // 100)] * 1000, 3),
-                    "max_ms": round(ordered[-1] * 1000, 3),
-                }
+        for name, window in (("node", self.lag_node), ("outside", self.lag_outside)):
+            figures = window.figures()
+            if figures is not None:
+                out[name] = figures
         changes = self.apply["changes"]
         out["apply_us"] = round(self.apply["feed_s"] * 1e6 / changes, 3) if changes else None
         return out
@@ -298,9 +291,13 @@ class Keeper:
 
     def _record_lag(self, batch: list[Any]) -> None:
         wall = time.time()
-        node, outside = self.stats.lag_node, self.stats.lag_outside
-        for ch in batch:
-            (outside if ch.origin == ORIGIN_EXTERNAL else node).append(wall - ch.at)
+        outside = [wall - ch.at for ch in batch if ch.origin == ORIGIN_EXTERNAL]
+        if len(outside) < len(batch):
+            self.stats.lag_node.add_many(
+                (wall - ch.at for ch in batch if ch.origin != ORIGIN_EXTERNAL), wall
+            )
+        if outside:
+            self.stats.lag_outside.add_many(outside, wall)
         # The histogram gets the batch's oldest change of each origin, not
         # every change (an observation costs a few µs in multiprocess mode).
         first: dict[str, float] = {}

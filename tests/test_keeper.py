@@ -465,3 +465,26 @@ def test_pause_and_resume_are_read_from_the_store(store, segments, node_name, tm
     keeper.publish(NOW + 2)
     routes = {keeper.classes.info(e.class_id).route for e in segments[0].snapshot().entries}
     assert "pages" in routes
+
+
+def test_lag_window_percentiles_are_within_a_bin_of_sorting():
+    from keeper.lag import BIN_RATIO, WINDOW_S, LagWindow
+
+    rnd = random.Random(5)
+    window = LagWindow()
+    assert window.figures() is None
+    lags = [rnd.lognormvariate(-6.0, 1.5) for _ in range(20_000)] + [-0.5, 0.0, 4000.0]
+    window.add_many(lags, NOW)
+    got = window.figures()
+    ordered = sorted(lags)
+    n = len(ordered)
+    assert got["samples"] == n and got["max_ms"] == round(4000.0 * 1000, 3)
+    for name, exact in (("p50_ms", ordered[n // 2]), ("p99_ms", ordered[(n * 99) // 100])):
+        assert exact * 1000 <= got[name] * (1 + 1e-9) <= exact * 1000 * BIN_RATIO + 1e-3, name
+    # The figures follow the last one to two windows.
+    window.add_many([0.5] * 10, NOW + WINDOW_S + 1)
+    assert window.figures()["samples"] == n + 10
+    window.add_many([0.5] * 10, NOW + 2 * WINDOW_S + 2)
+    assert window.figures()["samples"] == 20 and window.figures()["p50_ms"] <= 500 * BIN_RATIO
+    window.add_many([0.001], NOW + 10 * WINDOW_S)  # a quiet spell forgets both windows
+    assert window.figures()["samples"] == 1
