@@ -344,10 +344,15 @@ def _from_file(
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config file: {exc.strerror}", str(path)) from None
+    except UnicodeDecodeError:
+        raise ConfigError("not valid UTF-8 (TOML files are UTF-8)", str(path)) from None
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"not valid TOML: {exc}", str(path)) from None
+        # tomllib says "... (at line 2, column 11)": name the line as file:line.
+        found = re.search(r"\(at line (\d+), column \d+\)$", str(exc))
+        where = f"{path}:{found.group(1)}" if found else str(path)
+        raise ConfigError(f"not valid TOML: {exc}", where) from None
     options: dict[str, Any] = {}
     defaults = RouteConfig()
     routes: dict[str, RouteConfig] = {}

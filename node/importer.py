@@ -39,7 +39,9 @@ import os
 import sys
 import time
 import traceback
+import zlib
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, cast
@@ -172,6 +174,21 @@ def _open(path: Path) -> IO[bytes]:
         raise ImportFileError(f"{path}: cannot read: {exc.strerror or exc}") from None
 
 
+@contextmanager
+def _reading(path: Path) -> Iterator[IO[bytes]]:
+    """``_open`` for the length of a read: a gzip file that is cut short or
+    corrupt, or a read that fails part-way, refuses the file as a whole
+    (exit 2) instead of escaping as a traceback. The first pass reads the
+    whole file, so this is raised before anything is written."""
+    try:
+        with _open(path) as f:
+            yield f
+    except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+        raise ImportFileError(f"{path}: the gzip data is broken: {exc}") from None
+    except OSError as exc:
+        raise ImportFileError(f"{path}: cannot read: {exc.strerror or exc}") from None
+
+
 def detect_format(path: Path) -> str:
     """By extension (``.gz`` stripped), else by the first non-blank byte."""
     name = path.name.lower()
@@ -180,7 +197,7 @@ def detect_format(path: Path) -> str:
     ext = os.path.splitext(name)[1]
     if ext in _EXTENSIONS:
         return _EXTENSIONS[ext]
-    with _open(path) as f:
+    with _reading(path) as f:
         head = f.read(4096)
     head = head.removeprefix(_UTF8_BOM).lstrip()
     if head.startswith(b"<"):
@@ -464,7 +481,7 @@ def read_rows(
     path: Path, fmt: str, fill: _Fill
 ) -> Iterator[tuple[int, RowWrite | ValidationError]]:
     """Every row of the file with its line: a RowWrite, or why it is not one."""
-    with _open(path) as f:
+    with _reading(path) as f:
         for line, item in _READERS[fmt](f, path, fill):
             if isinstance(item, ValidationError):
                 yield line, item

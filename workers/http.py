@@ -30,6 +30,7 @@ import functools
 import json
 import os
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -248,6 +249,35 @@ def parse_delete(body: Any) -> list[str]:
     return [check_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
 
 
+def known_query(request: web.Request, *allowed: str) -> None:
+    """Refuse a query parameter the endpoint does not know, as an unknown
+    body field is refused: ``?maxx=5`` would otherwise poll the default 100
+    and the typo would go unnoticed."""
+    unknown = sorted(set(request.query) - set(allowed))
+    if unknown:
+        raise ValidationError(
+            "unknown_field", f"unknown query parameter {unknown[0]!r}", unknown[0]
+        )
+
+
+def strict_query(request: web.Request, name: str, code: str) -> str:
+    """The first value of query parameter ``name``, its percent-encoding
+    decoded as strict UTF-8. aiohttp decodes bytes that are not UTF-8 as
+    U+FFFD, which would turn ``?key=%FF`` into a different, valid key; that
+    is the caller's mistake (``code``), not a lookup of some other row."""
+    for pair in request.rel_url.raw_query_string.split("&"):
+        raw_name, _, raw_value = pair.partition("=")
+        if urllib.parse.unquote_plus(raw_name) != name:
+            continue
+        try:
+            return urllib.parse.unquote_plus(raw_value, errors="strict")
+        except UnicodeDecodeError:
+            raise ValidationError(
+                code, f"{name} is not valid UTF-8 once percent-decoded", name
+            ) from None
+    return request.query[name]
+
+
 # -- writes (run on the store's thread) ----------------------------------------------
 
 
@@ -314,9 +344,10 @@ async def delete_rows(request: web.Request) -> web.Response:
 @routes.get("/rows")
 async def get_row(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
+    known_query(request, "key")
     if "key" not in request.query:
         raise ValidationError("missing_field", "give the row's key: /rows?key=K", "key")
-    key = check_key(request.query["key"], "key")
+    key = check_key(strict_query(request, "key", "invalid_key"), "key")
     row = await _in_store(ctx, ctx.store.get, key)
     if row is None:
         raise ApiError(404, "not_found", "no row with this key", "key")
@@ -336,7 +367,7 @@ async def get_row(request: web.Request) -> web.Response:
 @routes.get("/openapi.json")
 async def openapi_json(request: web.Request) -> web.Response:
     # Describe what this app serves: the work path's routes only when mounted.
-    spec = openapi.spec()
+    spec = openapi.spec(token=bool(request.app.get(TOKEN)))
     served = {
         (r.resource.canonical, r.method.lower())
         for r in request.app.router.routes()

@@ -42,7 +42,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     ),
     "bad_request": (400, "the request could not be read (a broken chunked body, …)"),
     "missing_field": (400, "a required field or query parameter is absent"),
-    "unknown_field": (400, "a field the endpoint does not know"),
+    "unknown_field": (400, "a field (or query parameter) the endpoint does not know"),
     "too_many_rows": (400, "more than 10,000 rows in one POST /rows"),
     "too_many_keys": (400, "more than 10,000 keys in one POST /rows/delete"),
     "too_many_classes": (400, "the write would create more than max_classes classes"),

@@ -36,11 +36,31 @@ _ROW_FIELDS: dict[str, Any] = {
     "job": {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,128}$", "default": "default"},
 }
 
+_LEASE_ID = {"type": "integer", "minimum": 1, "maximum": (1 << 64) - 1}
+_KEY = {"type": "string", "minLength": 1, "description": "at most 1,024 bytes UTF-8"}
+_JOB = {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,128}$"}
+# Result ids are SQLite rowids; a larger one was never offered (409).
+_RESULT_ID = {"type": "integer", "minimum": 0, "maximum": (1 << 63) - 1}
 _UNAUTHORIZED = _error_response("no or wrong token (only when the node has one)")
 _BAD = _error_response("validation error; nothing changed")
 
 
-def spec() -> dict[str, Any]:
+def spec(token: bool = True) -> dict[str, Any]:
+    """The document. ``token``: the node has one, so every POST and the result
+    polls need ``Authorization: Bearer``; without one nothing does, and the
+    document says so (a client, or a fuzzer, then sends no credentials)."""
+    doc = _document()
+    if not token:
+        doc["security"] = [{}]
+        for ops in doc["paths"].values():
+            for op in ops.values():
+                if "security" in op:
+                    op["security"] = [{}]
+                    op["responses"].pop("401", None)
+    return doc
+
+
+def _document() -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {
@@ -128,16 +148,13 @@ def spec() -> dict[str, Any]:
                     "security": [{"bearer": []}],
                     "requestBody": {
                         "required": True,
-                        "content": {
-                            "application/json": {
-                                "schema": {
-                                    "type": "array",
-                                    "maxItems": 10_000,
-                                    "items": {"$ref": "#/components/schemas/RowWrite"},
-                                }
-                            },
-                            "application/msgpack": {"schema": {"type": "array"}},
-                        },
+                        "content": _bodies(
+                            {
+                                "type": "array",
+                                "maxItems": 10_000,
+                                "items": {"$ref": "#/components/schemas/RowWrite"},
+                            }
+                        ),
                     },
                     "responses": {
                         "200": _json(
@@ -155,7 +172,7 @@ def spec() -> dict[str, Any]:
                             "name": "key",
                             "in": "query",
                             "required": True,
-                            "schema": {"type": "string"},
+                            "schema": _KEY,
                         }
                     ],
                     "responses": {
@@ -180,21 +197,12 @@ def spec() -> dict[str, Any]:
                     "security": [{"bearer": []}],
                     "requestBody": {
                         "required": True,
-                        "content": {
-                            "application/json": {
-                                "schema": {
-                                    "type": "object",
-                                    "required": ["keys"],
-                                    "properties": {
-                                        "keys": {
-                                            "type": "array",
-                                            "maxItems": 10_000,
-                                            "items": {"type": "string"},
-                                        }
-                                    },
-                                }
-                            }
-                        },
+                        "content": _bodies(
+                            _obj(
+                                {"keys": {"type": "array", "maxItems": 10_000, "items": _KEY}},
+                                ("keys",),
+                            )
+                        ),
                     },
                     "responses": {
                         "200": _json(
@@ -246,7 +254,13 @@ def _page_paths() -> dict[str, Any]:
                     }
                 ],
                 "responses": {
-                    "200": _text("text/plain", "the file (text/html, text/javascript, text/css)"),
+                    "200": {
+                        "description": "the file",
+                        "content": {
+                            media_type: {"schema": {"type": "string"}}
+                            for media_type in ("text/html", "text/javascript", "text/css")
+                        },
+                    },
                     "404": _error_response("no such file"),
                 },
             }
@@ -281,14 +295,20 @@ def _post(
             "security": [{"bearer": []}],
             "requestBody": {
                 "required": True,
-                "content": {
-                    "application/json": {"schema": body},
-                    "application/msgpack": {"schema": body},
-                },
+                "content": _bodies(body),
             },
             "responses": responses,
         }
     }
+
+
+def _bodies(schema: dict[str, Any]) -> dict[str, Any]:
+    """A request body's media types: JSON, or msgpack with the same shape.
+    Every endpoint refuses a field it does not know (unknown_field): an
+    object body is closed."""
+    if schema.get("type") == "object":
+        schema = {**schema, "additionalProperties": False}
+    return {"application/json": {"schema": schema}, "application/msgpack": {"schema": schema}}
 
 
 def _get(
@@ -300,7 +320,7 @@ def _get(
     path_params: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     parameters = [
-        {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+        {"name": name, "in": "path", "required": True, "schema": _JOB}
         for name in path_params
     ] + [{"name": name, "in": "query", "schema": schema} for name, schema in params.items()]
     responses = {"200": _json(answer), "400": _BAD}
@@ -313,8 +333,6 @@ def _get(
     return {"get": op}
 
 
-_LEASE_ID = {"type": "integer", "minimum": 1}
-_KEY = {"type": "string", "minLength": 1}
 _LEDGER_DOWN = "ledger_unavailable: the ledger cannot be reached; retry"
 _LEASE_409 = "lease_conflict, lease_unknown or lease_ended"
 
@@ -432,7 +450,7 @@ def _work_paths() -> dict[str, Any]:
         ),
         "/jobs/{job}/ack": _post(
             "retire offered results (idempotent)",
-            _obj({"ids": {"type": "array", "items": {"type": "integer"}}}, ("ids",)),
+            _obj({"ids": {"type": "array", "items": _RESULT_ID, "maxItems": 10_000}}, ("ids",)),
             _obj({"acked": {"type": "integer"}}),
             {"409": "never_offered: names the ids; nothing acked", "503": _LEDGER_DOWN},
         ),

@@ -34,7 +34,15 @@ from node.errors import ValidationError
 from node.rows import check_route
 from shm.state import queue_state as build_queue_state
 from shm.state import unreadable_state
-from workers.http import ASK_POOL, CTX, WorkerContext, _in_store, _safely, read_body
+from workers.http import (
+    ASK_POOL,
+    CTX,
+    WorkerContext,
+    _in_store,
+    _safely,
+    known_query,
+    read_body,
+)
 from workers.http_errors import ApiError, reply
 
 # The scopes GET /queue-state answers: this node (no scope), or the fleet.
@@ -55,6 +63,7 @@ routes = web.RouteTableDef()
 
 
 def _scope(request: web.Request) -> str | None:
+    known_query(request, "scope")
     if "scope" not in request.query:
         return None
     scope = request.query["scope"]

@@ -52,7 +52,7 @@ from workers.claim import (
     refuse,
     why_not_granted,
 )
-from workers.http import CTX, read_body
+from workers.http import CTX, known_query, read_body
 from workers.http_errors import (
     MSGPACK_TYPES,
     ApiError,
@@ -69,6 +69,8 @@ MAX_LIST = 10_000
 DEFAULT_LIST = 1_000
 MAX_IDS = 10_000
 MAX_UNHOLD_KEYS = 10_000
+# The largest result id the ledger can have handed out (a SQLite rowid).
+MAX_RESULT_ID = (1 << 63) - 1
 # A claim of at most this many runs on the event loop: it costs about 30 us
 # a grant (point reads from SQLite's page cache, a CAS per lease), less than
 # the hop to the claim thread and back. Larger claims go to that thread, so a
@@ -135,10 +137,9 @@ def _int_query(request: web.Request, name: str, default: int, high: int, code: s
     raw = request.query.get(name)
     if raw is None:
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
+    # Plain decimal digits only: int() would also take "1_000", " 5" and
+    # 4,300-digit numbers, none of which a client means.
+    value = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 9 else 0
     if not 1 <= value <= high:
         raise ValidationError(code, f"{name} must be an integer from 1 to {high}", name)
     return value
@@ -253,6 +254,7 @@ async def renew(request: web.Request) -> web.Response:
 @routes.get("/leases")
 async def list_leases(request: web.Request) -> web.Response:
     work = _work(request)
+    known_query(request, "limit")
     limit = _int_query(request, "limit", DEFAULT_LIST, MAX_LIST, "invalid_limit")
     loop = asyncio.get_running_loop()
     found = await loop.run_in_executor(None, work.leases.live, limit)
@@ -272,6 +274,7 @@ async def list_leases(request: web.Request) -> web.Response:
 @routes.get("/held")
 async def list_held(request: web.Request) -> web.Response:
     work = _work(request)
+    known_query(request, "limit")
     limit = _int_query(request, "limit", DEFAULT_LIST, MAX_LIST, "invalid_limit")
     loop = asyncio.get_running_loop()
     found = await loop.run_in_executor(None, work.leases.held, limit)
@@ -344,6 +347,7 @@ def _results(request: web.Request, found: list[dict[str, Any]]) -> list[dict[str
 
 async def _poll(request: web.Request, job: str | None) -> web.Response:
     work = _work(request)
+    known_query(request, "max", "wait_s")
     max_n = _int_query(request, "max", DEFAULT_POLL, MAX_POLL, "invalid_max")
     wait_s = _wait_query(request)
     answer = await _ledger(
@@ -379,6 +383,13 @@ async def ack(request: web.Request) -> web.Response:
             raise ValidationError(
                 "invalid_ids", "a result id is a non-negative integer", f"ids[{i}]"
             )
+    # JSON carries integers of any size; the ledger's socket (msgpack) and its
+    # ids (SQLite rowids) stop at 2**63. No id past that was ever offered.
+    beyond = [value for value in ids if value > MAX_RESULT_ID]
+    if beyond:
+        raise ApiError(
+            409, "never_offered", f"job {job!r}: ids never offered: {beyond[0]}", "ids"
+        )
     answer = await _ledger(work, "ack", job=job, ids=ids)
     return reply(request, {"acked": answer.get("acked", 0)})
 
