@@ -97,6 +97,12 @@ class Config:
     # A handler call running longer is stopped and its leases released; None:
     # max(60, 10 × lease_s) — ten leases tells a wedged GPU from a slow batch.
     handler_timeout_s: float | None = None
+    # The completion log: when results are made durable ("batch": one fsync
+    # per group commit; "always": one per record; "never": leave it to the
+    # OS, and lose the last seconds of results to a power cut) and the size
+    # at which a segment file rolls over (compaction removes whole segments).
+    log_fsync: str = "batch"
+    log_segment_bytes: int = 64 << 20
     defaults: RouteConfig = RouteConfig()
     routes: dict[str, RouteConfig] = field(default_factory=dict)
     jobs: dict[str, JobConfig] = field(default_factory=dict)
@@ -180,6 +186,13 @@ OPTIONS: dict[str, str] = {
     "lease_capacity": _INT,
     "batch_size": _INT,
     "handler_timeout_s": _DURATION,
+    "log_fsync": _STR,
+    "log_segment_bytes": _INT,
+}
+
+# name -> the values a string option may take
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "log_fsync": ("always", "batch", "never"),
 }
 
 # name -> (low, high) for numeric options
@@ -198,6 +211,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "lease_capacity": (16, 1 << 22),
     "batch_size": (1, 10_000),
     "handler_timeout_s": (1, 86_400),
+    "log_segment_bytes": (4096, 1 << 34),
 }
 
 
@@ -237,6 +251,9 @@ def _convert(name: str, value: Any, source: str) -> Any:  # noqa: C901 - one bra
             _STR: "a string",
         }[kind]
         raise ConfigError(f"{name} = {value!r} is not valid: expected {expected}", source) from None
+    choices = _CHOICES.get(name)
+    if choices and value not in choices:
+        raise ConfigError(f"{name} = {value!r} is not one of {', '.join(choices)}", source)
     low_high = _RANGES.get(name)
     if low_high and not low_high[0] <= value <= low_high[1]:
         raise ConfigError(

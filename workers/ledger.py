@@ -47,6 +47,9 @@ SWEEP_INTERVAL_S = 0.1
 RETENTION_INTERVAL_S = 1.0
 RETENTION_MAX_PER_SWEEP = 50_000
 RETENTION_REASON = "retention"
+# How often the ledger looks for segments it can remove (a cheap check over
+# the segments' counts; the removal itself only when there is one).
+COMPACT_INTERVAL_S = 1.0
 # /accounting's received: the keeper's state document is read at most this
 # often (it is rewritten every state_interval_s, 5 s; decoding it costs a few
 # milliseconds of the ledger's loop).
@@ -112,6 +115,7 @@ class _Stats:
     acked: int = 0
     expired: int = 0
     discarded: int = 0  # by retention, since this process started
+    segments_removed: int = 0  # by compaction, since this process started
     sweeps: int = 0
     writeback_skipped: int = 0  # the row moved on or is gone: the newer write wins
     writeback_failed: int = 0
@@ -145,6 +149,7 @@ class Ledger:
         self._checkpointed: dict[str, int] = {}
         self._checkpoint_due = 0.0
         self._retention_due = 0.0
+        self._compact_due = 0.0
         self._retention = {
             job: jc.retention_s for job, jc in config.jobs.items() if jc.retention_s is not None
         }
@@ -526,6 +531,7 @@ class Ledger:
             "sweeps": s.sweeps,
             "expired": s.expired,
             "discarded": s.discarded,
+            "segments_removed": s.segments_removed,
             "retention_s": dict(self._retention),
             "writeback_skipped": s.writeback_skipped,
             "writeback_failed": s.writeback_failed,
@@ -557,6 +563,8 @@ class Ledger:
                 self._write_back(key, due_at, version)
         if self._retention and now >= self._retention_due:
             self.retain(now)
+        if now >= self._compact_due:
+            self.compact(now)
         if now >= self._checkpoint_due:
             self.checkpoint(now)
 
@@ -578,6 +586,25 @@ class Ledger:
             self.stats.discarded += total
             log.log("retention_discarded", total=total, jobs=dropped)
         return dropped
+
+    def compact(self, now: float) -> int:
+        """Remove the segments whose every result is retired (acknowledged
+        or discarded): the log's disk use follows what awaits delivery. One
+        log line when any went; a log that cannot write now tries again at
+        the next interval."""
+        from node.completion import LogUnavailable
+
+        self._compact_due = now + COMPACT_INTERVAL_S
+        if not self.log.removable_segments():
+            return 0
+        try:
+            removed = self.log.compact()
+        except LogUnavailable as exc:
+            log.warn("compact_failed", error=str(exc))
+            return 0
+        self.stats.segments_removed += removed
+        log.log("segments_removed", count=removed)
+        return removed
 
     def checkpoint(self, now: float) -> None:
         from node.accounting import CHECKPOINT_INTERVAL_S
@@ -646,8 +673,15 @@ class Ledger:
             reply = await self._reply(request)
             reply["id"] = request.get("id")
             async with lock:
-                writer.write(pack(reply))
-                await writer.drain()
+                try:
+                    writer.write(pack(reply))
+                    await writer.drain()
+                except ConnectionError:
+                    # The caller died (an HTTP worker killed) or hung up: its
+                    # reply is lost, as with any dropped connection, and what
+                    # the request did stands. Not an error of this task: left
+                    # raised, asyncio logs it as an unretrieved traceback.
+                    pass
 
         self._connections.add(writer)
         try:
@@ -798,7 +832,9 @@ def open_ledger(config: Config) -> Ledger:
         file_ops = ControlledFileOps(Path(faults))
         log.warn("test_hook_log_faults", control=faults)
     completion = open_completion_store(
-        f"segments:///{log_dir}", CompletionConfig(fsync="batch"), file_ops=file_ops
+        f"segments:///{log_dir}",
+        CompletionConfig(fsync=config.log_fsync, segment_bytes=config.log_segment_bytes),
+        file_ops=file_ops,
     )
     return Ledger(config, leases, store, completion)
 
