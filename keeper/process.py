@@ -196,6 +196,8 @@ class Keeper:
         self.stats.load["started_at"] = now
         self._t_start = time.perf_counter()
         self._read_paused()
+        if self.leases is not None:
+            self.leases.forget_changes()  # the first publish learns every key out
         saved = self.store.get_meta(RECEIVED_META)
         if isinstance(saved, dict):
             self._received_saved = saved
@@ -441,12 +443,16 @@ class Keeper:
         """Keep the leased, held and parked keys out of the publish: a key
         that became one since the last publish is detached from its class's
         order (it stays in every count), one that no longer is comes back.
-        The cost follows the keys that changed, not the keys out."""
-        excluded = self.leases.excluded_keys(now)
-        before = self.exclude
-        self.buckets.detach_many(excluded - before)
-        self.buckets.attach_many(before - excluded)
-        self.exclude = excluded
+        The lease table reports only what changed (``excluded_changes``), so
+        the cost follows the keys that changed, not the keys out."""
+        added, removed = self.leases.excluded_changes(now)
+        if removed:
+            back = set(removed).difference(added)  # a key that moved slots stays out
+            self.buckets.attach_many(back)
+            self.exclude.difference_update(back)
+        if added:
+            self.buckets.detach_many(added)
+            self.exclude.update(added)
 
     def _phase(self) -> str:
         if self._loading:

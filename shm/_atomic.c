@@ -463,7 +463,17 @@ view_scan_f64(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
  * calls: item i is the str last decoded from slot i while it was excluded, or
  * None. A slot whose bytes equal its cached str's UTF-8 gives that str again
  * (no decoding, its hash already computed); any other slot's item is replaced
- * (or set to None), so the cache holds no more than the last answer. */
+ * (or set to None), so the cache holds no more than the last answer.
+ *
+ * Changes mode: with a 17th argument `seen` (a writable buffer of `count`
+ * u64, the word each slot had when last settled; all ones: never) and a
+ * cache, the answer is (added, removed, unsettled): the strs of keys that
+ * became excluded since the last call and of those that no longer are (the
+ * cache's old items). A slot whose word equals seen[i] has made no transition
+ * since (every transition bumps the word's seq), so only a held slot, whose
+ * exclusion ends with time, is looked at again: the cost follows the slots
+ * that changed, not the keys excluded. An unsettled slot gets seen[i] = all
+ * ones and its cache item untouched, for the caller to settle and update. */
 static int
 same_key(PyObject *str, const char *key, Py_ssize_t key_len)
 {
@@ -506,7 +516,11 @@ cache_put(PyObject *cache, Py_ssize_t i, PyObject *item)
 static PyObject *
 view_excluded_keys(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    NARGS(16, "excluded_keys");
+    if (nargs != 16 && nargs != 17) {
+        PyErr_Format(PyExc_TypeError, "excluded_keys() takes 16 or 17 arguments (%zd given)",
+                     nargs);
+        return NULL;
+    }
     Py_ssize_t count, slots_off, slot_size, key_at, inline_key, held0, held1;
     Py_ssize_t blocks_off, block_size, long_blocks, retries;
     uint64_t always_mask, held_mask;
@@ -529,8 +543,12 @@ view_excluded_keys(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
     /* Allocate first: from here on the scan allocates no object the garbage
        collector tracks, so no finalizer can run and change the cache or
        release the view between the checks below and the end of the scan. */
+    Py_buffer seen_view = {0};
+    uint64_t *seen = NULL;
+    PyObject *removed = NULL;
     char *key = PyMem_Malloc(max_key > 0 ? max_key : 1);
-    PyObject *keys = PySet_New(NULL);
+    int changes = nargs == 17 && args[16] != Py_None;
+    PyObject *keys = changes ? PyList_New(0) : PySet_New(NULL);
     PyObject *unsettled = PyList_New(0);
     if (key == NULL || keys == NULL || unsettled == NULL) {
         if (key == NULL)
@@ -541,6 +559,24 @@ view_excluded_keys(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (cache != NULL && (!PyList_CheckExact(cache) || PyList_GET_SIZE(cache) != count)) {
         PyErr_SetString(PyExc_ValueError, "excluded_keys: cache is not None or a list of count");
         goto fail;
+    }
+    if (changes) {
+        if (cache == NULL) {
+            PyErr_SetString(PyExc_ValueError, "excluded_keys: changes need a cache");
+            goto fail;
+        }
+        if (PyObject_GetBuffer(args[16], &seen_view, PyBUF_WRITABLE) < 0)
+            goto fail;
+        if (seen_view.len != count * 8 || ((uintptr_t)seen_view.buf) % 8) {
+            PyBuffer_Release(&seen_view);
+            seen_view.obj = NULL;
+            PyErr_SetString(PyExc_ValueError, "excluded_keys: seen is not count aligned u64");
+            goto fail;
+        }
+        seen = (uint64_t *)seen_view.buf;
+        removed = PyList_New(0);
+        if (removed == NULL)
+            goto fail;
     }
     uint64_t *states = words(self, args[0], count);
     if (states == NULL)
@@ -563,10 +599,17 @@ view_excluded_keys(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
     int pending = 0;      /* candidates it asked for that the scan has not reached */
     for (Py_ssize_t i = 0; i < count; i++) {
         uint64_t w = __atomic_load_n(&states[i], __ATOMIC_ACQUIRE);
+        if (seen != NULL && w == seen[i] && !((held_mask >> (w & 0xF)) & 1))
+            continue; /* no transition since it was settled: nothing changed */
         if (!((wanted >> (w & 0xF)) & 1)) {
-            if (cache != NULL && PyList_GET_ITEM(cache, i) != Py_None &&
-                cache_put(cache, i, Py_None) < 0)
-                goto fail;
+            if (cache != NULL && PyList_GET_ITEM(cache, i) != Py_None) {
+                if (removed != NULL && PyList_Append(removed, PyList_GET_ITEM(cache, i)) < 0)
+                    goto fail;
+                if (cache_put(cache, i, Py_None) < 0)
+                    goto fail;
+            }
+            if (seen != NULL)
+                seen[i] = w;
             continue;
         }
         /* Candidates lie far apart in memory: ask for the lines of the next
@@ -640,6 +683,7 @@ view_excluded_keys(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (!valid)
                 break; /* a steady word over a key that does not read: the caller's */
             PyObject *str = NULL;
+            int fresh = 0;
             if (cache != NULL) {
                 PyObject *old = PyList_GET_ITEM(cache, i);
                 if (old != Py_None && same_key(old, key, key_len)) {
@@ -651,20 +695,45 @@ view_excluded_keys(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
                 str = PyUnicode_DecodeUTF8(key, key_len, NULL);
                 if (str == NULL)
                     goto fail;
+                fresh = 1;
+                PyObject *old = cache != NULL ? PyList_GET_ITEM(cache, i) : Py_None;
+                if (removed != NULL && old != Py_None && PyList_Append(removed, old) < 0) {
+                    Py_DECREF(str);
+                    goto fail;
+                }
                 if (cache != NULL && cache_put(cache, i, str) < 0) {
                     Py_DECREF(str);
                     goto fail;
                 }
             }
-            int rc = PySet_Add(keys, str);
+            int rc = 0;
+            if (!changes)
+                rc = PySet_Add(keys, str);
+            else if (fresh)
+                rc = PyList_Append(keys, str);
+            if (seen != NULL)
+                seen[i] = w;
             Py_DECREF(str);
             if (rc < 0)
                 goto fail;
             settled = added = 1;
         }
-        if (!added && cache != NULL && PyList_GET_ITEM(cache, i) != Py_None &&
-            cache_put(cache, i, Py_None) < 0)
+        if (!added && settled) {
+            /* read consistently and not excluded (any more) */
+            if (cache != NULL && PyList_GET_ITEM(cache, i) != Py_None) {
+                if (removed != NULL && PyList_Append(removed, PyList_GET_ITEM(cache, i)) < 0)
+                    goto fail;
+                if (cache_put(cache, i, Py_None) < 0)
+                    goto fail;
+            }
+            if (seen != NULL)
+                seen[i] = w;
+        } else if (!added && !changes && cache != NULL && PyList_GET_ITEM(cache, i) != Py_None &&
+                   cache_put(cache, i, Py_None) < 0) {
             goto fail;
+        }
+        if (!settled && seen != NULL)
+            seen[i] = ~(uint64_t)0; /* the caller settles it; look again next time */
         if (!settled) {
             PyObject *v = PyLong_FromSsize_t(i);
             if (v == NULL || PyList_Append(unsettled, v) < 0) {
@@ -675,13 +744,20 @@ view_excluded_keys(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     PyMem_Free(key);
-    PyObject *out = PyTuple_Pack(2, keys, unsettled);
+    PyObject *out = changes ? PyTuple_Pack(3, keys, removed, unsettled)
+                            : PyTuple_Pack(2, keys, unsettled);
+    if (seen_view.obj != NULL)
+        PyBuffer_Release(&seen_view);
     Py_DECREF(keys);
+    Py_XDECREF(removed);
     Py_DECREF(unsettled);
     return out;
 fail:
     PyMem_Free(key);
+    if (seen_view.obj != NULL)
+        PyBuffer_Release(&seen_view);
     Py_XDECREF(keys);
+    Py_XDECREF(removed);
     Py_XDECREF(unsettled);
     return NULL;
 }
@@ -723,7 +799,8 @@ static PyMethodDef view_methods[] = {
     {"excluded_keys", (PyCFunction)(void (*)(void))view_excluded_keys, METH_FASTCALL,
      "excluded_keys(states_off, count, slots_off, slot_size, key_at, inline_key, held_off0,"
      " held_off1, blocks_off, block_size, long_blocks, now, always_mask, held_mask, retries,"
-     " cache) -> (set of keys, [index of a slot to settle])"},
+     " cache[, seen]) -> (set of keys, [index of a slot to settle]), or with seen"
+     " (added, removed, [index of a slot to settle])"},
     {"release", (PyCFunction)view_release, METH_NOARGS,
      "release(): drop the buffer export (before closing the mmap)"},
     {NULL, NULL, 0, NULL},

@@ -506,6 +506,7 @@ class LeaseTable:
         # (the keeper's), made at its first call; the C scan owns it and
         # compares each str with the slot's bytes before it gives it again.
         self._key_cache: list[str | None] | None = None
+        self._seen: bytearray | None = None  # excluded_changes: each slot's last word
 
     # -- lifecycle (the supervisor creates, loads, saves and unlinks) -------------
 
@@ -561,6 +562,7 @@ class LeaseTable:
 
     def close(self) -> None:
         self._key_cache = None
+        self._seen = None
         self._view.release()
         self.segment.close()
 
@@ -1188,6 +1190,60 @@ class LeaseTable:
             if got is not None and _excluded(got[0], got[2], now):
                 keys.add(got[1].decode())
         return keys
+
+    def excluded_changes(self, now: float) -> tuple[list[str], list[str]]:
+        """The keys that became excluded since the last call, and those that
+        no longer are: ``(added, removed)``; the first call gives every
+        excluded key as added. For the keeper, which keeps the excluded keys
+        out of its orders and so needs only what changed: one pass in C that
+        passes over each slot whose word made no transition since it was
+        last read (a word's seq moves with every transition), so the cost
+        follows the slots that changed, not the keys excluded. A key that
+        moved to another slot can be in both lists: it is still excluded.
+
+        Shares its per-slot cache with ``excluded_keys``: call one or the
+        other on a table, not both."""
+        if self._key_cache is None:
+            self._key_cache = [None] * self.capacity
+        if self._seen is None:
+            self._seen = bytearray(b"\xff" * (8 * self.capacity))
+        added, removed, unsettled = self._view.excluded_keys(
+            STATES,
+            self.capacity,
+            self._lay.slots,
+            SLOT_SIZE,
+            KEY_AT,
+            INLINE_KEY,
+            COPY_AT[0] + HELD_UNTIL,
+            COPY_AT[1] + HELD_UNTIL,
+            self._lay.blocks,
+            BLOCK_SIZE,
+            self._lay.long_blocks,
+            now,
+            _mask(UPDATING, LEASED, PARKED),
+            _mask(HELD),
+            SCAN_RETRIES,
+            self._key_cache,
+            self._seen,
+        )
+        cache = self._key_cache
+        for idx in unsettled:  # kept changing under the scan: settled here
+            got = self._stable(idx)
+            new = got[1].decode() if got is not None and _excluded(got[0], got[2], now) else None
+            old = cache[idx]
+            if old != new:
+                if old is not None:
+                    removed.append(old)
+                if new is not None:
+                    added.append(new)
+                cache[idx] = new
+        return added, removed
+
+    def forget_changes(self) -> None:
+        """Make the next ``excluded_changes`` report every excluded key as
+        added (a new follower, such as a keeper starting over)."""
+        self._key_cache = None
+        self._seen = None
 
     def _excluded_keys_py(self, now: float) -> set[str]:
         """``excluded_keys`` in Python, slot by slot (the tests compare the two)."""

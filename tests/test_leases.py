@@ -472,7 +472,9 @@ def test_excluded_keys_in_c_agree_with_the_python_scan(node, seed):
     rnd = random.Random(seed)
     dead = _dead_pid()
     seen: dict[str, int] = defaultdict(int)
-    with LeaseTable.create(node, capacity=256, long_blocks=24, max_misses=3) as t:
+    followed: set[str] = set()  # kept by excluded_changes alone, as the keeper does
+    with LeaseTable.create(node, capacity=256, long_blocks=24, max_misses=3) as t, \
+            LeaseTable.attach(node) as follower:
         keys = list({_random_key(rnd) for _ in range(420)})  # more keys than slots
         for step in range(10):
             for _ in range(250):
@@ -498,12 +500,35 @@ def test_excluded_keys_in_c_agree_with_the_python_scan(node, seed):
                     want = t._excluded_keys_py(now)
                     assert t.excluded_keys(now) == want, (step, now)
                     assert reader.excluded_keys(now) == want, (step, now)
+                    _follow(follower, followed, now)
+                    assert followed == want, (step, now)
             finally:
                 reader.close()
         long_keys = {k for k in t.excluded_keys(T0 - 1000) if len(k.encode()) > 208}
     for state in ("idle", "leased", "held", "parked", "updating"):
         assert seen[state], f"no {state} slot in the random tables: {dict(seen)}"
     assert long_keys, "no long key was excluded"
+
+
+def _follow(table: LeaseTable, followed: set[str], now: float) -> None:
+    """Apply ``excluded_changes`` to ``followed`` the way the keeper does."""
+    added, removed = table.excluded_changes(now)
+    followed.difference_update(set(removed).difference(added))
+    followed.update(added)
+
+
+def test_excluded_changes_report_only_what_changed(node):
+    with LeaseTable.create(node, capacity=64, max_misses=3) as t:
+        leases = {k: _grant(t, k, T0, lease_s=60) for k in ("a", "b", "c")}
+        assert sorted(t.excluded_changes(T0)[0]) == ["a", "b", "c"]
+        assert t.excluded_changes(T0) == ([], [])  # nothing moved: nothing said
+        t.complete("a", leases["a"].lease_id, T0)
+        t.release("b", leases["b"].lease_id, T0, error="x")  # held for a while
+        assert t.excluded_changes(T0) == ([], ["a"])
+        assert t.excluded_changes(LATER) == ([], ["b"])  # the hold ran out
+        assert t.excluded_changes(T0) == (["b"], [])  # (and back, at an earlier now)
+        _grant(t, "d", T0, lease_s=60)
+        assert t.excluded_changes(T0) == (["d"], [])
 
 
 def test_excluded_keys_gives_its_strings_again_only_for_the_same_bytes(node):
@@ -686,15 +711,21 @@ def test_excluded_keys_read_whole_keys_while_slots_change_under_them(node):
             child.start()
         universe = pinned | set(churn)
         calls = 0
+        follower, followed = LeaseTable.attach(node), set()
         while any(child.is_alive() for child in children):
             got = t.excluded_keys(T0)
             assert pinned <= got <= universe, got - universe or pinned - got
+            _follow(follower, followed, T0)
+            assert pinned <= followed <= universe, followed - universe or pinned - followed
             calls += 1
         for child in children:
             child.join(DEADLINE_S)
             assert child.exitcode == 0
         assert calls > 20
         assert t.excluded_keys(T0) == t._excluded_keys_py(T0)
+        _follow(follower, followed, T0)
+        follower.close()
+        assert followed == t._excluded_keys_py(T0)
 
 
 def _rewriter(node: str, idx: int, seconds: float, keys: list[bytes]) -> None:
