@@ -1167,24 +1167,7 @@ class LeaseTable:
         every publish, and most excluded keys stay excluded between two."""
         if self._key_cache is None:
             self._key_cache = [None] * self.capacity
-        keys, unsettled = self._view.excluded_keys(
-            STATES,
-            self.capacity,
-            self._lay.slots,
-            SLOT_SIZE,
-            KEY_AT,
-            INLINE_KEY,
-            COPY_AT[0] + HELD_UNTIL,
-            COPY_AT[1] + HELD_UNTIL,
-            self._lay.blocks,
-            BLOCK_SIZE,
-            self._lay.long_blocks,
-            now,
-            _mask(UPDATING, LEASED, PARKED),
-            _mask(HELD),
-            SCAN_RETRIES,
-            self._key_cache,
-        )
+        keys, unsettled = self._view.excluded_keys(*self._scan_layout(now), self._key_cache)
         for idx in unsettled:
             got = self._stable(idx)
             if got is not None and _excluded(got[0], got[2], now):
@@ -1208,6 +1191,25 @@ class LeaseTable:
         if self._seen is None:
             self._seen = bytearray(b"\xff" * (8 * self.capacity))
         added, removed, unsettled = self._view.excluded_keys(
+            *self._scan_layout(now), self._key_cache, self._seen
+        )
+        cache = self._key_cache
+        for idx in unsettled:  # kept changing under the scan: settled here
+            got = self._stable(idx)
+            new = got[1].decode() if got is not None and _excluded(got[0], got[2], now) else None
+            old = cache[idx]
+            if old != new:
+                if old is not None:
+                    removed.append(old)
+                if new is not None:
+                    added.append(new)
+                cache[idx] = new
+        return added, removed
+
+    def _scan_layout(self, now: float) -> tuple:
+        """The C scan's arguments before its cache: where slots, keys, holds
+        and overflow blocks lie, ``now``, which codes are excluded."""
+        return (
             STATES,
             self.capacity,
             self._lay.slots,
@@ -1223,21 +1225,7 @@ class LeaseTable:
             _mask(UPDATING, LEASED, PARKED),
             _mask(HELD),
             SCAN_RETRIES,
-            self._key_cache,
-            self._seen,
         )
-        cache = self._key_cache
-        for idx in unsettled:  # kept changing under the scan: settled here
-            got = self._stable(idx)
-            new = got[1].decode() if got is not None and _excluded(got[0], got[2], now) else None
-            old = cache[idx]
-            if old != new:
-                if old is not None:
-                    removed.append(old)
-                if new is not None:
-                    added.append(new)
-                cache[idx] = new
-        return added, removed
 
     def forget_changes(self) -> None:
         """Make the next ``excluded_changes`` report every excluded key as

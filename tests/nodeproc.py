@@ -14,7 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -175,3 +175,13 @@ class NodeProcess:
             except psutil.NoSuchProcess:
                 pass
         self.close_log()
+
+
+def finish(nodes: Iterable[NodeProcess], name: str) -> None:
+    """A test's teardown: kill the nodes still running, close their logs,
+    remove the segments a killed node left behind."""
+    for node in nodes:
+        if node.proc is not None and node.proc.poll() is None:
+            node.kill()
+        node.close_log()
+    cleanup_segments(name)

@@ -23,7 +23,7 @@ import pytest
 from tests.campaign import checker
 from tests.campaign.nemesis import KINDS, mount_tmpfs, schedule, umount
 from tests.campaign.run import Settings, report, run
-from tests.nodeproc import NodeProcess, cleanup_segments, wait_for
+from tests.nodeproc import NodeProcess, finish, wait_for
 
 NOW = 1_800_000_000.0
 CADENCE = 30 * 86400
@@ -295,7 +295,4 @@ def test_a_caller_that_dies_before_its_reply_leaves_no_traceback_in_the_ledger(t
         log = node.log_path.read_text(errors="replace")
         assert "Traceback" not in log and "never retrieved" not in log, log[-3000:]
     finally:
-        if node.proc is not None and node.proc.poll() is None:
-            node.kill()
-        node.close_log()
-        cleanup_segments(node_name)
+        finish([node], node_name)

@@ -22,7 +22,7 @@ import pytest
 from node.client import LocalClaimer
 from node.rows import RowWrite
 from node.store import open_store
-from tests.nodeproc import NodeProcess, cleanup_segments, wait_for
+from tests.nodeproc import NodeProcess, finish, wait_for
 
 SPAWN = multiprocessing.get_context("spawn")
 PROCS = 8
@@ -36,10 +36,7 @@ def node(tmp_path, node_name):
         env={"QUEUE_NODE_LEASE_CAPACITY": str(1 << 18)},  # room for 200,000 live leases
     )
     yield proc
-    if proc.proc is not None and proc.proc.poll() is None:
-        proc.kill()
-    proc.close_log()
-    cleanup_segments(node_name)
+    finish([proc], node_name)
 
 
 def _seed(data_dir: Path, rows: int) -> None:

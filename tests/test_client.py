@@ -12,7 +12,7 @@ import time
 import pytest
 
 from node.client import Client, ClientError, LocalClaimer
-from tests.nodeproc import NodeProcess, cleanup_segments, wait_for
+from tests.nodeproc import NodeProcess, finish, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -20,10 +20,7 @@ pytestmark = pytest.mark.timeout(60)
 def node(tmp_path, node_name):
     proc = NodeProcess(tmp_path / "data", node_name)
     yield proc
-    if proc.proc is not None and proc.proc.poll() is None:
-        proc.kill()
-    proc.close_log()
-    cleanup_segments(node_name)
+    finish([proc], node_name)
 
 
 def _rows(keys: list[str], job: str = "j", due_at: float | None = None) -> list[dict]:

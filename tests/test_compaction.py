@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from node.client import Client
-from tests.nodeproc import NodeProcess, cleanup_segments, wait_for
+from tests.nodeproc import NodeProcess, finish, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,10 +28,7 @@ def node(tmp_path, node_name):
         env={"QUEUE_NODE_LOG_SEGMENT_BYTES": str(16 << 10)},
     )
     yield proc
-    if proc.proc is not None and proc.proc.poll() is None:
-        proc.kill()
-    proc.close_log()
-    cleanup_segments(node_name)
+    finish([proc], node_name)
 
 
 def _segments(node: NodeProcess) -> list[Path]:

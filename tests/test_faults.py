@@ -42,7 +42,7 @@ import psutil
 import pytest
 
 from node.client import Client, ClientError
-from tests.nodeproc import NodeProcess, cleanup_segments, wait_for
+from tests.nodeproc import NodeProcess, finish, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,11 +67,7 @@ def nodes(tmp_path, node_name):
         return node
 
     yield start
-    for node in started:
-        if node.proc is not None and node.proc.poll() is None:
-            node.kill()
-        node.close_log()
-    cleanup_segments(node_name)
+    finish(started, node_name)
 
 
 # -- helpers ---------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from node.client import Client, ClientError
-from tests.nodeproc import NodeProcess, cleanup_segments, wait_for
+from tests.nodeproc import NodeProcess, finish, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,11 +44,7 @@ def nodes(tmp_path, node_name):
         return node.start()
 
     yield start
-    for node in started:
-        if node.proc is not None and node.proc.poll() is None:
-            node.kill()
-        node.close_log()
-    cleanup_segments(node_name)
+    finish(started, node_name)
 
 
 def _seed_and_claim(client: Client, n: int) -> list:

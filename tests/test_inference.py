@@ -29,7 +29,7 @@ from node.handlers import (
     load,
 )
 from tests.handlers import read_records
-from tests.nodeproc import NodeProcess, cleanup_segments, wait_for
+from tests.nodeproc import NodeProcess, finish, wait_for
 from workers import inference
 from workers.claim import WorkError
 from workers.inference import (
@@ -348,11 +348,7 @@ def start_node(tmp_path: Path, node_name: str):
         return node
 
     yield start
-    for node in started:
-        if node.proc is not None and node.proc.poll() is None:
-            node.kill()
-        node.close_log()
-    cleanup_segments(node_name)
+    finish(started, node_name)
 
 
 def keys_of(n: int) -> list[str]:

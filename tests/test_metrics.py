@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from node import metrics
-from tests.nodeproc import ROOT, NodeProcess, cleanup_segments, wait_for
+from tests.nodeproc import ROOT, NodeProcess, finish, wait_for
 from workers.metrics_http import OTHER_ROUTE, oldest_ratios
 
 pytestmark = pytest.mark.timeout(120)
@@ -83,10 +83,7 @@ def scrape(node: NodeProcess) -> Scrape:
 def node(tmp_path, node_name):
     proc = NodeProcess(tmp_path / "data", node_name, env=FAST_STATE)
     yield proc
-    if proc.proc is not None and proc.proc.poll() is None:
-        proc.kill()
-    proc.close_log()
-    cleanup_segments(node_name)
+    finish([proc], node_name)
 
 
 def _claim(node: NodeProcess, n: int) -> list[dict[str, Any]]:

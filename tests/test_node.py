@@ -14,7 +14,7 @@ import msgpack
 import psutil
 import pytest
 
-from tests.nodeproc import ROOT, NodeProcess, cleanup_segments, wait_for
+from tests.nodeproc import ROOT, NodeProcess, finish, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -23,10 +23,7 @@ pytestmark = pytest.mark.timeout(180)
 def node(tmp_path, node_name):
     proc = NodeProcess(tmp_path / "data", node_name)
     yield proc
-    if proc.proc is not None and proc.proc.poll() is None:
-        proc.kill()
-    proc.close_log()
-    cleanup_segments(node_name)
+    finish([proc], node_name)
 
 
 def _state(name: str) -> dict:

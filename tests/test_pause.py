@@ -14,7 +14,7 @@ from node.client import Client
 from node.config import Config
 from node.store import open_store
 from shm.state import read_state
-from tests.nodeproc import NodeProcess, cleanup_segments, wait_for
+from tests.nodeproc import NodeProcess, finish, wait_for
 from workers.http import WorkerContext, make_app
 from workers.state_http import routes as state_routes
 
@@ -113,10 +113,7 @@ def node(tmp_path, node_name):
         env={"QUEUE_NODE_STATE_INTERVAL_S": "0.3"},
     )  # fmt: skip
     yield proc
-    if proc.proc is not None and proc.proc.poll() is None:
-        proc.kill()
-    proc.close_log()
-    cleanup_segments(node_name)
+    finish([proc], node_name)
 
 
 def _claim_all(node: NodeProcess, max_n: int = 100) -> list[str]:

@@ -29,7 +29,7 @@ from node.rows import parse_row
 from node.store import open_store
 from shm.leases import CODE_NAMES, EMPTY, LEASED, UPDATING, LeaseTable, _mask
 from shm.state import queue_state, read_state
-from tests.nodeproc import NodeProcess, cleanup_segments, wait_for
+from tests.nodeproc import NodeProcess, finish, wait_for
 from workers.http import WorkerContext, make_app
 from workers.state_http import routes as state_routes
 
@@ -228,10 +228,7 @@ def node(tmp_path, node_name):
         env={"QUEUE_NODE_STATE_INTERVAL_S": "0.3"},
     )  # fmt: skip
     yield proc
-    if proc.proc is not None and proc.proc.poll() is None:
-        proc.kill()
-    proc.close_log()
-    cleanup_segments(node_name)
+    finish([proc], node_name)
 
 
 def _rows(rng: random.Random, prefix: str, n: int, now: float) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ import pytest
 from node.client import Client, ClientError
 from node.config import Config, load_config
 from node.errors import ConfigError
-from tests.nodeproc import ROOT, NodeProcess, cleanup_segments, wait_for
+from tests.nodeproc import ROOT, NodeProcess, finish, wait_for
 
 RETENTION_S = 2
 CADENCE_30D = 30 * 86400
@@ -37,11 +37,7 @@ def node_dir(tmp_path, node_name):
         return node.start()
 
     yield start
-    for node in started:
-        if node.proc is not None and node.proc.poll() is None:
-            node.kill()
-        node.close_log()
-    cleanup_segments(node_name)
+    finish(started, node_name)
 
 
 def _config(tmp_path: Path) -> Path:

@@ -38,7 +38,7 @@ import pytest
 
 from node.config import load_config
 from node.errors import ConfigError
-from tests.nodeproc import ROOT, NodeProcess, cleanup_segments, wait_for
+from tests.nodeproc import ROOT, NodeProcess, cleanup_segments, finish, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -142,10 +142,7 @@ def nodes(tmp_path: Path) -> Iterator[list[NodeProcess]]:
     made: list[NodeProcess] = []
     yield made
     for node in made:
-        if node.proc is not None and node.proc.poll() is None:
-            node.kill()
-        node.close_log()
-        cleanup_segments(node.name)
+        finish([node], node.name)
 
 
 def new_node(nodes: list[NodeProcess], data_dir: Path, *args: str, **kw: Any) -> NodeProcess:
@@ -163,10 +160,7 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     try:
         yield started(node)
     finally:
-        if node.proc is not None and node.proc.poll() is None:
-            node.kill()
-        node.close_log()
-        cleanup_segments(node.name)
+        finish([node], node.name)
 
 
 def make_cert(where: Path, name: str = "server") -> tuple[Path, Path]:

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.nodeproc import ROOT, NodeProcess, cleanup_segments, wait_for
+from tests.nodeproc import ROOT, NodeProcess, finish, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -22,10 +22,7 @@ pytestmark = pytest.mark.timeout(180)
 def node(tmp_path, node_name):
     proc = NodeProcess(tmp_path / "data", node_name, env={"QUEUE_NODE_STATE_INTERVAL_S": "0.3"})
     yield proc
-    if proc.proc is not None and proc.proc.poll() is None:
-        proc.kill()
-    proc.close_log()
-    cleanup_segments(node_name)
+    finish([proc], node_name)
 
 
 def _state(*args: str) -> subprocess.CompletedProcess:
