@@ -251,13 +251,18 @@ async def renew(request: web.Request) -> web.Response:
     return reply(request, {"expires_at": now + lease_s})
 
 
-@routes.get("/leases")
-async def list_leases(request: web.Request) -> web.Response:
+async def _listed(request: web.Request, scan: str) -> list[Any]:
+    """What the lease table's ``scan`` (``live`` or ``held``) finds, up to
+    the request's ``limit``, read off the event loop."""
     work = _work(request)
     known_query(request, "limit")
     limit = _int_query(request, "limit", DEFAULT_LIST, MAX_LIST, "invalid_limit")
     loop = asyncio.get_running_loop()
-    found = await loop.run_in_executor(None, work.leases.live, limit)
+    return await loop.run_in_executor(None, getattr(work.leases, scan), limit)
+
+
+@routes.get("/leases")
+async def list_leases(request: web.Request) -> web.Response:
     leases = [
         {
             "key": lease.key,
@@ -266,18 +271,13 @@ async def list_leases(request: web.Request) -> web.Response:
             "granted_at": lease.granted_at,
             "expires_at": lease.expires_at,
         }
-        for lease in found
+        for lease in await _listed(request, "live")
     ]
     return reply(request, {"leases": leases})
 
 
 @routes.get("/held")
 async def list_held(request: web.Request) -> web.Response:
-    work = _work(request)
-    known_query(request, "limit")
-    limit = _int_query(request, "limit", DEFAULT_LIST, MAX_LIST, "invalid_limit")
-    loop = asyncio.get_running_loop()
-    found = await loop.run_in_executor(None, work.leases.held, limit)
     held = [
         {
             "key": hold.key,
@@ -286,7 +286,7 @@ async def list_held(request: web.Request) -> web.Response:
             "parked": hold.parked,
             "last_error": hold.last_error or None,
         }
-        for hold in found
+        for hold in await _listed(request, "held")
     ]
     return reply(request, {"held": held})
 
