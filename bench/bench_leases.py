@@ -9,7 +9,8 @@
 - cas: ns per compare-and-swap (and load, fetch-add) on a shared mapping, for
   each primitive this machine has: the shm._atomic extension, a ctypes call
   into libatomic, and the ``atomics`` package when it is installed;
-- grant: grants/s and grant latency p50/p99 for N processes at once, each
+- grant: grants/s and grant latency p50/p99 for N processes at once (the
+  grant in C and, ``--path python``, the Python grant it falls back to), each
   granting random keys and completing every lease at once, in two shapes:
   ``existing`` (keys that already have an idle slot) and ``new`` (every key
   new: the insert path);
@@ -114,8 +115,13 @@ def bench_cas(number: int) -> None:
 # -- grant ------------------------------------------------------------------------
 
 
-def _granter(node: str, shape: str, seed: int, seconds: float, keys: int, out, go) -> None:
+def _granter(
+    node: str, shape: str, seed: int, seconds: float, keys: int, out, go, path: str = "c"
+) -> None:
     table = LeaseTable.attach(node)
+    if path == "python":  # the Python grant only (the C grant's fallback)
+        table._granter.release()
+        table._granter = None
     rnd = random.Random(seed)
     lat: list[int] = []
     refused = 0
@@ -142,7 +148,7 @@ def _granter(node: str, shape: str, seed: int, seconds: float, keys: int, out, g
     out.put((lat, refused))
 
 
-def bench_grant(procs: int, seconds: float, shape: str, keys: int) -> None:
+def bench_grant(procs: int, seconds: float, shape: str, keys: int, path: str = "c") -> None:
     node = f"bench-{uuid.uuid4().hex[:8]}"
     table = LeaseTable.create(node, DEFAULT_CAPACITY)
     try:
@@ -153,7 +159,9 @@ def bench_grant(procs: int, seconds: float, shape: str, keys: int) -> None:
                 table.complete(KEY.format(i), lease.lease_id, now)
         out, go = SPAWN.Queue(), SPAWN.Event()
         children = [
-            SPAWN.Process(target=_granter, args=(node, shape, i + 1, seconds, keys, out, go))
+            SPAWN.Process(
+                target=_granter, args=(node, shape, i + 1, seconds, keys, out, go, path)
+            )
             for i in range(procs)
         ]
         for child in children:
@@ -170,6 +178,7 @@ def bench_grant(procs: int, seconds: float, shape: str, keys: int) -> None:
     _report(
         {
             "bench": "grant",
+            "path": path,
             "shape": shape,
             "procs": procs,
             "seconds": seconds,
@@ -279,6 +288,10 @@ def main() -> None:
     parser.add_argument(
         "--shape", choices=["existing", "new"], nargs="+", default=["existing", "new"]
     )
+    parser.add_argument(
+        "--path", choices=["c", "python"], nargs="+", default=["c", "python"],
+        help="the grant in C (shm/_claim.c) or the Python grant it falls back to",
+    )
     parser.add_argument("--live", type=int, nargs="+", default=[5_000, 50_000, 130_000])
     parser.add_argument("--number", type=int, default=1_000_000)
     args = parser.parse_args()
@@ -287,7 +300,8 @@ def main() -> None:
     if args.what in ("grant", "all"):
         for shape in args.shape:
             for procs in args.procs:
-                bench_grant(procs, args.seconds, shape, args.keys)
+                for path in args.path:
+                    bench_grant(procs, args.seconds, shape, args.keys, path)
     if args.what in ("scan", "all"):
         for live in args.live:
             bench_scan(live)

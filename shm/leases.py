@@ -134,6 +134,12 @@ except ImportError as _exc:  # reported when a table is opened, with what to do
     _ATOMIC_IMPORT_ERROR: ImportError | None = _exc
 else:
     _ATOMIC_IMPORT_ERROR = None
+try:
+    # The grant's common cases and the key hash in C (shm/_claim.c); without
+    # it every grant takes the Python path below, the same protocol.
+    from shm import _claim
+except ImportError:
+    _claim = None  # type: ignore[assignment]
 
 LAYOUT_VERSION = 2
 KIND = "leases"
@@ -371,18 +377,26 @@ _BLANK = _Record(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0, 0, b"", b"", 0)
 _new_record = tuple.__new__
 
 
-def _truncated(text: str | None, limit: int) -> bytes:
+def truncated(text: str | None, limit: int) -> bytes:
+    """``text``'s UTF-8 cut to at most ``limit`` bytes, never mid-character."""
     raw = (text or "").encode()
     if len(raw) <= limit:
         return raw
     return raw[:limit].decode("utf-8", "ignore").encode()  # never half a character
 
 
+_truncated = truncated
+
+
 _blake2b = hashlib.blake2b
 
 
-def _hash(key: bytes) -> int:
+def _hash_py(key: bytes) -> int:
     return int.from_bytes(_blake2b(key, digest_size=8).digest(), "little")
+
+
+# The same value (tests/test_leases.py compares them), a third of the cost.
+_hash = _hash_py if _claim is None else _claim.blake2b64
 
 
 def _key_bytes(key: str) -> bytes:
@@ -400,6 +414,18 @@ def hold_s(misses: int, lease_s: float, cadence_s: float) -> float:
 # -- who holds a slot ------------------------------------------------------------
 
 _TEST_STOP = os.environ.get("QUEUE_NODE_TEST_LEASE_STOP", "")  # "<point>:<stop|exit>"
+
+
+def _c_stop(spec: str) -> int:
+    """The test stop as shm/_claim.c takes it: point | how << 4; 0 for none
+    (a point the C grant does not pass through stops only the Python path)."""
+    where, _, how = spec.partition(":")
+    point = {"insert": 1, "keyed": 2, "update": 3, "written": 4}.get(where, 0)
+    return point and point | {"exit": 1, "pause": 2}.get(how, 0) << 4
+
+
+_C_STOP = _c_stop(_TEST_STOP)
+C_STOP = _C_STOP  # for the claim path in C (workers/claim.py)
 
 
 def _test_stop(point: str) -> None:
@@ -456,7 +482,7 @@ def _forget_me() -> None:
 os.register_at_fork(after_in_child=_forget_me)
 
 
-def _owner_bits() -> int:
+def owner_bits() -> int:
     """This process as a state word's pid and tag (recomputed after a fork)."""
     global _me
     if not _me:
@@ -465,6 +491,9 @@ def _owner_bits() -> int:
             raise NodeError(f"pid {pid} does not fit the lease table's 22 bits")
         _me = pid << 9 | ((_start_ticks(pid) or 0) & TAG_MASK) << 31
     return _me
+
+
+_owner_bits = owner_bits
 
 
 def _require_atomics() -> None:
@@ -490,6 +519,16 @@ def _bump(view: Any, offset: int) -> None:
     view.add64(offset, 1)
 
 
+# What shm._claim.Granter.grant answers instead of a lease.
+_C_REFUSED = {
+    1: Refused(Refuse.LEASED),
+    2: Refused(Refuse.HELD),
+    3: Refused(Refuse.PARKED),
+}
+_C_SLOW = -1
+_C_TAKEN_OVER = -2
+
+
 # -- the table ---------------------------------------------------------------------
 
 
@@ -507,6 +546,23 @@ class LeaseTable:
         # compares each str with the slot's bytes before it gives it again.
         self._key_cache: list[str | None] | None = None
         self._seen: bytearray | None = None  # excluded_changes: each slot's last word
+        self._on_close: list = []  # callables that release what holds this mapping
+        lay = self._lay
+        self._granter = (
+            None
+            if _claim is None
+            else _claim.Granter(
+                seg.mm,
+                capacity,
+                lay.hashes,
+                lay.maxdist,
+                lay.owners,
+                lay.slots,
+                lay.blocks,
+                long_blocks,
+                lay.size,
+            )
+        )
 
     # -- lifecycle (the supervisor creates, loads, saves and unlinks) -------------
 
@@ -548,6 +604,9 @@ class LeaseTable:
             name, segment_size_for(capacity, blocks), LAYOUT_VERSION, init=init
         )
         struct.pack_into("<I", seg.mm, TABLE_FIELDS_OFFSET + 8, max_misses)
+        # Slots are spread by hash: without this nearly every new key's first
+        # grant faults in a fresh page of shared memory.
+        segment.populate(seg.mm)
         return cls(seg)
 
     @classmethod
@@ -560,9 +619,18 @@ class LeaseTable:
         """Supervisor only, after ``save``."""
         return segment.unlink(segment_name(node, KIND))
 
+    def on_close(self, release) -> None:
+        """Call ``release`` first when this table is closed (a claim path
+        in C holds the mapping)."""
+        self._on_close.append(release)
+
     def close(self) -> None:
+        while self._on_close:
+            self._on_close.pop()()
         self._key_cache = None
         self._seen = None
+        if self._granter is not None:
+            self._granter.release()
         self._view.release()
         self.segment.close()
 
@@ -756,8 +824,35 @@ class LeaseTable:
         if not (lease_s > 0 and cadence_s > 0):
             raise ValueError(f"lease_s {lease_s} and cadence_s {cadence_s} must be positive")
         kb = _key_bytes(key)
-        h64 = _hash(kb)
         holder = _truncated(consumer, CONSUMER_BYTES)
+        if self._granter is not None:
+            got = self._granter.grant(
+                kb, holder, lease_s, now, cadence_s, version, _owner_bits(), _C_STOP
+            )
+            if got.__class__ is tuple:
+                lease_id, misses = got
+                expires_at = now + lease_s
+                return Lease(key, lease_id, consumer, now, expires_at, misses, version, cadence_s)
+            if got > 0:
+                return _C_REFUSED[got]
+            if got == _C_TAKEN_OVER:
+                raise SlotTakenOver(f"{self.segment.name}: a slot was taken while held")
+            # _C_SLOW: a case only the Python path knows (see shm/_claim.c)
+        return self._grant_py(kb, holder, key, consumer, lease_s, now, cadence_s, version)
+
+    def _grant_py(
+        self,
+        kb: bytes,
+        holder: bytes,
+        key: str,
+        consumer: str,
+        lease_s: float,
+        now: float,
+        cadence_s: float,
+        version: int,
+    ) -> Lease | Refused:
+        """``grant`` in Python: every case, the C grant's slow path."""
+        h64 = _hash(kb)
         for _ in range(INSERT_RETRIES):
             found = self._lookup(kb, h64)
             if found is not None:

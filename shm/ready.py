@@ -195,6 +195,7 @@ class ReadySet:
         #: entries of it were left untaken (the claimer's low-water check).
         self.last_count = 0
         self.last_left = 0
+        self._on_close: list = []  # callables that release what holds this mapping
 
     # -- lifecycle (the supervisor creates and unlinks; everyone else attaches) --
 
@@ -221,7 +222,14 @@ class ReadySet:
         """Supervisor only."""
         return segment.unlink(segment_name(node, KIND))
 
+    def on_close(self, release) -> None:
+        """Call ``release`` first when this set is closed (a claim path in C
+        holds the mapping)."""
+        self._on_close.append(release)
+
     def close(self) -> None:
+        while self._on_close:
+            self._on_close.pop()()
         if self._view is not None:
             self._view.release()
             self._view = None

@@ -272,6 +272,22 @@ class Segment:
         return f"<Segment {self.name} {state}>"
 
 
+# madvise(MADV_POPULATE_WRITE), Linux 5.14+ (the mmap module names it from 3.12).
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def populate(mm: mmap.mmap) -> bool:
+    """Fault in every page of a shared mapping, writable, changing nothing:
+    the pages are allocated and mapped now instead of at their first write
+    (a fresh lease table's first grants paid ~3 us each in page faults).
+    False where the kernel cannot (older than 5.14): pages fault in as used."""
+    try:
+        mm.madvise(MADV_POPULATE_WRITE)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def _resolve_gid(group: str | int) -> int:
     if isinstance(group, int):
         return group

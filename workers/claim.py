@@ -28,15 +28,32 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import os
+import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from node.config import Config
 from node.errors import NodeError, ValidationError
+from node.rows import MAX_CADENCE_S, MAX_DUE_AT, MIN_CADENCE_S, MIN_DUE_AT
 from node.store.base import BadRow, Store
-from shm.leases import LeaseTable, Outcome, Refused
-from shm.segment import segment_name
+from shm.leases import (
+    C_STOP,
+    CONSUMER_BYTES,
+    LeaseTable,
+    Outcome,
+    Refused,
+    SlotTakenOver,
+    owner_bits,
+    truncated,
+)
+from shm.segment import SnapshotUnstable, segment_name
+
+try:
+    from shm import _claim
+except ImportError:  # every claim takes the Python path
+    _claim = None  # type: ignore[assignment]
 
 # The claimer asks the keeper for a fresh set when fewer than this share of
 # the published set is left, so the next set is there before this one runs out
@@ -248,6 +265,16 @@ def ledger_address(name: str) -> str:
     return "\0" + segment_name(name, "ledger")[1:]
 
 
+# Bumped in every child of os.fork: a claim path (its SQLite connection)
+# opened before a fork is never used after it.
+_forks = [0]
+os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
+
+# ClaimPath.claim's counters, in its order (shm/_claim_path.c, K_*).
+_TAKEN, _GONE, _MOVED, _NOT_DUE, _LEASED, _HELD, _PARKED, _DRAINED = range(8)
+_LOW_WATER, _LAST_COUNT, _LAST_LEFT, _RETRIES = range(8, 12)
+
+
 def _always_ready() -> bool:
     return True
 
@@ -263,6 +290,12 @@ class Claimer:
     ``wake`` posts the keeper's wake semaphore; ``is_ready`` says whether the
     keeper has published since the node started (None: always ready, for
     tests that publish by hand).
+
+    Two paths, the same steps: on the SQLite store a whole claim is one call
+    into C (``shm._claim.ClaimPath``: the take, the row reads and the grants),
+    with its own connection to the schedule file; elsewhere (the memory store,
+    a build without the extension) the Python path below. ``close()`` closes
+    the C path; closing the ready set or the lease table does as well.
     """
 
     def __init__(
@@ -273,6 +306,7 @@ class Claimer:
         leases: LeaseTable,
         wake: Callable[[], None] | None = None,
         is_ready: Callable[[], bool] | None = None,
+        c_path: bool = True,
     ) -> None:
         self.config = config
         self.store = store
@@ -284,6 +318,75 @@ class Claimer:
         # route -> its default cadence; rows carry their own or None.
         self._route_cadence: dict[str, float] = {}
         self.stats = ClaimStats()
+        self._path: Any = None  # shm._claim.ClaimPath, opened at the first claim
+        self._path_forks = -1  # _forks[0] when it was opened; -1: not tried
+        self._c_path = c_path  # False: always the Python path (tests compare the two)
+        self._holder: tuple[str, bytes] = ("", b"")  # the last consumer and its bytes
+
+    def close(self) -> None:
+        """Close the C path (its SQLite connection and its hold on the
+        ready set's and lease table's mappings). Claims after it reopen it."""
+        if self._path is not None:
+            if self._path_forks == _forks[0]:
+                self._path.close()
+            else:
+                self._path.abandon()  # the parent's connection: never closed here
+            self._path = None
+        self._path_forks = -1
+
+    @property
+    def on_c_path(self) -> bool:
+        """Whether claims take the C path (opened on first use)."""
+        return self._claim_path() is not None
+
+    def _claim_path(self) -> Any:
+        if self._path_forks != _forks[0]:
+            if self._path is not None:
+                self._path.abandon()  # opened before a fork: the parent's
+            self._path_forks = _forks[0]
+            self._path = self._open_path()
+        return self._path
+
+    def _open_path(self) -> Any:
+        from node.store.sqlite import BUSY_TIMEOUT_S, CACHE_KIB, SQLiteStore, decode_payload
+        from shm.ready import ReadySet
+
+        if (
+            not self._c_path
+            or _claim is None
+            or not isinstance(self.store, SQLiteStore)
+            or not isinstance(self.ready, ReadySet)
+            or getattr(self.leases, "_granter", None) is None
+            or self.ready.segment.read_only
+        ):
+            return None
+        try:
+            import _sqlite3  # the module whose SQLite the C path must share
+        except ImportError:
+            return None
+        try:
+            path = _claim.ClaimPath(
+                self.ready.segment.mm,
+                self.ready.capacity,
+                self.ready.heap_size,
+                LOW_WATER_FRACTION,
+                self.leases._granter,
+                getattr(_sqlite3, "__file__", None),
+                self.store.path,
+                int(BUSY_TIMEOUT_S * 1000),
+                CACHE_KIB,
+                (MIN_CADENCE_S, MAX_CADENCE_S, MIN_DUE_AT, MAX_DUE_AT),
+                Grant,
+                decode_payload,
+                self._route_cadence,
+                self._cadence_of,
+                json.decoder.JSONDecoder().scan_once,
+            )
+        except (ImportError, BufferError, ValueError, _claim.RowError):
+            return None  # this build or store cannot: the Python path serves
+        self.ready.on_close(self.close)
+        self.leases.on_close(self.close)
+        return path
 
     # -- claims ---------------------------------------------------------------------
 
@@ -299,6 +402,9 @@ class Claimer:
         NotReady before the keeper's first publish since the node started."""
         if not self.ready_now():
             raise NotReady("the keeper has not published since the node started")
+        path = self._path if self._path_forks == _forks[0] else self._claim_path()
+        if path is not None:
+            return self._claim_c(path, max_n, lease_s, consumer, now)
         stats = self.stats
         stats.claims += 1
         grants: list[Grant] = []
@@ -316,6 +422,82 @@ class Claimer:
                 break  # the set ran out under us
         stats.granted += len(grants)
         return grants
+
+    def _claim_c(
+        self, path: Any, max_n: int, lease_s: float, consumer: str, now: float
+    ) -> list[Grant]:
+        stats = self.stats
+        stats.claims += 1
+        if self._holder[0] != consumer:
+            self._holder = (consumer, truncated(consumer, CONSUMER_BYTES))
+        try:
+            grants, slow, k = path.claim(
+                max_n, self._holder[1], lease_s, now, owner_bits(), C_STOP
+            )
+        except (_claim.RowError, RuntimeError) as exc:
+            # Leases granted before the error are live: hand them out.
+            grants = getattr(exc, "grants", None) or []
+            stats.granted += len(grants)
+            if grants:
+                return grants
+            if isinstance(exc, _claim.RowError):
+                from node.store.sqlite import wrap_error
+
+                code, message = exc.args
+                error = sqlite3.OperationalError(message)
+                error.sqlite_errorcode = code  # type: ignore[attr-defined]
+                raise wrap_error(error, "get_many") from None
+            if str(exc) == "unstable":
+                raise SnapshotUnstable(
+                    f"{self.ready.segment.name}: no consistent take; the keeper "
+                    f"(pid {self.ready.segment.writer_pid}) rewrites faster than it can be read"
+                ) from None
+            raise SlotTakenOver(f"{self.leases.segment.name}: {exc}") from None
+        stats.taken += k[_TAKEN]
+        stats.gone += k[_GONE]
+        stats.moved += k[_MOVED]
+        stats.not_due += k[_NOT_DUE]
+        stats.drained += k[_DRAINED]
+        for reason, n in (("leased", k[_LEASED]), ("held", k[_HELD]), ("parked", k[_PARKED])):
+            if n:
+                stats.refused[reason] = stats.refused.get(reason, 0) + n
+        ready = self.ready
+        ready.last_count, ready.last_left = k[_LAST_COUNT], k[_LAST_LEFT]
+        ready.retries += k[_RETRIES]
+        if k[_LOW_WATER]:
+            stats.low_water += 1
+            self._wake()
+        if slow:
+            self._grant_slow(slow, lease_s, consumer, now, grants)
+        stats.granted += len(grants)
+        return grants
+
+    def _grant_slow(
+        self, slow: list[tuple], lease_s: float, consumer: str, now: float, grants: list[Grant]
+    ) -> None:
+        """The entries the C grant handed back (a slot mid-change, a long key,
+        a full first pass): the Python grant, which knows every case."""
+        from node.store.sqlite import decode_payload
+
+        stats = self.stats
+        for key, version, cadence_s, payload, job, due_at, route in slow:
+            lease = self.leases.grant(key, consumer, lease_s, now, cadence_s, version=version)
+            if isinstance(lease, Refused):
+                reason = lease.reason.value
+                stats.refused[reason] = stats.refused.get(reason, 0) + 1
+                continue
+            grants.append(
+                Grant(
+                    lease.lease_id,
+                    key,
+                    decode_payload(payload),
+                    job,
+                    due_at,
+                    lease.expires_at,
+                    route,
+                    lease.misses,
+                )
+            )
 
     def _grant_entries(
         self, entries: list, lease_s: float, consumer: str, now: float, grants: list[Grant]

@@ -271,11 +271,16 @@ _UNAVAILABLE_CODES = frozenset(
 )
 
 
-def _wrap(exc: sqlite3.Error, action: str) -> StoreError:
+def wrap_error(exc: sqlite3.Error, action: str) -> StoreError:
+    """A SQLite error as the store's: StoreUnavailable when it means "not
+    reachable now", else StoreError (also for the claim path in C)."""
     code = getattr(exc, "sqlite_errorcode", None)
     if code is not None and code & 0xFF in _UNAVAILABLE_CODES:
         return StoreUnavailable(f"SQLite store: {action}: {exc}")
     return StoreError(f"SQLite store: {action}: {exc}")
+
+
+_wrap = wrap_error
 
 
 def _set_wal(conn: sqlite3.Connection) -> str:

@@ -1,0 +1,61 @@
+/* shm._claim's pieces, shared between its C files (shm/_claim.c: the grant
+ * and the key hash; shm/_claim_path.c: the ready-set take, the row read and
+ * the claim loop). */
+
+#ifndef QUEUE_NODE_CLAIM_H
+#define QUEUE_NODE_CLAIM_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+uint64_t blake2b64(const uint8_t *data, size_t len);
+
+/* A lease table mapping with its layout (shm/leases.py). */
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    int held;
+    char *buf;
+    Py_ssize_t capacity; /* a power of two */
+    Py_ssize_t hashes, maxdist, owners, slots;
+    Py_ssize_t long_blocks;
+} GranterObject;
+
+extern PyTypeObject GranterType;
+
+typedef struct {
+    const char *key; /* UTF-8, 1..1024 bytes */
+    Py_ssize_t key_len;
+    const char *holder; /* UTF-8, at most 32 bytes */
+    Py_ssize_t holder_len;
+    double lease_s, now, cadence_s;
+    uint64_t version;
+    uint64_t owner; /* this process's pid and tag, as a state word holds them */
+    int stop;       /* a test stop point, 0 none */
+    int hashed;     /* h64 holds the key's hash already */
+    uint64_t h64;
+} GrantArgs;
+
+/* What lease_grant answers (and, as ints, Granter.grant). */
+enum {
+    G_GRANTED = 0,
+    G_LEASED = 1,
+    G_HELD = 2,
+    G_PARKED = 3,
+    G_AGAIN = 4, /* internal: look again */
+    G_SLOW = -1,
+    G_TAKEN_OVER = -2,
+};
+
+int lease_grant(GranterObject *g, const GrantArgs *a, uint64_t *lease_id, uint32_t *misses);
+
+/* Whether the key's slot refuses a grant now, read without taking it:
+   G_LEASED, G_HELD, G_PARKED, or 0 (no slot, grantable, or not sure: the
+   grant decides). Sets a->h64 and a->hashed. */
+int lease_refusal(GranterObject *g, GrantArgs *a);
+
+/* Adds ClaimPath and RowError to the module (shm/_claim_path.c). */
+int claim_path_add(PyObject *m);
+
+#endif

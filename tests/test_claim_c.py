@@ -1,0 +1,257 @@
+"""The claim path in C (``shm._claim.ClaimPath``) against the Python path.
+
+Two nodes' segments side by side over one SQLite schedule: the same set
+published into both ready sets, the same leases, holds and parkings in both
+lease tables; one Claimer takes the C path, the other the Python path. Every
+claim must answer the same grants, leave the same counters and the same set
+behind. The rows cover what a claim must skip or pass through: rows gone,
+rows another program made unschedulable, versions moved, rows not due, every
+payload shape, a row's own cadence, keys the lease table refuses, non-ASCII
+keys, and a long key (which the C grant hands to the Python grant).
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+from node.config import Config, RouteConfig
+from node.rows import RowWrite
+from node.store import open_store
+from shm import segment
+from shm.leases import LeaseTable, Refuse, Refused
+from shm.ready import ReadySet
+from shm.segment import segment_name
+from workers.claim import Claimer, Grant
+
+pytestmark = pytest.mark.timeout(60)
+
+NOW = 1_700_000_000.0
+ROOT = Path(__file__).resolve().parent.parent
+LONG = "https://example.com/" + "long/" * 60  # over the 208 bytes a slot holds inline
+
+
+@pytest.fixture
+def names():
+    pair = [f"tcc{uuid.uuid4().hex[:10]}" for _ in range(2)]
+    yield pair
+    for node in pair:
+        ReadySet.unlink(node)
+        segment.unlink(segment_name(node, "leases"))
+
+
+def _config() -> Config:
+    return Config(name="t", workers=1, routes={"r": RouteConfig(cadence_s=3600)})
+
+
+def _schedule(db: Path) -> list[str]:
+    """Rows of every kind; returns the keys in the order they are published."""
+    store = open_store(f"sqlite:///{db}")
+    plain = [f"k{i:03d}" for i in range(40)]
+    store.upsert(
+        [
+            RowWrite(key=k, route="r", due_at=NOW - 600 - i, payload={"n": i})
+            for i, k in enumerate(plain)
+        ]
+        + [
+            RowWrite(key="ключ-1", route="r", due_at=NOW - 60, payload=["ü", 1]),
+            RowWrite(key=LONG, route="r", due_at=NOW - 60, payload="long"),
+            RowWrite(key="own-cadence", route="r", cadence_s=120, due_at=NOW - 60, job="j2"),
+            RowWrite(key="no-payload", route="r", due_at=NOW - 60),
+            RowWrite(key="not-due", route="r", due_at=NOW + 600),
+            RowWrite(key="moved", route="r", due_at=NOW - 60),
+            RowWrite(key="other-route", route="unconfigured", due_at=NOW - 60, payload=7.5),
+        ]
+        + [RowWrite(key=k, route="r", due_at=NOW - 60) for k in ("raw", "spaced", "extra", "blob")]
+        + [RowWrite(key=k, route="r", due_at=NOW - 60) for k in ("bad-cadence", "bad-sitemap")]
+        + [RowWrite(key=k, route="r", due_at=NOW - 60) for k in ("leased", "held", "parked")],
+        now=NOW,
+    )
+    store.close()
+    conn = sqlite3.connect(db)
+    with conn:  # what another program might store
+        for key, payload in (
+            ("raw", "not json"),
+            ("spaced", ' \n{"a": [1, 2]} \t'),
+            ("extra", '{"a": 1} trailing'),
+            ("blob", b'{"b": 2}'),
+        ):
+            conn.execute("UPDATE schedule SET payload = ? WHERE key = ?", (payload, key))
+        conn.execute("UPDATE schedule SET cadence_s = 5 WHERE key = 'bad-cadence'")
+        conn.execute("UPDATE schedule SET sitemap = 2 WHERE key = 'bad-sitemap'")
+    conn.close()
+    return [
+        "k000", "ключ-1", "gone", "not-due", "moved", "leased", LONG, "own-cadence",
+        "held", "no-payload", "raw", "spaced", "extra", "blob", "bad-cadence", "parked",
+        "bad-sitemap", "other-route", *plain[1:],
+    ]  # fmt: skip
+
+
+def _entries(db: Path, keys: list[str]) -> list[tuple]:
+    conn = sqlite3.connect(db)
+    versions = dict(conn.execute("SELECT key, version FROM schedule"))
+    conn.close()
+    out = []
+    for rank, key in enumerate(keys):
+        version = versions.get(key, 1)
+        if key == "moved":
+            version += 1  # the row moved on since this publish
+        out.append((key, version, int(NOW // 60) - 10, 1, float(len(keys) - rank)))
+    return out
+
+
+def _refusals(table: LeaseTable) -> None:
+    table.grant("leased", "other", 600, NOW - 1, 3600)
+    held = table.grant("held", "other", 600, NOW - 1, 3600)
+    table.release("held", held.lease_id, NOW - 1, "first miss")
+    for i in range(3):  # max_misses 3: parked (each hold has passed at the next grant)
+        at = NOW - 10**6 + 10**4 * i
+        lease = table.grant("parked", "other", 600, at, 3600)
+        table.release("parked", lease.lease_id, at, "again")
+
+
+def _same(a: list[Grant], b: list[Grant]) -> None:
+    """Equal grants, lease ids aside (the long key's comes later on the C path)."""
+
+    def strip(g: Grant) -> tuple:
+        return (g.key, g.payload, g.job, g.due_at, g.expires_at, g.route, g.misses)
+
+    assert sorted(map(strip, a), key=repr) == sorted(map(strip, b), key=repr)
+
+
+def test_the_c_path_claims_what_the_python_path_claims(names, tmp_path):
+    db = tmp_path / "schedule.db"
+    keys = _schedule(db)
+    entries = _entries(db, keys)
+    sides = []
+    for node, c_path in zip(names, (True, False), strict=True):
+        ready = ReadySet.create(node, capacity=100)
+        leases = LeaseTable.create(node, capacity=256, max_misses=3, now=NOW)
+        _refusals(leases)
+        ready.publish(entries, NOW)
+        store = open_store(f"sqlite:///{db}")
+        claimer = Claimer(_config(), store, ready, leases, c_path=c_path)
+        sides.append((claimer, ready, leases, store))
+    (fast, *_), (slow, *_) = sides
+    try:
+        assert fast.on_c_path and not slow.on_c_path
+        for n in (1, 3, 5, 2, 7, 40, 10):
+            a = fast.claim(n, 30.0, "consumer", NOW)
+            b = slow.claim(n, 30.0, "consumer", NOW)
+            _same(a, b)
+            assert sides[0][1].remaining() == sides[1][1].remaining()
+        assert fast.stats.as_dict() == slow.stats.as_dict()
+        stats = fast.stats.as_dict()
+        assert stats["gone"] == 3  # no row, a bad cadence, a bad sitemap
+        assert (stats["moved"], stats["not_due"]) == (1, 1)
+        assert stats["refused"] == {"leased": 1, "held": 1, "parked": 1}
+        assert stats["granted"] == len(keys) - 8
+        live = {lease.key for lease in sides[0][2].live(limit=1000)}
+        assert LONG in live and "ключ-1" in live
+    finally:
+        for claimer, ready, leases, store in sides:
+            claimer.close()
+            leases.close()
+            ready.close()
+            store.close()
+
+
+def test_payloads_and_cadences_come_through_as_the_python_path_reads_them(names, tmp_path):
+    db = tmp_path / "schedule.db"
+    keys = _schedule(db)
+    ready = ReadySet.create(names[0], capacity=100)
+    leases = LeaseTable.create(names[0], capacity=256, max_misses=3, now=NOW)
+    store = open_store(f"sqlite:///{db}")
+    claimer = Claimer(_config(), store, ready, leases)
+    try:
+        ready.publish(_entries(db, keys), NOW)
+        grants = {g.key: g for g in claimer.claim(100, 30.0, "c", NOW)}
+        assert grants["raw"].payload == "not json"
+        assert grants["spaced"].payload == {"a": [1, 2]}
+        assert grants["extra"].payload == '{"a": 1} trailing'
+        assert grants["blob"].payload == {"b": 2}
+        assert grants["no-payload"].payload is None
+        assert grants["ключ-1"].payload == ["ü", 1]
+        assert (
+            grants["other-route"].payload == 7.5 and grants["other-route"].route == "unconfigured"
+        )
+        assert grants["own-cadence"].job == "j2" and grants["k000"].job == "default"
+        assert all(type(g) is Grant for g in grants.values())
+        # The cadence each lease caps its hold at: the row's own, else the route's.
+        assert leases.peek("own-cadence", grants["own-cadence"].lease_id)[1].cadence_s == 120
+        assert leases.peek("k000", grants["k000"].lease_id)[1].cadence_s == 3600
+        assert leases.peek("other-route", grants["other-route"].lease_id)[1].cadence_s == 86400
+        assert leases.grant("k000", "x", 30.0, NOW, 3600) == Refused(Refuse.LEASED)
+    finally:
+        claimer.close()
+        leases.close()
+        ready.close()
+        store.close()
+
+
+def test_closing_the_segments_closes_the_c_path_first(names, tmp_path):
+    db = tmp_path / "schedule.db"
+    _schedule(db)
+    ready = ReadySet.create(names[0], capacity=10)
+    leases = LeaseTable.create(names[0], capacity=64, now=NOW)
+    store = open_store(f"sqlite:///{db}")
+    claimer = Claimer(_config(), store, ready, leases)
+    assert claimer.on_c_path
+    leases.close()  # would raise BufferError if the path still held the mapping
+    ready.close()
+    store.close()
+    assert claimer._path is None
+
+
+_FORKED = textwrap.dedent(
+    """
+    import os, sys
+    from node.config import Config, RouteConfig
+    from node.store import open_store
+    from shm.leases import LeaseTable
+    from shm.ready import ReadySet
+    from workers.claim import Claimer
+    name, db, now = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    ready, leases = ReadySet.attach(name), LeaseTable.attach(name)
+    store = open_store("sqlite:///" + db)
+    claimer = Claimer(Config(name="t", workers=1, routes={"r": RouteConfig(cadence_s=3600)}),
+                      store, ready, leases)
+    first = claimer.claim(1, 30.0, "parent", now)
+    pid = os.fork()
+    if pid == 0:  # the child opens a path of its own, never the parent's
+        got = claimer.claim(1, 30.0, "child", now)
+        os._exit(0 if len(got) == 1 and claimer._path is not None else 3)
+    _, status = os.waitpid(pid, 0)
+    again = claimer.claim(1, 30.0, "parent", now)  # the parent's path still works
+    print(len(first), os.waitstatus_to_exitcode(status), len(again))
+    """
+)
+
+
+def test_a_child_of_fork_opens_its_own_c_path(names, tmp_path):
+    db = tmp_path / "schedule.db"
+    keys = _schedule(db)
+    ready = ReadySet.create(names[0], capacity=100)
+    leases = LeaseTable.create(names[0], capacity=256, now=NOW)
+    try:
+        ready.publish(_entries(db, [k for k in keys if k.startswith("k")]), NOW)
+        out = subprocess.run(
+            [sys.executable, "-c", _FORKED, names[0], str(db), repr(NOW)],
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert out.stdout.split() == ["1", "0", "1"], out.stderr
+        assert len(leases.live()) == 3
+    finally:
+        leases.close()
+        ready.close()
