@@ -74,9 +74,14 @@ best(5000) misses the 1 ms target on this machine, by about 2x: the
 threshold search and the sort take little; making the 5,000 answers is most
 of it, about 0.4 us an answer, whether as tuples (one comprehension a class)
 or as columns (slices, an index sort and a gather per column: measured no
-faster, and slower with an exclude set). best_columns is best transposed, so
-best + ReadySet.publish stays the cheaper pair; publish_columns saves 0.2 ms
-of the publish but the transpose costs 0.4. See keeper/buckets.py.
+faster, and slower with an exclude set). Those figures are for the call
+alone, repeated; in the keeper's loop (``bench/bench_publish.py``, the heads
+new each round, the collector's passes over fresh tuples counted)
+best_columns, now built as columns, and ReadySet.publish_columns measured
+0.7 to 0.8 of best and ReadySet.publish, so the keeper publishes columns.
+``--detached`` also times ``detach_many`` of 3,000 granted heads with the
+publish's candidates remembered (the keeper's) and by probing the key table.
+See keeper/buckets.py.
 """
 
 from __future__ import annotations
@@ -577,6 +582,25 @@ def bench_detached(n: int, leased: int, k: int = 5000) -> dict[str, float]:
     out[f"attach_{len(batch)}_ms"] = statistics.median(attach_s) * 1000
     out["detach_us_each"] = out[f"detach_{len(batch)}_ms"] / len(batch) * 1000
     out["attach_us_each"] = out[f"attach_{len(batch)}_ms"] / len(batch) * 1000
+    # The keeper's way: the head of a publish granted, detached in bulk (as
+    # fresh strs, as the lease table decodes them), then given back; with
+    # the publish's candidates remembered (the keeper's), and without.
+    grants = 3000
+    for remember in (True, False):
+        buckets._remember_best = remember
+        name = "remembered" if remember else "probed"
+        detach_s, attach_s = [], []
+        for _ in range(5):
+            head = buckets.best_columns(now, k)[0][:grants]
+            fresh = [key.encode().decode() for key in head]
+            t0 = time.perf_counter()
+            assert buckets.detach_many(fresh) == grants
+            t1 = time.perf_counter()
+            buckets.attach_many(fresh)
+            attach_s.append(time.perf_counter() - t1)
+            detach_s.append(t1 - t0)
+        out[f"detach_many_{grants}_{name}_us_each"] = statistics.median(detach_s) / grants * 1e6
+        out[f"attach_many_{grants}_us_each"] = statistics.median(attach_s) / grants * 1e6
     return out
 
 

@@ -9,7 +9,9 @@ grants the first ``grants`` keys of the published set (as claimers would)
 and times ``Keeper.publish``: learning the lease changes, detaching the newly
 leased keys, the best K and the ready-set write. Reports p50 / max over the
 second half of the rounds (by then ~``rounds/2 × grants`` leases are live),
-and with ``--profile`` a cProfile of those rounds.
+and with ``--profile`` a cProfile of those rounds (by cumulative and by own
+time). The machine is shared: compare figures from one sitting, runs
+interleaved.
 """
 
 from __future__ import annotations
@@ -91,7 +93,9 @@ def main() -> int:
             }
             print(json.dumps(out))
             if args.profile:
-                pstats.Stats(prof).sort_stats("cumulative").print_stats(15)
+                stats = pstats.Stats(prof)
+                stats.sort_stats("cumulative").print_stats(15)
+                stats.sort_stats("tottime").print_stats(15)  # where the time itself goes
         finally:
             for seg in (ready, state, leases):
                 seg.close()

@@ -36,7 +36,10 @@ of a bisection and a block insert a row.
 Best: a few counting passes over the classes find a rank threshold that
 takes the k best rows or a few more; the heads above it become entries in one
 comprehension a class and one sort orders them (about 2 ms for 5,000 here:
-making the 5,000 entries is most of it, whether as tuples or as columns).
+making the 5,000 entries is most of it). ``best_columns``, the keeper's, makes
+only their ranks a row (floats), sorts an index by them and gathers each
+column: no tuple a row, so no transpose for the ready set and no pass of the
+collector over 5,000 fresh tuples.
 
 Counting: each class keeps a running count of its rows due through minute
 ``_through``; ``advance`` moves ``_through`` forward (or back, if the clock
@@ -67,7 +70,21 @@ its class's *detached* order, with its own due count, which ``best`` never
 reads: ``best`` costs the same with 130,000 keys detached at the class heads
 as with none, where an ``exclude`` set of them costs a set lookup per
 excluded head per call (about 100 ms at 250,000 rows; ``bench_buckets.py
---detached``). Detach and attach cost about what ``apply`` does (5 µs).
+--detached``). Detach and attach cost about what ``apply`` does (5 µs);
+``detach_many`` and ``attach_many`` move each class's share at once.
+
+Granted keys: the keys the keeper detaches are nearly all ones it has just
+published, a head of their class. With ``remember_best`` each ``best`` (or
+``best_columns``) keeps its candidates' order values, class run by class
+run, and a dict of key → position; ``detach_many`` finds those keys there
+(a dict lookup, no probe of the key table), picks their values out in order
+with a few passes in C (no sort), and each class's share leaves the head of
+its order as one slice (``Order.remove_sorted``) and joins the end of the
+detached order (``Order.add_sorted``): about 1 µs a granted key in all
+(``bench/bench_publish.py``). A remembered key is dropped when its row is
+unplaced (moved, removed: ``_unplace``) and all are on ``reconfigure``, so a
+remembered value is always the row's value now; a key detached since (in
+bulk, or repeated) is skipped by its flag. Other keys take the probe.
 ``apply``, ``load_rows`` and ``reconfigure`` move a detached row and keep it
 detached; ``remove`` forgets the flag. Detached orders never hold pending
 values (``detach`` merges them first, ``load_rows`` places a detached row's
@@ -94,13 +111,14 @@ Hazards:
 
 from __future__ import annotations
 
+import sys
 from array import array
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from itertools import chain, compress, islice, pairwise, repeat
 from math import floor, isfinite
-from operator import ge, is_, itemgetter, lt
+from operator import ge, is_, is_not, itemgetter, lt, not_
 from typing import Any
 
 from keeper.classes import ClassTable
@@ -132,6 +150,11 @@ WalkedRow = tuple[str, int, str, "int | None", bool, float]
 _LATER = -1  # from the first row whose class would pass max_classes: row by row
 _STALE = -2  # the row held is as new or newer
 _CLASS_FIELDS = itemgetter(2, 3, 4)  # (route, cadence_s, sitemap) of a walked row
+# ``best_columns`` reads the slots and minutes of order values as the two
+# int32 halves of each int64 (``minute << SLOT_BITS | slot``, the minute
+# signed), not by a shift and a mask a value: which half is which follows
+# the byte order.
+_SLOT_HALF, _MINUTE_HALF = (0, 1) if sys.byteorder == "little" else (1, 0)
 
 
 def minute_of(t: float) -> int:
@@ -192,7 +215,12 @@ class Buckets:
     """The keeper's rows by class and due minute. See the module docstring."""
 
     def __init__(
-        self, classes: ClassTable, *, capacity: int = 0, block_load: int = BLOCK_LOAD
+        self,
+        classes: ClassTable,
+        *,
+        capacity: int = 0,
+        block_load: int = BLOCK_LOAD,
+        remember_best: bool = False,
     ) -> None:
         self.classes = classes
         self._block_load = max(2, block_load)
@@ -229,6 +257,19 @@ class Buckets:
         self._strays = 0
         self._walk_last: str | None = None
         self._dirty: dict[int, Order] = {}  # classes with pending values
+        # The candidates of the last ``best`` (``remember_best``), for
+        # ``detach_many``: their order values class by class (each class's
+        # run ascending) and their slots, where each class's run starts (and
+        # the last ends), the classes, and key → position.
+        # A key stays in ``_best_at`` only while its row has not been
+        # unplaced since (``_unplace`` drops it; ``reconfigure`` clears all),
+        # so its value there is its value now.
+        self._remember_best = remember_best
+        self._best_values = array("q")
+        self._best_slots = array("i")
+        self._best_starts: list[int] = [0]
+        self._best_cids: list[int] = []
+        self._best_at: dict[str, int] = {}
 
     # -- the hash table ---------------------------------------------------------
 
@@ -608,6 +649,8 @@ class Buckets:
             due[cid] += 1
 
     def _unplace(self, slot: int, cid: int, minute: int) -> None:
+        if self._best_at:
+            self._best_at.pop(self._keys[slot], None)  # its remembered value goes stale
         value = minute << SLOT_BITS | slot
         if self._det[slot]:
             self._order_detached[cid].remove(value)
@@ -694,11 +737,18 @@ class Buckets:
     def _move_many(self, keys: Iterable[str], detached: bool) -> int:
         if self._dirty:
             self._flush()
-        table, cell, det, cids, mins = self._table, self._cell, self._det, self._cids, self._mins
-        flag = 1 if detached else 0
         by_class: dict[int, list[int]] = {}
+        if detached and self._best_at:
+            keys = self._take_remembered(keys, by_class)
+        table, mask, held = self._table, self._mask, self._keys
+        det, cids, mins = self._det, self._cids, self._mins
+        flag = 1 if detached else 0
         for key in keys:
-            slot = table[cell(key)]
+            i = hash(key) & mask
+            slot = table[i]
+            while slot >= 0 and held[slot] != key:
+                i = (i + 1) & mask
+                slot = table[i]
             if slot < 0 or det[slot] == flag:
                 continue
             det[slot] = flag
@@ -710,7 +760,7 @@ class Buckets:
         due_below = (self._through + 1) << SLOT_BITS
         moved = 0
         for cid, values in by_class.items():
-            values.sort()
+            values.sort()  # ascending already when all came from _take_remembered
             if detached:
                 src, src_due = self._order[cid], self._due
                 dst = self._order_detached.get(cid) or self._new_detached_order(cid)
@@ -726,6 +776,73 @@ class Buckets:
             moved += len(values)
         self._detached += moved if detached else -moved
         return moved
+
+    def _take_remembered(self, keys: Iterable[str], by_class: dict[int, list[int]]) -> list[str]:
+        """``detach_many``'s first step for the keys among the last ``best``'s
+        candidates (the keys claimers were just granted, nearly always): no
+        probe of the key table, no sort. Their positions are marked, the
+        marked values picked out class run by class run (ascending), the
+        attached ones flagged detached, and each class's share put in
+        ``by_class``; a pass of C a step. Returns the other keys."""
+        keys = keys if isinstance(keys, list) else list(keys)
+        at = list(map(self._best_at.get, keys))
+        rest: list[str] = []
+        if None in at:
+            rest = list(compress(keys, map(is_, at, repeat(None))))
+            at = list(compress(at, map(is_not, at, repeat(None))))
+        if not at:
+            return rest
+        values = self._best_values
+        marks = bytearray(len(values))
+        deque(map(marks.__setitem__, at, repeat(1)), maxlen=0)
+        picked = list(compress(values, marks))  # class by class, each ascending
+        slots = list(compress(self._best_slots, marks))
+        det = self._det
+        flags = bytes(map(det.__getitem__, slots))
+        if 1 in flags:  # detached already (a key twice, or detached since): left as they are
+            where = list(compress(range(len(values)), marks))
+            deque(map(marks.__setitem__, compress(where, flags), repeat(0)), maxlen=0)
+            keep = list(map(not_, flags))
+            picked, slots = list(compress(picked, keep)), list(compress(slots, keep))
+        deque(map(det.__setitem__, slots, repeat(1)), maxlen=0)
+        starts = self._best_starts
+        taken = 0
+        for c, cid in enumerate(self._best_cids):
+            n = marks.count(1, starts[c], starts[c + 1])
+            if n:
+                by_class[cid] = picked[taken : taken + n]
+                taken += n
+        return rest
+
+    def _remember(
+        self,
+        values: array[int],
+        slots: array[int],
+        starts: list[int],
+        cids: list[int],
+        at: dict[str, int],
+    ) -> None:
+        """Keep the candidates of a ``best`` for ``_take_remembered``: their
+        order values and slots, class ``cids[i]``'s run ascending from
+        ``starts[i]`` up to ``starts[i + 1]`` (the last entry is where the
+        last run ends), and ``at``, key → position in ``values``."""
+        self._best_values, self._best_slots = values, slots
+        self._best_starts, self._best_cids = starts, cids
+        self._best_at = at
+
+    def _remember_runs(self, runs: list[tuple[int, array[int]]], candidates: list[Entry]) -> None:
+        """``_remember`` for ``best``: ``runs`` are each class's head taken,
+        ``candidates`` their entries in the same order."""
+        values = array("q")
+        starts, cids = [], []
+        for cid, run in runs:
+            starts.append(len(values))
+            cids.append(cid)
+            values += run
+        starts.append(len(values))
+        slots = array("i", values.tobytes())[_SLOT_HALF::2]
+        at = dict(zip(map(itemgetter(0), candidates), range(len(candidates)), strict=True))
+        self._remember(values, slots, starts, cids, at)
 
     def is_detached(self, key: str) -> bool:
         slot = self._table[self._cell(key)]
@@ -782,15 +899,19 @@ class Buckets:
         now_minute, active, total = self._active(now, paused_routes)
         target = k + self._best_excluded if exclude is not None else k
         keys, vers = self._keys, self._vers
+        remember = self._remember_best and exclude is None
         while True:
             counts, slack = self._counts(active, now, now_minute, total, target)
             out: list[Entry] = []
+            runs = []
             taken = 0
             for (order, cid, cadence_s, boost, _n, _head), n in zip(active, counts, strict=True):
                 if not n:
                     continue
                 run = order.head(n)
                 taken += n
+                if remember:
+                    runs.append((cid, run))
                 if exclude is None:
                     out += [
                         (
@@ -816,9 +937,12 @@ class Buckets:
                     ]
             if exclude is not None:
                 self._best_excluded = taken - len(out)
+            candidates = out[:] if remember else out
             out.sort(key=itemgetter(4), reverse=True)
             del out[k:]
             if self._enough(active, counts, total, now, out[-1][4] if len(out) == k else None):
+                if remember:
+                    self._remember_runs(runs, candidates)
                 return out
             target += max(k - len(out), 0) + slack
 
@@ -832,16 +956,65 @@ class Buckets:
         """``best`` as the columns ``ReadySet.publish_columns`` takes: ``(keys,
         versions, due minutes, class ids, ranks)``, best first.
 
-        Transposed from ``best``'s entries: building the columns directly
-        (runs sliced out of the orders, an index sort, a gather per column)
-        measured slower here than one comprehension of tuples a class, and
-        much slower with an ``exclude`` set, which needs every candidate's
-        key before the sort."""
-        entries = self.best(now, k, paused_routes, exclude)
-        if not entries:
+        Built as columns: each class's head run is copied out of its order
+        into one array (read as int32 halves for the slots and minutes) and
+        its ranks into one list (a comprehension of floats a class), one
+        index sort orders them, and a gather a column picks the k best. No
+        tuple a row: with the publish that takes the columns as they are, it
+        measured 0.6 to 0.8 of ``best`` and ``ReadySet.publish`` in the
+        keeper's loop (no transpose, and no collector passes over 5,000 fresh
+        tuples). With an ``exclude`` set, which needs every candidate's key
+        before the sort, it is ``best`` transposed."""
+        if exclude is not None:
+            entries = self.best(now, k, paused_routes, exclude)
+            if not entries:
+                return [], [], [], [], []
+            keys, versions, minutes, cids, ranks = map(list, zip(*entries, strict=True))
+            return keys, versions, minutes, cids, ranks
+        if k <= 0:
             return [], [], [], [], []
-        keys, versions, minutes, cids, ranks = map(list, zip(*entries, strict=True))
-        return keys, versions, minutes, cids, ranks
+        now_minute, active, total = self._active(now, paused_routes)
+        target = k
+        while True:
+            counts, slack = self._counts(active, now, now_minute, total, target)
+            values = array("q")  # the heads taken, class by class
+            class_of: list[int] = []
+            starts: list[int] = []  # where each class's run starts in ``values``
+            cids: list[int] = []
+            rates = []
+            for (order, cid, cadence_s, boost, _n, _head), n in zip(active, counts, strict=True):
+                if n:
+                    starts.append(len(values))
+                    cids.append(cid)
+                    rates.append((cadence_s, boost))
+                    values += order.head(n)
+                    class_of += repeat(cid, n)
+            # Each value's slot and minute, as the two int32 halves of its int64.
+            halves = array("i", values.tobytes())
+            slot_of, minute_of = halves[_SLOT_HALF::2], halves[_MINUTE_HALF::2]
+            ranks: list[float] = []
+            ends = [*starts[1:], len(values)] if starts else []
+            for (cadence_s, boost), start, end in zip(rates, starts, ends, strict=True):
+                ranks += [(now - m * 60) / cadence_s + boost for m in minute_of[start:end]]
+            picks = sorted(range(len(ranks)), key=ranks.__getitem__, reverse=True)
+            del picks[k:]
+            picked_ranks = list(map(ranks.__getitem__, picks))
+            kth = picked_ranks[-1] if len(picks) == k else None
+            if self._enough(active, counts, total, now, kth):
+                break
+            target += max(k - len(picks), 0) + slack
+        slots = list(map(slot_of.__getitem__, picks))
+        keys = list(map(self._keys.__getitem__, slots))
+        if self._remember_best:
+            starts.append(len(values))
+            self._remember(values, slot_of, starts, cids, dict(zip(keys, picks, strict=True)))
+        return (
+            keys,
+            list(map(self._vers.__getitem__, slots)),
+            list(map(minute_of.__getitem__, picks)),
+            list(map(class_of.__getitem__, picks)),
+            picked_ranks,
+        )
 
     def _active(
         self, now: float, paused_routes: Container[str]
@@ -1109,6 +1282,7 @@ class Buckets:
         rows of a class that merged into another move there. No store reads."""
         if self._dirty:
             self._flush()
+        self._best_at = {}  # class ids change under the remembered values
         cids = self._cids
         for old, new in self.classes.reconfigure(config):
             for orders, due in self._both:

@@ -27,6 +27,10 @@ BLOCK_LOAD = 1000
 # it and inserting into the others.
 MERGE_REBUILD = 8
 MERGE_BLOCK = 10
+# ``Order.remove_sorted``: a block's share that is not one run goes by one
+# filter of the span it covers when that span is under SPAN_FILTER values a
+# value removed (a filter costs the span, a ``del`` the rest of the block).
+SPAN_FILTER = 8
 # The low bits of an order entry hold the slot, the high bits the due minute.
 SLOT_BITS = 32
 SLOT_MASK = (1 << SLOT_BITS) - 1
@@ -44,6 +48,26 @@ def last_minute(now: float, ratio: float, cadence_s: int) -> int:
     while (now - minute * 60) / cadence_s < ratio:
         minute -= 1
     return minute
+
+
+def _merge_into(block: array[int], part: list[int]) -> None:
+    """Merge ascending ``part`` (none held) into ``block``: appended when it
+    lies past the block's end; else merged with the block's tail from where
+    it starts (one sort of two runs) or, when it is small for that tail,
+    inserted from the right, so the positions found first stay valid."""
+    at = bisect_left(block, part[0])
+    tail = len(block) - at
+    if not tail:
+        block.fromlist(part)
+    elif len(part) * MERGE_BLOCK > tail:
+        values = block[at:].tolist()
+        values += part
+        values.sort()  # two runs: a merge
+        del block[at:]
+        block.fromlist(values)
+    else:
+        pos = list(map(bisect_left, repeat(block), part, repeat(at)))
+        deque(map(block.insert, reversed(pos), reversed(part)), maxlen=0)
 
 
 class Order:
@@ -127,35 +151,64 @@ class Order:
         return True
 
     def add_sorted(self, values: list[int]) -> None:
-        """Add many values (ascending, none held yet) with one merge: they
-        go in as a pending run that ``flush`` merges at once."""
-        if values:
+        """Add many values (ascending, none held yet) with one merge."""
+        if not values:
+            return
+        if self.pending:  # merged together with the pending runs
             self.pending.append(array("q", values))
             self.size += len(values)
             self.flush()
+            return
+        self.size += len(values)
+        self._merge(values)
 
     def remove_sorted(self, values: list[int]) -> None:
         """Remove many values the order holds, ascending, none pending (the
         caller flushes first). Each block's share is found with one
-        bisection; a block losing many values is filtered once, one losing
-        few loses them one ``del`` each. Then empty blocks go and small
-        neighbours join, in one pass."""
+        bisection, then goes in one slice deletion when it is one run of the
+        block (the usual case: the keeper detaches the keys just granted, a
+        class's head), or else by one filter of the span it covers when that
+        span is short for its share, or else one ``del`` a value. Only the
+        blocks touched are tidied."""
         blocks, maxes = self.blocks, self.maxes
         n = len(values)
         k = i = 0
+        touched: list[int] = []
         while k < n:
             i = bisect_left(maxes, values[k], i)
             end = bisect_right(values, maxes[i], k)
             block = blocks[i]
-            if (end - k) * 8 > len(block):
-                drop = set(values[k:end])
-                blocks[i] = array("q", [v for v in block if v not in drop])
+            first = bisect_left(block, values[k])
+            m = end - k
+            if m == 1:
+                del block[first]
             else:
-                for j in range(end - 1, k - 1, -1):
-                    del block[bisect_left(block, values[j])]
+                last = bisect_left(block, values[end - 1], first)
+                if last - first == m - 1:  # the share is block[first:last + 1]
+                    del block[first : last + 1]
+                elif last - first < SPAN_FILTER * m:
+                    drop = set(values[k:end])
+                    block[first : last + 1] = array(
+                        "q", [v for v in block[first : last + 1] if v not in drop]
+                    )
+                else:
+                    for j in range(end - 1, k, -1):
+                        del block[bisect_left(block, values[j], first)]
+                    del block[first]
+            touched.append(i)
             k = end
+            i += 1
         self.size -= n
-        self._tidy()
+        half = self.load >> 1
+        small = False
+        for i in touched:
+            block = blocks[i]
+            if len(block) < half:
+                small = True
+            else:
+                maxes[i] = block[-1]
+        if small:
+            self._tidy()
 
     def _tidy(self) -> None:
         """Drop empty blocks, join runs of small ones, recompute ``maxes``."""
@@ -265,14 +318,7 @@ class Order:
         raise IndexError(pos)
 
     def flush(self) -> list[int]:
-        """Merge the pending values in; returns them, ascending.
-
-        Few values for the order's size go in block by block: each block's
-        share is found with one bisection per block, then merged into it (one
-        sort of two runs) or, when it is small for the block, inserted from
-        the right, so the positions found first stay valid. Many values for
-        the order's size rebuild it with one sort of two runs. No bisection
-        of ``maxes`` per value, no split per value."""
+        """Merge the pending values in (``_merge``); returns them, ascending."""
         if not self.pending:
             return []
         new: list[int] = []
@@ -282,6 +328,18 @@ class Order:
         if not new:
             return new
         new.sort()
+        self._merge(new)
+        return new
+
+    def _merge(self, new: list[int]) -> None:
+        """Merge ``new`` (ascending, not held; ``size`` counts them already).
+
+        Few values for the order's size go in block by block: each block's
+        share is found with one bisection per block and merged in
+        (``_merge_into``: values past a block's end, as granted keys join a
+        detached order, cost no more than their own number). Many values for
+        the order's size rebuild it with one sort of two runs. No bisection
+        of ``maxes`` per value, no split per value."""
         m = len(new)
         held = self.size - m
         if held < MERGE_REBUILD * m:
@@ -294,31 +352,29 @@ class Order:
                 self._rebuild(values)
             else:
                 self._rebuild(new)
-            return new
+            return
         blocks, maxes = self.blocks, self.maxes
-        cuts = list(map(bisect_right, repeat(new), maxes))
-        cuts[-1] = m  # above the last block's max: the last block
+        if len(blocks) == 1:
+            cuts = [m]
+        else:
+            cuts = list(map(bisect_right, repeat(new), maxes))
+            cuts[-1] = m  # above the last block's max: the last block
         start = 0
+        split = False
+        most = 2 * self.load
         for i, cut in enumerate(cuts):
             if cut == start:
                 continue
-            part = new[start:cut]
-            start = cut
             block = blocks[i]
-            if len(part) * MERGE_BLOCK > len(block):
-                values = block.tolist()
-                values += part
-                values.sort()
-                blocks[i] = block = array("q", values)
-            else:
-                at = list(map(bisect_left, repeat(block), part))
-                deque(map(block.insert, reversed(at), reversed(part)), maxlen=0)
+            _merge_into(block, new[start:cut] if start or cut < m else new)
+            start = cut
             maxes[i] = block[-1]
-        most = 2 * self.load
-        for i in range(len(blocks) - 1, -1, -1):
-            if len(blocks[i]) > most:
-                self._split_even(i)
-        return new
+            if len(block) > most:
+                split = True
+        if split:
+            for i in range(len(blocks) - 1, -1, -1):
+                if len(blocks[i]) > most:
+                    self._split_even(i)
 
     def _rebuild(self, values: list[int]) -> None:
         load = self.load

@@ -27,7 +27,7 @@ from typing import Any
 
 import msgpack
 
-from keeper.buckets import Buckets
+from keeper.buckets import Buckets, Columns
 from keeper.classes import ClassTable
 from keeper.lag import LagWindow
 from node import log, metrics
@@ -154,7 +154,7 @@ class Keeper:
         self.state = state
         self.test_hooks = test_hooks
         self.classes = ClassTable(config)
-        self.buckets = Buckets(self.classes)
+        self.buckets = Buckets(self.classes, remember_best=leases is not None)
         self.status = "loading"
         self.exact = False
         self.feed_seq = 0
@@ -177,7 +177,7 @@ class Keeper:
         self._tombstones: dict[str, int] = {}
         self._verify: _VerifyWalk | None = None
         self._top_checked: dict[str, float] = {}
-        self._published: list[tuple] = []
+        self._published: list[str] = []  # the keys of the last publish, best first
         self._flow: deque[tuple[int, dict[str, int]]] = deque(maxlen=FLOW_MINUTES)
         self._caught_up = False
         self.next_publish = 0.0
@@ -412,12 +412,13 @@ class Keeper:
         if self.leases is not None:
             self._follow_leases(now)
         if self.paused_node:
-            entries = []
+            columns: Columns = ([], [], [], [], [])
         else:
-            entries = self.buckets.best(
+            columns = self.buckets.best_columns(
                 now, self.config.ready_size, paused_routes=self.paused_routes
             )
-        self.ready.publish(entries, now)
+        self.ready.publish_columns(*columns, now)
+        keys = columns[0]
         spent = time.perf_counter() - t0
         metrics.observe_publish(spent)
         ms = spent * 1000
@@ -425,15 +426,15 @@ class Keeper:
         pub["count"] += 1
         pub["last_ms"] = round(ms, 3)
         pub["max_ms"] = max(pub["max_ms"], round(ms, 3))
-        pub["size"] = len(entries)
+        pub["size"] = len(keys)
         if pub["count"] == 1:
             self.stats.load["first_publish_s"] = round(time.perf_counter() - self._t_start, 4)
-        self._published = entries
+        self._published = keys
         self._published_at = now
         self.next_publish = now + self.config.publish_interval_s
         self.state.heartbeat(now, self.status, self.exact, self._phase(), published=True)
         if not self._loading:
-            self._check_top(entries[:TOP_CHECK], now)
+            self._check_top(keys[:TOP_CHECK], now)
 
     def _follow_leases(self, now: float) -> None:
         """Keep the leased, held and parked keys out of the publish: a key
@@ -465,9 +466,9 @@ class Keeper:
 
     # -- self checks ------------------------------------------------------------
 
-    def _check_top(self, entries: list[tuple], now: float) -> None:
+    def _check_top(self, top: list[str], now: float) -> None:
         checked = self._top_checked
-        keys = [e[0] for e in entries if checked.get(e[0], 0.0) + TOP_CHECK_EVERY_S <= now]
+        keys = [key for key in top if checked.get(key, 0.0) + TOP_CHECK_EVERY_S <= now]
         if not keys:
             return
         for key in keys:
@@ -705,7 +706,7 @@ class Keeper:
         info = self.classes.info(cid)
         due = minute <= int(now // 60)
         rank = (now - minute * 60) / info.cadence_s + info.boost if due else None
-        position = next((i for i, e in enumerate(self._published) if e[0] == key), None)
+        position = next((i for i, k in enumerate(self._published) if k == key), None)
         return {
             "held": True,
             "status": self.status,

@@ -184,7 +184,7 @@ def check_best(
     exclude: set,
     best: Any = Buckets.best,
     detached: Any = frozenset(),
-) -> None:
+) -> list[tuple]:
     """``best`` against the model's ranks; ``detached`` keys (the model's)
     are left out as ``exclude`` would leave them."""
     got = best(buckets, now, k, paused_routes=paused, exclude=exclude or None)
@@ -208,6 +208,7 @@ def check_best(
     # Ties come in any order, so compare the ranks taken, not the keys: no
     # better-ranked row was left out.
     assert Counter(ranks) == Counter(sorted(eligible.values(), reverse=True)[:k])
+    return got
 
 
 # -- strategies --------------------------------------------------------------------
@@ -738,6 +739,22 @@ def test_best_columns_are_best(ops, now, k, paused, exclude, search):
     check_best(buckets, model, now, k, paused, exclude, best_via_columns)
 
 
+def test_order_values_read_as_int32_halves_are_slot_and_minute():
+    """``best_columns`` takes an order value's slot and minute as the two
+    int32 halves of its int64 (``buckets_module._SLOT_HALF``)."""
+    from array import array
+
+    assert array("i").itemsize == 4 and array("q").itemsize == 8
+    assert buckets_module.SLOT_BITS == 32
+    top = 2**31 - 1
+    pairs = [(0, 0), (1, top), (-1, 5), (-top - 1, 0), (top, top), (28_333_333, 7)]
+    values = array("q", [minute << 32 | slot for minute, slot in pairs])
+    halves = array("i", values.tobytes())
+    slots = list(halves[buckets_module._SLOT_HALF :: 2])
+    minutes = list(halves[buckets_module._MINUTE_HALF :: 2])
+    assert list(zip(minutes, slots, strict=True)) == pairs
+
+
 def test_best_columns_publish_as_best_does(node_name):
     buckets = Buckets(ClassTable(CONFIG), block_load=8)
     rnd = Random(5)
@@ -991,6 +1008,19 @@ bests = st.tuples(
     st.sets(st.sampled_from(KEYS), max_size=5),  # a small exclude= set as well
 )
 reconfigures = st.tuples(st.just("reconfigure"), st.builds(lambda: None))
+# The keeper's way with the lease table: a publish (``best`` or
+# ``best_columns``, which remember their candidates), then, after whatever
+# other changes come between, the keys claimers were granted from it
+# detached in bulk: a head of the published keys, some others from it, and
+# a few keys that may not be in it, as fresh strs (the lease table decodes
+# its own), repeats among them.
+publishes = st.tuples(st.just("publish"), nows, st.integers(1, 30), st.booleans())
+grants = st.tuples(
+    st.just("grant"),
+    st.integers(0, 30),
+    st.lists(st.integers(0, 40), max_size=8),
+    st.lists(st.sampled_from(KEYS), max_size=3),
+)
 detach_ops = st.lists(
     st.one_of(
         applies,
@@ -1006,18 +1036,45 @@ detach_ops = st.lists(
         st.tuples(st.just("load"), chunks),
         bests,
         checks,
+        publishes,
+        grants,
+        grants,
     ),
     min_size=1,
     max_size=80,
 )
 
 
+def publish_or_grant(
+    buckets: Buckets, model: DetachModel, op: tuple, published: list[str], minute: int
+) -> tuple[list[str], int]:
+    """A publish (checked against the model), or a bulk detach of keys
+    granted from the last one; returns the keys published and the minute."""
+    if op[0] == "publish":
+        now, k, columns = op[1:]
+        model.advance(minute_of(now))
+        best = best_via_columns if columns else Buckets.best
+        got = check_best(buckets, model, now, k, frozenset(), set(), best, model.detached)
+        return [entry[0] for entry in got], minute_of(now)
+    head, picks, others = op[1:]
+    chosen = published[:head]
+    chosen += [published[p % len(published)] for p in picks] if published else []
+    chosen = [key.encode().decode() for key in chosen + others]
+    want = sum(model.detach(key) for key in set(chosen))
+    assert buckets.detach_many(chosen) == want
+    check_orders(buckets)
+    return published, minute
+
+
 def run_detached(buckets: Buckets, model: DetachModel, ops: list[tuple], minute: int) -> int:
     """Interleave every kind of change with detach and attach; after each,
     the flags and came_due agree with the model. Returns the minute reached."""
+    published: list[str] = []
     for op in ops:
         kind = op[0]
-        if kind == "detach":
+        if kind in ("publish", "grant"):
+            published, minute = publish_or_grant(buckets, model, op, published, minute)
+        elif kind == "detach":
             assert buckets.detach(op[1]) == model.detach(op[1])
         elif kind == "attach":
             assert buckets.attach(op[1]) == model.attach(op[1])
@@ -1065,9 +1122,10 @@ def run_detached(buckets: Buckets, model: DetachModel, ops: list[tuple], minute:
     load=block_loads,
     search=searches,
     hint=hints,
+    remember=st.booleans(),
 )
-def test_detached_rows_are_counted_but_never_best(ops, now, k, load, search, hint):
-    buckets = Buckets(ClassTable(CONFIG), block_load=load)
+def test_detached_rows_are_counted_but_never_best(ops, now, k, load, search, hint, remember):
+    buckets = Buckets(ClassTable(CONFIG), block_load=load, remember_best=remember)
     model = DetachModel(CONFIG)
     run_detached(buckets, model, ops, minute_of(BASE))
     check_orders(buckets)
@@ -1084,9 +1142,16 @@ def test_detached_rows_are_counted_but_never_best(ops, now, k, load, search, hin
 
 
 @SETTINGS
-@given(config=configs, ops=detach_ops, more=detach_ops, now=nows, load=block_loads)
-def test_reconfigure_carries_detached_rows(config, ops, more, now, load):
-    buckets = Buckets(ClassTable(CONFIG), block_load=load)
+@given(
+    config=configs,
+    ops=detach_ops,
+    more=detach_ops,
+    now=nows,
+    load=block_loads,
+    remember=st.booleans(),
+)
+def test_reconfigure_carries_detached_rows(config, ops, more, now, load, remember):
+    buckets = Buckets(ClassTable(CONFIG), block_load=load, remember_best=remember)
     model = DetachModel(CONFIG)
     minute = run_detached(buckets, model, ops, minute_of(BASE))
     buckets.reconfigure(config)
@@ -1096,6 +1161,114 @@ def test_reconfigure_carries_detached_rows(config, ops, more, now, load):
     model.advance(minute_of(now))
     check_equal(buckets, model, now)
     check_best(buckets, model, now, 25, frozenset(), set(), Buckets.best, model.detached)
+
+
+# The publish-then-grant cycle, densely: every row due from the start, most
+# steps a publish or a grant, and the changes that can make a remembered
+# candidate stale (a move, a remove and a write again, a single detach, a
+# load) between them.
+grant_cycle_ops = st.lists(
+    st.one_of(
+        publishes,
+        publishes,
+        grants,
+        grants,
+        grants,
+        applies,
+        removes,
+        detaches,
+        attaches,
+        bulk_moves,
+        st.tuples(st.just("load"), chunks),
+    ),
+    min_size=1,
+    max_size=60,
+)
+
+
+@SETTINGS
+@given(
+    ops=grant_cycle_ops,
+    load=st.sampled_from([2, 3, 4, 16]),
+    columns=st.booleans(),
+    now=nows,
+)
+def test_bulk_detach_of_published_keys_equals_the_model(ops, load, columns, now):
+    buckets = Buckets(ClassTable(CONFIG), block_load=load, remember_best=True)
+    model = DetachModel(CONFIG)
+    for i, key in enumerate(KEYS):
+        args = (key, 1, ROUTES[i % 3], (None, 60, 900)[i % 3], i % 4 == 0, BASE - (i % 7) * 600)
+        assert buckets.apply(*args) == model.apply(*args)
+    start = [("publish", BASE, 40, columns)]
+    run_detached(buckets, model, start + ops, minute_of(BASE))
+    check_orders(buckets)
+    model.advance(minute_of(now))
+    check_equal(buckets, model, now)
+    check_best(buckets, model, now, 40, frozenset(), set(), Buckets.best, model.detached)
+
+
+def _published_buckets(columns: bool) -> tuple[Buckets, list[str]]:
+    """40 due rows in one class, all published (and so remembered)."""
+    buckets = Buckets(ClassTable(CONFIG), block_load=4, remember_best=True)
+    for i, key in enumerate(KEYS):
+        buckets.apply(key, 1, "pages", None, False, BASE - (len(KEYS) - i) * 60)
+    got = buckets.best_columns(BASE, 40)[0] if columns else [e[0] for e in buckets.best(BASE, 40)]
+    assert got == KEYS  # the earliest first
+    return buckets, got
+
+
+@pytest.mark.parametrize("columns", [False, True])
+def test_a_row_moved_after_the_publish_is_detached_from_where_it_is_now(columns):
+    buckets, published = _published_buckets(columns)
+    assert buckets.apply(KEYS[0], 2, "pages", None, False, BASE - 3 * 3600)  # later in its order
+    assert buckets.apply(KEYS[1], 2, "feeds", None, False, BASE - 60)  # another class
+    assert buckets.detach_many([key.encode().decode() for key in published[:3]]) == 3
+    check_orders(buckets)
+    assert [e[0] for e in buckets.best(BASE, 40)] == KEYS[3:]
+    assert buckets.counts(BASE)["due"]["total"] == 40
+
+
+@pytest.mark.parametrize("columns", [False, True])
+def test_a_row_removed_and_written_again_after_the_publish_is_found_by_its_key(columns):
+    buckets, published = _published_buckets(columns)
+    assert buckets.remove(KEYS[0])
+    assert buckets.apply("a newcomer", 1, "pages", None, False, BASE - 7200)  # takes KEYS[0]'s slot
+    assert buckets.apply(KEYS[0], 2, "pages", None, False, BASE - 120)
+    assert buckets.detach_many([KEYS[0], KEYS[2]]) == 2
+    check_orders(buckets)
+    assert not buckets.is_detached("a newcomer")
+    assert [e[0] for e in buckets.best(BASE, 3)] == ["a newcomer", KEYS[1], KEYS[3]]
+
+
+@pytest.mark.parametrize("columns", [False, True])
+def test_a_published_key_detached_since_is_not_detached_twice(columns):
+    buckets, published = _published_buckets(columns)
+    assert buckets.detach_many(published[:5]) == 5
+    assert buckets.detach(KEYS[6])
+    assert buckets.detach_many(published[:8] + published[:2]) == 2  # KEYS[5] and KEYS[7]
+    assert buckets.detached == 8
+    check_orders(buckets)
+    assert buckets.attach_many(published[3:5]) == 2
+    assert buckets.detach_many(published[:6]) == 2  # attached again since the publish
+    check_orders(buckets)
+    assert [e[0] for e in buckets.best(BASE, 40)] == KEYS[8:]
+
+
+def test_a_reconfigure_after_the_publish_forgets_the_candidates(monkeypatch):
+    # As test_merged_classes_carry_their_detached_rows: the route default's
+    # class merges into its twin, so remembered class ids would be stale.
+    monkeypatch.setattr(classes_module, "_identity", lambda i: (i.route, i.cadence_s, i.sitemap))
+    buckets = Buckets(ClassTable(CONFIG), block_load=4, remember_best=True)
+    for i, key in enumerate(KEYS):
+        buckets.apply(key, 1, "pages", None if i % 2 else 900, False, BASE - (40 - i) * 60)
+    published = buckets.best_columns(BASE, 40)[0]
+    granted = published[10:30]
+    assert len({buckets.get(key)[1] for key in granted}) == 2
+    buckets.reconfigure(Config(routes={"pages": RouteConfig(cadence_s=900)}))
+    assert len(buckets.counts(BASE)["per_class"]) == 1
+    assert buckets.detach_many(granted) == 20
+    check_orders(buckets)
+    assert {e[0] for e in buckets.best(BASE, 40)} == set(published) - set(granted)
 
 
 def test_merged_classes_carry_their_detached_rows(monkeypatch):
@@ -1205,3 +1378,65 @@ def test_order_bulk_removal_and_merge_agree_with_a_list(held, load, picks, added
     model = sorted(set(model) | added)
     assert list(order) == model and order.size == len(model)
     assert order.maxes == [block[-1] for block in order.blocks]
+
+
+order_ops = st.lists(
+    st.one_of(
+        # a run of the values held: [at, at + n) of them
+        st.tuples(st.just("run"), st.floats(0, 1), st.integers(1, 70)),
+        # a run with a few values left in it (claimers skipped them)
+        st.tuples(
+            st.just("holes"),
+            st.floats(0, 1),
+            st.integers(2, 70),
+            st.sets(st.integers(0, 69), min_size=1, max_size=5),
+        ),
+        # values anywhere, many, or a few far apart
+        st.tuples(st.just("scatter"), st.lists(st.integers(0, 10_000), max_size=90)),
+        st.tuples(st.just("scatter"), st.lists(st.integers(0, 10_000), min_size=2, max_size=4)),
+        # new values past the largest held (granted keys joining a detached order)
+        st.tuples(st.just("append"), st.integers(1, 90), st.integers(1, 3)),
+        # new values anywhere
+        st.tuples(st.just("add"), st.sets(st.integers(0, 30_000), max_size=90)),
+    ),
+    max_size=25,
+)
+
+
+@SETTINGS
+@given(
+    held=st.sets(st.integers(0, 20_000), max_size=600),
+    load=st.sampled_from([2, 3, 4, 16, 64]),
+    ops=order_ops,
+)
+def test_order_removals_and_merges_of_every_shape_agree_with_a_list(held, load, ops):
+    """``remove_sorted`` (a share that is one run of its block, one filtered
+    over its span, one removed value by value) and ``add_sorted`` (values
+    past a block's end, merged with a block's tail, inserted, or the whole
+    order rebuilt) against a plain sorted list, op after op."""
+    order = Order.from_sorted(sorted(held), load)
+    model = sorted(held)
+    for op in ops:
+        kind = op[0]
+        if kind in ("run", "holes"):
+            at = int(op[1] * len(model))
+            span = model[at : at + op[2]]
+            skipped = op[3] if kind == "holes" else set()
+            gone = [v for j, v in enumerate(span) if j not in skipped]
+            order.remove_sorted(gone)
+            model = sorted(set(model) - set(gone))
+        elif kind == "scatter":
+            gone = sorted({model[i % len(model)] for i in op[1]}) if model else []
+            order.remove_sorted(gone)
+            model = sorted(set(model) - set(gone))
+        else:
+            if kind == "append":
+                top = model[-1] if model else 0
+                new = [top + 1 + j * op[2] for j in range(op[1])]
+            else:
+                new = sorted(op[1] - set(model))
+            order.add_sorted(new)
+            model = sorted(set(model) | set(new))
+        assert list(order) == model and order.size == len(model)
+        assert order.maxes == [block[-1] for block in order.blocks]
+        assert all(0 < len(block) <= 2 * load for block in order.blocks)

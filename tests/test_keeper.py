@@ -488,3 +488,76 @@ def test_lag_window_percentiles_are_within_a_bin_of_sorting():
     assert window.figures()["samples"] == 20 and window.figures()["p50_ms"] <= 500 * BIN_RATIO
     window.add_many([0.001], NOW + 10 * WINDOW_S)  # a quiet spell forgets both windows
     assert window.figures()["samples"] == 1
+
+
+@pytest.mark.parametrize("seed", [21, 22, 23])
+def test_the_publish_follows_the_leases_while_claimers_drain_it(
+    segments, node_name, tmp_path, seed
+):
+    """Rounds of what claimers and the ledger do between two publishes: a
+    head of the set granted (a few skipped), results written back, errors
+    (holds), new writes and deletes of leased keys. After every publish no
+    published key is out, every key out and held is detached and no other,
+    and the keeper equals the table, its due count exact."""
+    from shm.leases import LeaseTable
+
+    rnd = random.Random(seed)
+    store = open_store("memory://")
+    store.upsert(_rows(3000, seed=seed), now=NOW)
+    leases = LeaseTable.create(node_name, capacity=8192, max_misses=2)
+    try:
+        keeper = Keeper(_config(node_name, tmp_path), store, *segments, leases=leases)
+        keeper.start(NOW)
+        _run_until_live(keeper, NOW)
+        live: dict[str, object] = {}
+        now = NOW
+        for _ in range(25):
+            now += rnd.choice([0.02, 0.02, 1.0, 130.0])  # holds of 2 x 60 s pass now and then
+            published = [e.key for e in segments[0].snapshot().entries]
+            for key in published[: rnd.randrange(0, 400)]:
+                row = store.get(key)
+                if rnd.random() < 0.05 or row is None or row.due_at > now:
+                    continue  # skipped, as a claim skips
+                lease = leases.grant(key, "t", 60, now, 3600, version=row.version)
+                if lease:
+                    live[key] = lease
+            for key in rnd.sample(sorted(live), min(len(live), rnd.randrange(0, 60))):
+                lease = live.pop(key)
+                r = rnd.random()
+                if r < 0.5:
+                    store.write_next_due(key, now + 3600, if_version=lease.version)
+                    leases.complete(key, lease.lease_id, now)
+                elif r < 0.75:
+                    leases.release(key, lease.lease_id, now, error="boom")
+                elif r < 0.9:  # a new write while leased: it stays out
+                    write = RowWrite(key=key, route="pages", cadence_s=None, sitemap=False,
+                                     due_at=now - rnd.uniform(0, 86400))
+                    store.upsert([write], now=now)
+                    live[key] = lease
+                else:  # deleted while leased, maybe written again
+                    store.delete([key])
+                    if rnd.random() < 0.5:
+                        write = RowWrite(key=key, route="listings", cadence_s=900,
+                                         sitemap=True, due_at=now - 60)
+                        store.upsert([write], now=now)
+                    live[key] = lease
+            keeper.drain_feed(now)
+            keeper.publish(now)
+            published = [e.key for e in segments[0].snapshot().entries]
+            assert not [key for key in published if leases.is_excluded(key, now)]
+            buckets = keeper.buckets
+            wrong = [
+                key
+                for key, *_ in buckets.items()
+                if buckets.is_detached(key) != leases.is_excluded(key, now)
+            ]
+            assert not wrong
+            assert _keeper_view(keeper) == _table(store)
+            keeper.write_state(now)
+            due = sum(1 for minute, _v in _table(store).values() if minute <= int(now // 60))
+            assert segments[1].read()["doc"]["now"]["due"]["total"] == due
+        assert keeper.stats.verify["top_repairs"] == 0
+    finally:
+        leases.close()
+        LeaseTable.unlink(node_name)
+        store.close()
