@@ -31,7 +31,7 @@ from array import array
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from operator import not_, rshift
 from typing import Any, NamedTuple
 
@@ -765,17 +765,20 @@ class BufferedLog(CompletionStore):
         count (each pass costs O(pending): amortised O(1) per id)."""
         if not self._loaded_retires:
             return
-        if not force and self._loaded_retire_ids < max(RETIRE_PASS_MIN_IDS, len(self._index) // 2):
+        pending = self._loaded_count()
+        if not force and self._loaded_retire_ids < max(RETIRE_PASS_MIN_IDS, pending // 2):
             return
-        retired: dict[int, bool] = {}
-        any_discard = False
-        for kind, ids, _ in reversed(self._loaded_retires):  # the first retirement wins
-            is_discard = kind == RETIRE_DISCARD
-            retired.update(dict.fromkeys(ids, is_discard))
-            any_discard = any_discard or is_discard
+        any_discard = any(kind == RETIRE_DISCARD for kind, _, _ in self._loaded_retires)
+        if any_discard:
+            retired: dict[int, bool] = {}
+            for kind, ids, _ in reversed(self._loaded_retires):  # the first retirement wins
+                retired.update(dict.fromkeys(ids, kind == RETIRE_DISCARD))
+        else:  # acks only, the common case: one dict, no copies
+            every_id = chain.from_iterable(ids for _, ids, _ in self._loaded_retires)
+            retired = dict.fromkeys(every_id, False)
         records, self._loaded_retires, self._loaded_retire_ids = self._loaded_retires, [], 0
         stats = self._segments
-        for (number, is_discard), n in self._index.retire_bulk(retired, any_discard).items():
+        for (number, is_discard), n in self._retire_loaded(retired, any_discard).items():
             target = stats[number]
             target.live -= n
             if is_discard:
@@ -797,6 +800,15 @@ class BufferedLog(CompletionStore):
                 if numbers[i] != by:
                     stats[by].refs.add(numbers[i])
                 i += 1
+
+    def _loaded_count(self) -> int:
+        """Results loaded so far and not retired (the pass rule's "pending")."""
+        return len(self._index)
+
+    def _retire_loaded(self, retired: dict[int, bool], any_discard: bool) -> Counter:
+        """Retire ``retired`` from what has been loaded: the index, and
+        whatever a backend holds back from it until its load ends."""
+        return self._index.retire_bulk(retired, any_discard)
 
     def recover(self) -> RecoveryReport:
         if self._closed:
