@@ -545,14 +545,13 @@ lease_refusal(GranterObject *g, GrantArgs *a)
         return 0;
     a->h64 = blake2b64((const uint8_t *)a->key, (size_t)a->key_len);
     a->hashed = 1;
-    Py_ssize_t idx;
-    uint64_t w;
-    char rec[RECORD_SIZE];
-    if (lookup(g, a->key, a->key_len, a->h64, &idx, &w, rec) != 1)
+    int got = lookup(g, a->key, a->key_len, a->h64, &a->slot, &a->word, a->record);
+    a->looked = got < 0 ? 0 : got ? 1 : 2;
+    if (got != 1)
         return 0;
     double held_until;
-    memcpy(&held_until, rec + R_HELD_UNTIL, 8);
-    switch (w & 15) {
+    memcpy(&held_until, a->record + R_HELD_UNTIL, 8);
+    switch (a->word & 15) {
     case LEASED:
         return G_LEASED;
     case PARKED:
@@ -574,7 +573,17 @@ lease_grant(GranterObject *g, const GrantArgs *a, uint64_t *lease_id, uint32_t *
         Py_ssize_t idx;
         uint64_t w;
         char rec[RECORD_SIZE];
-        int got = lookup(g, a->key, a->key_len, h64, &idx, &w, rec);
+        int got;
+        if (attempt == 0 && a->looked == 1) { /* lease_refusal's look, moments ago */
+            idx = a->slot;
+            w = a->word;
+            memcpy(rec, a->record, RECORD_SIZE);
+            got = 1;
+        }
+        else if (attempt == 0 && a->looked == 2)
+            got = 0;
+        else
+            got = lookup(g, a->key, a->key_len, h64, &idx, &w, rec);
         if (got < 0)
             return G_SLOW;
         if (got) {

@@ -35,6 +35,13 @@ typedef struct {
     int stop;       /* a test stop point, 0 none */
     int hashed;     /* h64 holds the key's hash already */
     uint64_t h64;
+    /* What lease_refusal found, for the grant's first look: 0 nothing known,
+       1 the slot (slot, word, record as read), 2 no slot. A slot that has
+       changed since fails the grant's swap and is looked up again. */
+    int looked;
+    Py_ssize_t slot;
+    uint64_t word;
+    char record[144];
 } GrantArgs;
 
 /* What lease_grant answers (and, as ints, Granter.grant). */
@@ -52,7 +59,7 @@ int lease_grant(GranterObject *g, const GrantArgs *a, uint64_t *lease_id, uint32
 
 /* Whether the key's slot refuses a grant now, read without taking it:
    G_LEASED, G_HELD, G_PARKED, or 0 (no slot, grantable, or not sure: the
-   grant decides). Sets a->h64 and a->hashed. */
+   grant decides). Sets a->h64 and a->hashed, and what it found (a->looked). */
 int lease_refusal(GranterObject *g, GrantArgs *a);
 
 /* Adds ClaimPath and RowError to the module (shm/_claim_path.c). */

@@ -714,6 +714,7 @@ grant_taken(ClaimPathObject *self, const Taken *t, GrantArgs *a, PyObject *grant
         a->key = key;
         a->key_len = len;
         a->hashed = 0;
+        a->looked = 0;
         int refused = lease_refusal(self->granter, a);
         if (refused) {
             k[refused == G_LEASED ? K_LEASED : refused == G_HELD ? K_HELD : K_PARKED]++;
