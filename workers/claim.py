@@ -479,12 +479,9 @@ class Claimer:
         a full first pass): the Python grant, which knows every case."""
         from node.store.sqlite import decode_payload
 
-        stats = self.stats
         for key, version, cadence_s, payload, job, due_at, route in slow:
-            lease = self.leases.grant(key, consumer, lease_s, now, cadence_s, version=version)
-            if isinstance(lease, Refused):
-                reason = lease.reason.value
-                stats.refused[reason] = stats.refused.get(reason, 0) + 1
+            lease = self._grant(key, consumer, lease_s, now, cadence_s, version)
+            if lease is None:
                 continue
             grants.append(
                 Grant(
@@ -509,7 +506,6 @@ class Claimer:
             rows = {} if row is None else {key: row}
         else:
             rows = self.store.get_many([entry.key for entry in entries])
-        grant = self.leases.grant
         for entry in entries:
             row = rows.get(entry.key)
             if row is None or isinstance(row, BadRow):
@@ -522,10 +518,8 @@ class Claimer:
                 stats.not_due += 1
                 continue
             cadence_s = row.cadence_s or self._cadence_of(row.route)
-            lease = grant(entry.key, consumer, lease_s, now, cadence_s, version=row.version)
-            if isinstance(lease, Refused):
-                reason = lease.reason.value
-                stats.refused[reason] = stats.refused.get(reason, 0) + 1
+            lease = self._grant(entry.key, consumer, lease_s, now, cadence_s, row.version)
+            if lease is None:
                 continue
             grants.append(
                 Grant(
@@ -539,6 +533,17 @@ class Claimer:
                     lease.misses,
                 )
             )
+
+    def _grant(
+        self, key: str, consumer: str, lease_s: float, now: float, cadence_s: float, version: int
+    ) -> Any:
+        """The lease table's grant; a refusal is counted by its reason and is None."""
+        lease = self.leases.grant(key, consumer, lease_s, now, cadence_s, version=version)
+        if isinstance(lease, Refused):
+            reason = lease.reason.value
+            self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
+            return None
+        return lease
 
     def _cadence_of(self, route: str) -> float:
         cadence_s = self._route_cadence.get(route)
