@@ -823,7 +823,7 @@ path_claim(ClaimPathObject *self, PyObject *const *args, Py_ssize_t nargs)
     a.stop = (int)PyLong_AsLong(args[5]);
     if (PyErr_Occurred())
         return NULL;
-    if (max_n < 1 || max_n > self->ready_capacity * 4 || !(a.lease_s > 0)) {
+    if (max_n < 1 || !(a.lease_s > 0)) {
         PyErr_SetString(PyExc_ValueError, "claim(): max or lease_s out of range");
         return NULL;
     }

@@ -255,3 +255,22 @@ def test_a_child_of_fork_opens_its_own_c_path(names, tmp_path):
     finally:
         leases.close()
         ready.close()
+
+
+def test_a_claim_larger_than_the_ready_set_takes_what_the_set_has(names, tmp_path):
+    db = tmp_path / "schedule.db"
+    keys = [k for k in _schedule(db) if k.startswith("k")]
+    ready = ReadySet.create(names[0], capacity=10)
+    leases = LeaseTable.create(names[0], capacity=256, now=NOW)
+    store = open_store(f"sqlite:///{db}")
+    claimer = Claimer(_config(), store, ready, leases)
+    try:
+        ready.publish(_entries(db, keys[:10]), NOW)
+        got = claimer.claim(10_000, 30.0, "c", NOW)  # the contract's largest max
+        assert claimer.on_c_path and [g.key for g in got] == keys[:10]
+        assert claimer.claim(10_000, 30.0, "c", NOW) == []
+    finally:
+        claimer.close()
+        leases.close()
+        ready.close()
+        store.close()
