@@ -167,6 +167,14 @@ path_close(ClaimPathObject *self)
     PyMem_Free(self->entries);
     PyMem_Free(self->heap);
     self->entries = self->heap = NULL;
+    /* A closed path keeps nothing alive (the claimer's bound method would
+       make a cycle the collector cannot see: this type is not tracked). */
+    Py_CLEAR(self->granter);
+    Py_CLEAR(self->grant_type);
+    Py_CLEAR(self->decode_payload);
+    Py_CLEAR(self->scan_once);
+    Py_CLEAR(self->route_cadence);
+    Py_CLEAR(self->cadence_of);
 }
 
 static PyObject *
@@ -191,12 +199,6 @@ static void
 path_dealloc(ClaimPathObject *self)
 {
     path_close(self);
-    Py_XDECREF(self->granter);
-    Py_XDECREF(self->grant_type);
-    Py_XDECREF(self->decode_payload);
-    Py_XDECREF(self->scan_once);
-    Py_XDECREF(self->route_cadence);
-    Py_XDECREF(self->cadence_of);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -802,7 +804,7 @@ path_claim(ClaimPathObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Format(PyExc_TypeError, "claim() takes 6 arguments (%zd given)", nargs);
         return NULL;
     }
-    if (self->db == NULL || !self->granter->held) {
+    if (self->db == NULL || self->granter == NULL || !self->granter->held) {
         PyErr_SetString(PyExc_ValueError, "ClaimPath is closed");
         return NULL;
     }
