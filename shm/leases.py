@@ -385,8 +385,6 @@ def truncated(text: str | None, limit: int) -> bytes:
     return raw[:limit].decode("utf-8", "ignore").encode()  # never half a character
 
 
-_truncated = truncated
-
 
 _blake2b = hashlib.blake2b
 
@@ -395,7 +393,7 @@ def _hash_py(key: bytes) -> int:
     return int.from_bytes(_blake2b(key, digest_size=8).digest(), "little")
 
 
-# The same value (tests/test_leases.py compares them), a third of the cost.
+# The same value (tests/test_grant_c.py compares them), a third of the cost.
 _hash = _hash_py if _claim is None else _claim.blake2b64
 
 
@@ -424,8 +422,7 @@ def _c_stop(spec: str) -> int:
     return point and point | {"exit": 1, "pause": 2}.get(how, 0) << 4
 
 
-_C_STOP = _c_stop(_TEST_STOP)
-C_STOP = _C_STOP  # for the claim path in C (workers/claim.py)
+C_STOP = _c_stop(_TEST_STOP)  # also the claim path's in C (workers/claim.py)
 
 
 def _test_stop(point: str) -> None:
@@ -492,8 +489,6 @@ def owner_bits() -> int:
         _me = pid << 9 | ((_start_ticks(pid) or 0) & TAG_MASK) << 31
     return _me
 
-
-_owner_bits = owner_bits
 
 
 def _require_atomics() -> None:
@@ -724,12 +719,12 @@ class LeaseTable:
 
     def _take(self, idx: int, w: int, point: str = "update") -> int | None:
         """Hold a keyed slot (UPDATING, this process); the held word, or None."""
-        # _next(w, UPDATING, _copy(w), prev=w & 15, owner=_owner_bits()), inlined
+        # _next(w, UPDATING, _copy(w), prev=w & 15, owner=owner_bits()), inlined
         own = (
             UPDATING
             | (w & 15) << 4
             | (w & 0x100)
-            | _owner_bits()
+            | owner_bits()
             | (((w >> SEQ_SHIFT) + 1) & SEQ_MASK) << SEQ_SHIFT
         )
         if self._view.cas64(STATES + 8 * idx, w, own) != w:
@@ -824,10 +819,10 @@ class LeaseTable:
         if not (lease_s > 0 and cadence_s > 0):
             raise ValueError(f"lease_s {lease_s} and cadence_s {cadence_s} must be positive")
         kb = _key_bytes(key)
-        holder = _truncated(consumer, CONSUMER_BYTES)
+        holder = truncated(consumer, CONSUMER_BYTES)
         if self._granter is not None:
             got = self._granter.grant(
-                kb, holder, lease_s, now, cadence_s, version, _owner_bits(), _C_STOP
+                kb, holder, lease_s, now, cadence_s, version, owner_bits(), C_STOP
             )
             if got.__class__ is tuple:
                 lease_id, misses = got
@@ -961,7 +956,7 @@ class LeaseTable:
                 self._write_record(idx, copy, rec)
             self._view.max32(self._lay.maxdist + 4 * home, (idx - home) & self._cap_mask)
             # Keyed from here on (a full barrier); then the ticket; then the probe.
-            keyed = _next(own, UPDATING, _copy(own), prev=FREE, owner=_owner_bits())
+            keyed = _next(own, UPDATING, _copy(own), prev=FREE, owner=owner_bits())
             if not self._cas(idx, own, keyed):
                 raise SlotTakenOver(f"{self.segment.name}: slot {idx} was taken while held")
             own = keyed
@@ -1001,7 +996,7 @@ class LeaseTable:
                 continue
             w = self._state(idx)
             if (REUSABLE >> (w & 15)) & 1:
-                own = _next(w, CLAIMING, _copy(w), owner=_owner_bits())
+                own = _next(w, CLAIMING, _copy(w), owner=owner_bits())
                 if self._cas(idx, w, own):
                     if _TEST_STOP:
                         _test_stop("insert")
@@ -1148,7 +1143,7 @@ class LeaseTable:
                 return Outcome.ENDED
             return Outcome.SUPERSEDED if lease_id < rec.lease_id else Outcome.UNKNOWN
         rec, code = self._missed(rec, now, Ended.RELEASED)
-        message = _truncated(error, ERROR_BYTES)
+        message = truncated(error, ERROR_BYTES)
         self._update(idx, own, rec._replace(error_len=len(message), error=message), code)
         _bump(self._view, RELEASED)
         return Outcome.RELEASED
@@ -1530,8 +1525,8 @@ def _read_lease_file(path: Path) -> tuple[int, dict, list[tuple[bytes, int, _Rec
             if code not in (LEASED, HELD, PARKED) or len(fields) != 8:
                 raise ValueError(f"entry for {key!r}: state {code}, {len(fields)} fields")
             _key_bytes(key.decode())
-            holder = _truncated(consumer, CONSUMER_BYTES)
-            message = _truncated(error, ERROR_BYTES)
+            holder = truncated(consumer, CONSUMER_BYTES)
+            message = truncated(error, ERROR_BYTES)
             rec = _Record._make([*fields, len(holder), len(message), holder, message, version])
             entries.append((bytes(key), code, rec))
         return int(doc["next_lease_id"]), dict(doc.get("counters") or {}), entries

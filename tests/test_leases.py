@@ -739,7 +739,7 @@ def _rewriter(node: str, idx: int, seconds: float, keys: list[bytes]) -> None:
     n = 0
     while time.monotonic() < deadline:
         w = view.load64(state)
-        own = leases._next(w, leases.CLAIMING, leases._copy(w), owner=leases._owner_bits())
+        own = leases._next(w, leases.CLAIMING, leases._copy(w), owner=leases.owner_bits())
         assert view.cas64(state, w, own) == w
         key = keys[n % len(keys)]
         n += 1
