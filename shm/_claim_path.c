@@ -205,7 +205,7 @@ path_dealloc(ClaimPathObject *self)
 static PyObject *RowError; /* (sqlite code, message) */
 
 static void
-set_row_error(ClaimPathObject *self, const char *action)
+set_row_error(ClaimPathObject *self)
 {
     int code = sq.errcode(self->db);
     PyObject *v = Py_BuildValue("(is)", code, sq.errmsg(self->db));
@@ -213,7 +213,6 @@ set_row_error(ClaimPathObject *self, const char *action)
         PyErr_SetObject(RowError, v);
         Py_DECREF(v);
     }
-    (void)action;
 }
 
 static int
@@ -285,7 +284,7 @@ path_init(ClaimPathObject *self, PyObject *args, PyObject *kwds)
     }
     if (sq.open_v2(db_path, &self->db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_NOMUTEX, NULL) != SQLITE_OK) {
         if (self->db)
-            set_row_error(self, "open");
+            set_row_error(self);
         else
             PyErr_NoMemory();
         path_close(self);
@@ -296,7 +295,7 @@ path_init(ClaimPathObject *self, PyObject *args, PyObject *kwds)
     snprintf(pragma, sizeof pragma, "PRAGMA cache_size = -%d", cache_kib);
     if (sq.exec(self->db, pragma, NULL, NULL, NULL) != SQLITE_OK ||
         sq.prepare_v2(self->db, ROW_SQL, -1, &self->stmt, NULL) != SQLITE_OK) {
-        set_row_error(self, "prepare");
+        set_row_error(self);
         path_close(self);
         return -1;
     }
@@ -481,7 +480,7 @@ read_row(ClaimPathObject *self, const char *key, Py_ssize_t key_len, RowRead *r)
     sqlite3_stmt *st = self->stmt;
     memset(r, 0, sizeof *r);
     if (sq.bind_text(st, 1, key, (int)key_len, NULL) != SQLITE_OK) {
-        set_row_error(self, "bind");
+        set_row_error(self);
         return -1;
     }
     int rc = sq.step(st);
@@ -491,7 +490,7 @@ read_row(ClaimPathObject *self, const char *key, Py_ssize_t key_len, RowRead *r)
         return 0;
     }
     if (rc != SQLITE_ROW) {
-        set_row_error(self, "get");
+        set_row_error(self);
         sq.reset(st);
         return -1;
     }
@@ -695,7 +694,7 @@ grant_taken(ClaimPathObject *self, const Taken *t, GrantArgs *a, PyObject *grant
     int in_txn = 0;
     if (t->count > 1) {
         if (sq.exec(self->db, "BEGIN", NULL, NULL, NULL) != SQLITE_OK) {
-            set_row_error(self, "begin");
+            set_row_error(self);
             return -1;
         }
         in_txn = 1;
@@ -895,37 +894,9 @@ fail:
     return NULL;
 }
 
-static PyObject *
-path_read(ClaimPathObject *self, PyObject *arg)
-{
-    /* read(key bytes) -> (route, cadence_s or None, due_at, payload, job, version) or None:
-       the row as the claim reads it (for tests). */
-    if (self->db == NULL) {
-        PyErr_SetString(PyExc_ValueError, "ClaimPath is closed");
-        return NULL;
-    }
-    if (!PyBytes_Check(arg)) {
-        PyErr_SetString(PyExc_TypeError, "read(): key must be bytes");
-        return NULL;
-    }
-    RowRead r;
-    int found = read_row(self, PyBytes_AS_STRING(arg), PyBytes_GET_SIZE(arg), &r);
-    if (found < 0)
-        return NULL;
-    if (!found)
-        Py_RETURN_NONE;
-    PyObject *cad = r.has_cadence ? PyLong_FromLongLong(r.cadence) : Py_NewRef(Py_None);
-    PyObject *out = cad ? Py_BuildValue("(ONOOOK)", r.route, cad, r.due_at, r.payload, r.job,
-                                        r.version)
-                        : NULL;
-    row_clear(&r);
-    return out;
-}
-
 static PyMethodDef path_methods[] = {
     {"claim", (PyCFunction)(void (*)(void))path_claim, METH_FASTCALL,
      "claim(max, holder, lease_s, now, owner, stop) -> (grants, slow, counters)"},
-    {"read", (PyCFunction)path_read, METH_O, "read(key) -> the row as a claim reads it, or None"},
     {"close", (PyCFunction)path_close_method, METH_NOARGS,
      "close(): the SQLite connection and the ready set's buffer"},
     {"abandon", (PyCFunction)path_abandon, METH_NOARGS,

@@ -12,6 +12,7 @@ keys, and a long key (which the C grant hands to the Python grant).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import subprocess
@@ -126,6 +127,23 @@ def _same(a: list[Grant], b: list[Grant]) -> None:
     assert sorted(map(strip, a), key=repr) == sorted(map(strip, b), key=repr)
 
 
+@contextlib.contextmanager
+def _claimer_on(name: str, db: Path, capacity: int, **table: object):
+    """A C-path Claimer over ``db`` with a ready set and lease table of its
+    own, all closed after."""
+    ready = ReadySet.create(name, capacity=capacity)
+    leases = LeaseTable.create(name, capacity=256, now=NOW, **table)
+    store = open_store(f"sqlite:///{db}")
+    claimer = Claimer(_config(), store, ready, leases)
+    try:
+        yield claimer, ready, leases
+    finally:
+        claimer.close()
+        leases.close()
+        ready.close()
+        store.close()
+
+
 def test_the_c_path_claims_what_the_python_path_claims(names, tmp_path):
     db = tmp_path / "schedule.db"
     keys = _schedule(db)
@@ -166,11 +184,7 @@ def test_the_c_path_claims_what_the_python_path_claims(names, tmp_path):
 def test_payloads_and_cadences_come_through_as_the_python_path_reads_them(names, tmp_path):
     db = tmp_path / "schedule.db"
     keys = _schedule(db)
-    ready = ReadySet.create(names[0], capacity=100)
-    leases = LeaseTable.create(names[0], capacity=256, max_misses=3, now=NOW)
-    store = open_store(f"sqlite:///{db}")
-    claimer = Claimer(_config(), store, ready, leases)
-    try:
+    with _claimer_on(names[0], db, 100, max_misses=3) as (claimer, ready, leases):
         ready.publish(_entries(db, keys), NOW)
         grants = {g.key: g for g in claimer.claim(100, 30.0, "c", NOW)}
         assert grants["raw"].payload == "not json"
@@ -189,11 +203,6 @@ def test_payloads_and_cadences_come_through_as_the_python_path_reads_them(names,
         assert leases.peek("k000", grants["k000"].lease_id)[1].cadence_s == 3600
         assert leases.peek("other-route", grants["other-route"].lease_id)[1].cadence_s == 86400
         assert leases.grant("k000", "x", 30.0, NOW, 3600) == Refused(Refuse.LEASED)
-    finally:
-        claimer.close()
-        leases.close()
-        ready.close()
-        store.close()
 
 
 def test_closing_the_segments_closes_the_c_path_first(names, tmp_path):
@@ -260,17 +269,8 @@ def test_a_child_of_fork_opens_its_own_c_path(names, tmp_path):
 def test_a_claim_larger_than_the_ready_set_takes_what_the_set_has(names, tmp_path):
     db = tmp_path / "schedule.db"
     keys = [k for k in _schedule(db) if k.startswith("k")]
-    ready = ReadySet.create(names[0], capacity=10)
-    leases = LeaseTable.create(names[0], capacity=256, now=NOW)
-    store = open_store(f"sqlite:///{db}")
-    claimer = Claimer(_config(), store, ready, leases)
-    try:
+    with _claimer_on(names[0], db, 10) as (claimer, ready, _leases):
         ready.publish(_entries(db, keys[:10]), NOW)
         got = claimer.claim(10_000, 30.0, "c", NOW)  # the contract's largest max
         assert claimer.on_c_path and [g.key for g in got] == keys[:10]
         assert claimer.claim(10_000, 30.0, "c", NOW) == []
-    finally:
-        claimer.close()
-        leases.close()
-        ready.close()
-        store.close()
