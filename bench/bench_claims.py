@@ -31,6 +31,14 @@ after ``HTTP_EMPTY_WAIT_S`` (HTTP); that waiting is inside the measured
 window, so it costs grants/s. Latency percentiles are over non-empty claims,
 as for the peers.
 
+Each node result also says where the machine's CPU went while claiming
+(``cpu_s``): the claimers' own ``process_time`` over their loops, and the
+node's processes by title (``keeper``, ``ledger``, ``worker-N``) from psutil,
+from the claimers' start to the last one's report (so it includes the
+``DRAINED_S`` wait at the end). Divided by ``grants`` it is the CPU a grant
+costs in each process, which noise on a shared machine moves less than the
+rate.
+
 Every result is one JSON line, appended to ``bench/results/claims.jsonl``.
 """
 
@@ -198,6 +206,7 @@ def _loop(claim, wait_empty, start_at: float, seconds: float) -> dict:
         time.sleep(start_at - now)
     deadline = start_at + seconds
     t = last_grant = time.monotonic()
+    cpu0 = time.process_time()
     drained = False
     while t < deadline:
         n = claim()
@@ -217,6 +226,7 @@ def _loop(claim, wait_empty, start_at: float, seconds: float) -> dict:
         t = t2
     stopped = (last_grant if drained else t) - start_at
     return {
+        "cpu_s": time.process_time() - cpu0,
         "grants": grants,
         "claims": claims,
         "empty": empty,
@@ -275,8 +285,11 @@ def _child(kind, cfg, idx, batch, seconds, ready, go, start, out) -> None:
         ready.put(idx)
 
 
-def measure(kind: str, cfg: dict, batch: int, procs: int, seconds: float) -> dict:
+def measure(
+    kind: str, cfg: dict, batch: int, procs: int, seconds: float, node_pid: int | None = None
+) -> dict:
     load_1m = os.getloadavg()[0]
+    node_cpu = _NodeCPU(node_pid)
     ctx = mp.get_context("spawn")
     ready, out = ctx.Queue(), ctx.Queue()
     go = ctx.Event()
@@ -292,6 +305,7 @@ def measure(kind: str, cfg: dict, batch: int, procs: int, seconds: float) -> dic
             ready.get(timeout=120)
         start.value = time.monotonic() + START_DELAY_S
         go.set()
+        node_cpu.mark(start.value)
         results, errors = [], []
         while len(results) + len(errors) < procs:
             try:
@@ -299,6 +313,7 @@ def measure(kind: str, cfg: dict, batch: int, procs: int, seconds: float) -> dic
             except queue_mod.Empty:
                 raise RuntimeError(f"{kind}: claimers did not report in time") from None
             (errors.append(err) if err else results.append(res))
+        node_cpu.stop()
         if errors:
             raise RuntimeError(f"{kind}: a claimer failed:\n" + "\n".join(errors))
     finally:
@@ -329,7 +344,61 @@ def measure(kind: str, cfg: dict, batch: int, procs: int, seconds: float) -> dic
         "drained": any(r["drained"] for r in results),
         "cpus": os.cpu_count(),
         "loadavg_1m": round(load_1m, 2),
+        # CPU seconds spent while claiming: where the machine's time went.
+        "cpu_s": {
+            "claimers": round(sum(r["cpu_s"] for r in results), 3),
+            **node_cpu.spent(),
+        },
     }
+
+
+class _NodeCPU:
+    """CPU seconds of the node's processes (keeper, HTTP workers, ledger)
+    from the claimers' start to the last claimer's report, by process title."""
+
+    def __init__(self, pid: int | None) -> None:
+        self.procs: list[Any] = []
+        self.before: dict[int, float] = {}
+        self.after: dict[int, float] = {}
+        if pid is None:
+            return
+        import psutil
+
+        try:
+            self.procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        except psutil.Error:
+            self.procs = []
+
+    def _read(self) -> dict[int, float]:
+        out = {}
+        for p in self.procs:
+            try:
+                t = p.cpu_times()
+                out[p.pid] = t.user + t.system
+            except Exception:  # noqa: BLE001 - a process that went away
+                pass
+        return out
+
+    def mark(self, at: float) -> None:
+        wait = at - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)  # read at the claimers' start, not before
+        self.before = self._read()
+
+    def stop(self) -> None:
+        self.after = self._read()
+
+    def spent(self) -> dict[str, float]:
+        by: dict[str, float] = {}
+        for p in self.procs:
+            if p.pid in self.before and p.pid in self.after:
+                try:
+                    name = p.name()
+                except Exception:  # noqa: BLE001
+                    name = str(p.pid)
+                name = name.removeprefix("qn-")
+                by[name] = round(by.get(name, 0.0) + self.after[p.pid] - self.before[p.pid], 3)
+        return by
 
 
 def run_node(
@@ -338,7 +407,7 @@ def run_node(
     node = Node(db, workers=args.workers, ready_size=args.ready_size)
     try:
         cfg = {"name": node.name, "dir": str(node.dir), "http": node.http}
-        res = measure(kind, cfg, batch, procs, seconds)
+        res = measure(kind, cfg, batch, procs, seconds, node_pid=node.proc.pid)
         res.update(rows=rows, ready_size=args.ready_size, workers=args.workers)
         res["keeper_publish"] = keeper_publish(node.name)
         return res

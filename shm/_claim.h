@@ -59,8 +59,15 @@ int lease_grant(GranterObject *g, const GrantArgs *a, uint64_t *lease_id, uint32
 
 /* Whether the key's slot refuses a grant now, read without taking it:
    G_LEASED, G_HELD, G_PARKED, or 0 (no slot, grantable, or not sure: the
-   grant decides). Sets a->h64 and a->hashed, and what it found (a->looked). */
+   grant decides). Sets a->h64 and a->hashed (hashes the key unless
+   a->hashed says a->h64 holds its hash), and what it found (a->looked). */
 int lease_refusal(GranterObject *g, GrantArgs *a);
+
+/* The key's hash (blake2b64), after asking the CPU for the lines a grant of
+   it touches at its home slot (state word, hash, maxdist, the slot): a claim
+   calls it for a run of keys first, so that their cache misses overlap
+   instead of each grant waiting out its own. Only a hint: nothing changes. */
+uint64_t lease_prefetch(GranterObject *g, const char *key, Py_ssize_t key_len);
 
 /* Adds ClaimPath and RowError to the module (shm/_claim_path.c). */
 int claim_path_add(PyObject *m);

@@ -685,6 +685,10 @@ entry_key(const Taken *t, const char *heap, const char *entry)
     return PyUnicode_DecodeUTF8(p, len, NULL);
 }
 
+/* Keys hashed and prefetched at a time (lease_prefetch): 64 slots' lines are
+   about 45 KiB, in the L2 cache of anything this runs on. */
+#define PREFETCH_RUN 64
+
 /* Grant the taken entries; -1 with an exception on an error (what was granted
    before it stays in `grants`). */
 static int
@@ -700,7 +704,20 @@ grant_taken(ClaimPathObject *self, const Taken *t, GrantArgs *a, PyObject *grant
         in_txn = 1;
     }
     int rc = 0;
+    uint64_t hashes[PREFETCH_RUN];
     for (Py_ssize_t i = 0; i < t->count && rc == 0; i++) {
+        if (i % PREFETCH_RUN == 0) {
+            /* Hash the next run of keys and have their slots' lines fetched
+               while this run's rows are read. */
+            for (Py_ssize_t j = i; j < t->count && j < i + PREFETCH_RUN; j++) {
+                const char *e = self->entries + R_ENTRY_SIZE * j;
+                uint32_t o;
+                uint16_t l;
+                memcpy(&o, e, 4);
+                memcpy(&l, e + 4, 2);
+                hashes[j - i] = lease_prefetch(self->granter, self->heap + (o - t->heap_lo), l);
+            }
+        }
         const char *entry = self->entries + R_ENTRY_SIZE * i;
         uint32_t off;
         uint16_t len;
@@ -714,7 +731,8 @@ grant_taken(ClaimPathObject *self, const Taken *t, GrantArgs *a, PyObject *grant
            some of those keys). */
         a->key = key;
         a->key_len = len;
-        a->hashed = 0;
+        a->h64 = hashes[i % PREFETCH_RUN];
+        a->hashed = 1;
         a->looked = 0;
         int refused = lease_refusal(self->granter, a);
         if (refused) {

@@ -183,6 +183,18 @@ EXPIRED = 88
 COMPLETED = 96
 LATE_EXPIRED = 104
 LATE_RELEASED = 112
+# A lower bound on the expiry of every live lease: an f64's bits (positive
+# doubles order as their bits), 0 unknown. Whoever publishes a lease LEASED
+# lowers it after (``_lower_expiry``; the C grant too); a sweep sets it to inf
+# before its scan and lowers it to what the scan left. ``expire`` skips the scan
+# while ``now`` is below it, but not for longer than FULL_SCAN_S: a writer
+# killed between its publish and its lowering costs that lease at most that
+# much lateness.
+EARLIEST_EXPIRY = 120
+FULL_SCAN_S = 1.0
+_F64 = struct.Struct("<d")
+_U64 = struct.Struct("<Q")
+_INF_BITS = _U64.unpack(_F64.pack(float("inf")))[0]
 # The lifetime counters of the ledger that live in this table, by name.
 COUNTERS = {
     "grants": GRANTS,
@@ -514,6 +526,17 @@ def _bump(view: Any, offset: int) -> None:
     view.add64(offset, 1)
 
 
+def _lower_expiry(view: Any, expires_at: float) -> None:
+    """EARLIEST_EXPIRY = min(itself, expires_at), by compare-and-swap."""
+    bits = _U64.unpack(_F64.pack(expires_at))[0]
+    cur = view.load64(EARLIEST_EXPIRY)
+    while bits < cur:
+        got = view.cas64(EARLIEST_EXPIRY, cur, bits)
+        if got == cur:
+            return
+        cur = got
+
+
 # What shm._claim.Granter.grant answers instead of a lease.
 _C_REFUSED = {
     1: Refused(Refuse.LEASED),
@@ -541,6 +564,7 @@ class LeaseTable:
         # compares each str with the slot's bytes before it gives it again.
         self._key_cache: list[str | None] | None = None
         self._seen: bytearray | None = None  # excluded_changes: each slot's last word
+        self._full_scan_due = 0.0  # expire: scan at this monotonic time whatever the hint
         self._on_close: list = []  # callables that release what holds this mapping
         lay = self._lay
         self._granter = (
@@ -759,6 +783,8 @@ class LeaseTable:
         if _TEST_STOP:
             _test_stop("written")
         self._publish(idx, own, code, copy)
+        if code == LEASED:
+            _lower_expiry(self._view, rec.expires_at)
 
     def _hold_key(self, key: bytes, h64: int) -> tuple[int, int, _Record] | Outcome:
         """Hold the key's slot, waiting out a live holder up to BUSY_WAIT_S:
@@ -972,6 +998,8 @@ class LeaseTable:
                 self._rollback(idx, own)
                 return 0
             self._publish(idx, own, code, copy)
+            if code == LEASED:
+                _lower_expiry(self._view, rec.expires_at)
         except BaseException:
             self._rollback(idx, own)
             raise
@@ -1177,20 +1205,50 @@ class LeaseTable:
 
         Each expiry is returned by exactly one sweep, whoever runs it: the
         state swap decides. Also rolls back slots that dead processes hold.
+
+        The scan of the leases is skipped while ``now`` is below the table's
+        next-expiry hint (EARLIEST_EXPIRY), for at most FULL_SCAN_S: a sweep
+        ten times a second then reads the table about once a second while no
+        lease is near its end, not every lease every time.
         """
-        for idx, w in self._view.scan_codes(STATES, self.capacity, _mask(*BUSY_CODES)):
+        view = self._view
+        for idx, w in view.scan_codes(STATES, self.capacity, _mask(*BUSY_CODES)):
             if not _owner_alive(w):
                 self._reclaim(idx, w)
         out: list[Expired] = []
-        for idx, w in self._scan_field(_mask(LEASED), EXPIRES_AT, now, above=False):
+        hint = view.load64(EARLIEST_EXPIRY)
+        tick = time.monotonic()
+        if hint and now < _F64.unpack(_U64.pack(hint))[0] and tick < self._full_scan_due:
+            return out
+        self._full_scan_due = tick + FULL_SCAN_S
+        # Reset, then scan: a lease published before the reset is in the scan,
+        # one published after lowers the hint itself.
+        view.store64(EARLIEST_EXPIRY, _INF_BITS)
+        candidates, rest = view.scan_f64(
+            STATES,
+            self.capacity,
+            _mask(LEASED),
+            self._lay.slots,
+            SLOT_SIZE,
+            COPY_AT[0] + EXPIRES_AT,
+            COPY_AT[1] + EXPIRES_AT,
+            now,
+            False,
+            True,
+        )
+        if rest != float("inf"):
+            _lower_expiry(view, rest)
+        for idx, w in candidates:
             rec = self._read_record(idx, _copy(w))
             if rec.expires_at > now:
-                continue  # changed since the scan
+                _lower_expiry(view, rec.expires_at)  # renewed since the scan
+                continue
             key = self._read_key(idx)
             own = self._take(idx, w)
             if own is None or key is None:  # changed since the scan: next sweep
                 if own is not None:
                     self._rollback(idx, own)
+                _lower_expiry(view, now)
                 continue
             rec, code = self._missed(rec, now, Ended.EXPIRED)
             self._update(idx, own, rec, code)

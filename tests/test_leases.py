@@ -177,6 +177,48 @@ def test_renew(table):
     assert table.renew("k", lease.lease_id + 1, 30, T0 + 5) is Outcome.UNKNOWN
 
 
+def _hint(t: LeaseTable) -> float:
+    return struct.unpack("<d", struct.pack("<Q", t._view.load64(leases.EARLIEST_EXPIRY)))[0]
+
+
+@pytest.mark.parametrize("path", ["c", "python"])
+def test_the_next_expiry_hint_follows_every_grant_and_renew(table, path):
+    """A sweep that skips its scan (now below the hint) never skips an
+    expiry: a grant or a shorter renew after a sweep lowers the hint."""
+    if path == "python":
+        table._granter = None
+    elif table._granter is None:
+        pytest.skip("shm._claim is not built")
+    long = _grant(table, "long", T0, lease_s=600)
+    assert table.expire(T0) == []  # scanned: the hint is long's expiry
+    assert _hint(table) == T0 + 600
+    short = _grant(table, "short", T0 + 1, lease_s=5)
+    assert _hint(table) == T0 + 6
+    assert [e.key for e in table.expire(T0 + 6)] == ["short"]
+    assert _hint(table) == T0 + 600
+    assert table.expire(T0 + 100) == []  # below the hint: nothing to do
+    assert table.renew("long", long.lease_id, 2, T0 + 100) is Outcome.RENEWED
+    assert _hint(table) == T0 + 102
+    assert [e.key for e in table.expire(T0 + 102)] == ["long"]
+    assert short.lease_id != long.lease_id
+
+
+def test_a_lost_hint_costs_at_most_a_full_scan_interval(table):
+    """A writer killed between publishing a lease and lowering the hint (the
+    hint stays above that lease's expiry): the lease still expires, at the
+    next full scan, within FULL_SCAN_S."""
+    _grant(table, "k", T0, lease_s=5)
+    assert table.expire(T0) == []
+    table._view.store64(leases.EARLIEST_EXPIRY, struct.unpack("<Q", struct.pack("<d", T0 + 1e6))[0])
+    swept: list = []
+    _wait_until(
+        lambda: swept.extend(table.expire(T0 + 10)) or swept,
+        "the full scan",
+        deadline_s=leases.FULL_SCAN_S + 5,
+    )
+    assert [e.key for e in swept] == ["k"]
+
+
 def test_hold_schedule_doubles_and_is_capped_at_the_cadence(table):
     lease_s, cadence_s = 10.0, 100.0
     now = T0
