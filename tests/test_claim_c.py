@@ -274,3 +274,34 @@ def test_a_claim_larger_than_the_ready_set_takes_what_the_set_has(names, tmp_pat
         got = claimer.claim(10_000, 30.0, "c", NOW)  # the contract's largest max
         assert claimer.on_c_path and [g.key for g in got] == keys[:10]
         assert claimer.claim(10_000, 30.0, "c", NOW) == []
+
+
+def test_a_sqlite_store_on_the_python_path_says_so_once(names, tmp_path, monkeypatch):
+    """Without the C claim path (here: the extension made unavailable) the
+    SQLite store's claims still work, on the Python path, and the process
+    logs one warning that says why, not one a claim."""
+    import logging
+
+    from workers import claim as claim_mod
+
+    monkeypatch.setattr(claim_mod, "_claim", None)
+    monkeypatch.setattr(claim_mod, "_warned_python_path", False)
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Keep(logging.WARNING)
+    logging.getLogger("queue-node").addHandler(handler)
+    try:
+        db = tmp_path / "schedule.db"
+        keys = _schedule(db)
+        with _claimer_on(names[0], db, 100, max_misses=3) as (claimer, ready, _leases):
+            ready.publish(_entries(db, keys), NOW)
+            assert not claimer.on_c_path
+            assert claimer.claim(5, 30.0, "c", NOW) and claimer.claim(5, 30.0, "c", NOW)
+    finally:
+        logging.getLogger("queue-node").removeHandler(handler)
+    warned = [line for line in lines if "action=claim_python_path" in line]
+    assert len(warned) == 1 and "shm._claim is not built" in warned[0]

@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 
 from node.config import Config
 from node.errors import NodeError, ValidationError
+from node.log import warn
 from node.rows import MAX_CADENCE_S, MAX_DUE_AT, MIN_CADENCE_S, MIN_DUE_AT
 from node.store.base import BadRow, Store
 from shm.leases import (
@@ -270,6 +271,19 @@ def ledger_address(name: str) -> str:
 _forks = [0]
 os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
 
+_warned_python_path = False
+
+
+def _python_path(reason: str) -> None:
+    """The SQLite store's claims take the Python path (several times slower a
+    grant, the same answers): said once a process, with why."""
+    global _warned_python_path
+    if not _warned_python_path:
+        _warned_python_path = True
+        warn("claim_python_path", reason=reason)
+    return None
+
+
 # ClaimPath.claim's counters, in its order (shm/_claim_path.c, K_*).
 _TAKEN, _GONE, _MOVED, _NOT_DUE, _LEASED, _HELD, _PARKED, _DRAINED = range(8)
 _LOW_WATER, _LAST_COUNT, _LAST_LEFT, _RETRIES = range(8, 12)
@@ -353,17 +367,19 @@ class Claimer:
 
         if (
             not self._c_path
-            or _claim is None
             or not isinstance(self.store, SQLiteStore)
             or not isinstance(self.ready, ReadySet)
-            or getattr(self.leases, "_granter", None) is None
             or self.ready.segment.read_only
         ):
-            return None
+            return None  # not asked for, or a store it is not for
+        if _claim is None:
+            return _python_path("shm._claim is not built (pip install -e . builds it)")
+        if getattr(self.leases, "_granter", None) is None:
+            return _python_path("the lease table has no C grant")
         try:
             import _sqlite3  # the module whose SQLite the C path must share
         except ImportError:
-            return None
+            return _python_path("this Python has no _sqlite3 module")
         try:
             path = _claim.ClaimPath(
                 self.ready.segment.mm,
@@ -382,8 +398,8 @@ class Claimer:
                 self._cadence_of,
                 json.decoder.JSONDecoder().scan_once,
             )
-        except (ImportError, BufferError, ValueError, _claim.RowError):
-            return None  # this build or store cannot: the Python path serves
+        except (ImportError, BufferError, ValueError, _claim.RowError) as exc:
+            return _python_path(f"{type(exc).__name__}: {exc}")  # the Python path serves
         self.ready.on_close(self.close)
         self.leases.on_close(self.close)
         return path
