@@ -317,6 +317,32 @@ def test_a_body_cut_off_by_the_client_changes_nothing(world: World) -> None:
     assert send_json(world.node, "GET", "/rows?key=cut").status == 404
 
 
+def test_a_request_line_too_long_is_400_and_one_log_line(world: World) -> None:
+    """A request aiohttp cannot parse (a request line over its 8,190 bytes,
+    as the fuzz sent) is answered 400 before any handler; the worker logs one
+    line for it, not a traceback, and goes on serving."""
+    host, port = world.node.info["http"].rsplit(":", 1)
+
+    def too_long() -> Answer:
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            path = "/jobs/j/results?" + "&".join(["wait_s=-3.5e%2B155"] * 600)
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        return Answer(int(answer.split(b" ", 2)[1]), {}, answer)
+
+    answer = unchanged(world, too_long)
+    assert answer.status == 400, answer.raw[:300]
+    deadline = time.monotonic() + 10
+    log_path = world.node.log_path
+    while "action=http_bad_request" not in (text := log_path.read_text(errors="replace")):
+        assert time.monotonic() < deadline, "no http_bad_request line in the node's log"
+        time.sleep(0.02)  # a polling interval: the worker writes the line after answering
+    assert "Traceback" not in text
+    assert send_json(world.node, "GET", "/healthz").status == 200
+
+
 # -- fields out of range ---------------------------------------------------------------------
 
 

@@ -214,7 +214,7 @@ async def serve(
     from node.store import open_store
     from workers.console_http import routes as console_routes
     from workers.http import WorkerContext, make_app
-    from workers.http_errors import SERVED
+    from workers.http_errors import SERVED, quiet_client_parse_errors
     from workers.metrics_http import count_requests
     from workers.metrics_http import routes as metrics_routes
     from workers.state_http import routes as state_routes
@@ -253,6 +253,7 @@ async def serve(
 
         app.middlewares.append(count_in_flight)
         app.on_response_prepare.append(drain.on_response_prepare)
+        quiet_client_parse_errors()
         runner = web.AppRunner(
             app, handle_signals=False, access_log=None, shutdown_timeout=config.drain_timeout_s
         )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -23,10 +24,37 @@ from typing import Any
 
 import msgpack
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from node.errors import StoreError, ValidationError
 
 log = logging.getLogger("queue-node.http")
+
+
+class _ClientParseErrors(logging.Filter):
+    """aiohttp answers a request it cannot parse (a request line over 8,190
+    bytes, a broken header) 400 before any handler runs, and logs it with a
+    traceback on ``aiohttp.server``. That is the caller's error: one line
+    without a traceback instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and 400 <= (exc.code or 0) < 500:
+            message = str(exc.message)
+            log.warning(
+                "action=http_bad_request status=%s message=%s",
+                exc.code,
+                json.dumps(message[:200] + ("…" if len(message) > 200 else "")),
+            )
+            return False
+        return True
+
+
+def quiet_client_parse_errors() -> None:
+    """Install the filter above (an HTTP worker, once at start)."""
+    server = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _ClientParseErrors) for f in server.filters):
+        server.addFilter(_ClientParseErrors())
 
 JSON_TYPE = "application/json"
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack")
