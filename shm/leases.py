@@ -1330,7 +1330,8 @@ class LeaseTable:
         passes over each slot whose word made no transition since it was
         last read (a word's seq moves with every transition), so the cost
         follows the slots that changed, not the keys excluded. A key that
-        moved to another slot can be in both lists: it is still excluded.
+        moved to another slot can be in both lists: it is still excluded. A
+        key is reported removed only if no slot holds it out now.
 
         Shares its per-slot cache with ``excluded_keys``: call one or the
         other on a table, not both."""
@@ -1352,6 +1353,13 @@ class LeaseTable:
                 if new is not None:
                     added.append(new)
                 cache[idx] = new
+        if removed:
+            # A key can be keyed in two slots for a moment (two inserts of it
+            # racing: one backs off and frees its slot). Its slot that changed
+            # is no proof that it is no longer out: it is removed only if it
+            # is not out in another slot now (the cost: one lookup a key that left).
+            came = set(added)
+            removed = [key for key in removed if key in came or not self.is_excluded(key, now)]
         return added, removed
 
     def _scan_layout(self, now: float) -> tuple:

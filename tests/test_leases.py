@@ -573,6 +573,31 @@ def test_excluded_changes_report_only_what_changed(node):
         assert t.excluded_changes(T0) == (["d"], [])
 
 
+def test_a_key_keyed_twice_for_a_moment_stays_followed(node):
+    """Two inserts of one key race: for a moment the key is keyed in two
+    slots, and the one that backs off frees its slot. That slot's change must
+    not report the key removed while its other slot still holds it leased
+    (the keeper would put a leased key back in its orders; the churn test
+    below caught it once in CI)."""
+    with LeaseTable.create(node, capacity=64) as t, LeaseTable.attach(node) as follower:
+        assert _grant(t, "k", T0, lease_s=60)
+        followed: set[str] = set()
+        _follow(follower, followed, T0)
+        assert followed == {"k"}
+        # The losing insert, caught keyed (as LeaseTable._insert leaves it).
+        kb = b"k"
+        h64 = leases._hash(kb)
+        idx, w, own = t._claim_free(h64 & t._cap_mask)
+        assert t._write_key(idx, w, kb, h64)
+        keyed = leases._next(own, leases.UPDATING, leases._copy(own), prev=leases.FREE,
+                             owner=leases.owner_bits())
+        assert t._cas(idx, own, keyed)
+        _follow(follower, followed, T0)
+        t._rollback(idx, keyed)  # it backs off: FREE again
+        _follow(follower, followed, T0)
+        assert followed == {"k"} == t._excluded_keys_py(T0)
+
+
 def test_excluded_keys_gives_its_strings_again_only_for_the_same_bytes(node):
     with LeaseTable.create(node, capacity=16, long_blocks=4) as t:
         keys = [f"k{i:02d}" for i in range(12)] + ["ü1", "ü2", "x" * 300 + "1", "x" * 300 + "2"]
