@@ -564,6 +564,7 @@ class LeaseTable:
         # compares each str with the slot's bytes before it gives it again.
         self._key_cache: list[str | None] | None = None
         self._seen: bytearray | None = None  # excluded_changes: each slot's last word
+        self._key_slots: dict[str, int] = {}  # excluded_changes: key -> slots caching it
         self._full_scan_due = 0.0  # expire: scan at this monotonic time whatever the hint
         self._on_close: list = []  # callables that release what holds this mapping
         lay = self._lay
@@ -1330,13 +1331,14 @@ class LeaseTable:
         passes over each slot whose word made no transition since it was
         last read (a word's seq moves with every transition), so the cost
         follows the slots that changed, not the keys excluded. A key that
-        moved to another slot can be in both lists: it is still excluded. A
-        key is reported removed only if no slot holds it out now.
+        moved to another slot is in ``added`` only, and a key is in
+        ``removed`` only when no slot holds it out any more.
 
         Shares its per-slot cache with ``excluded_keys``: call one or the
         other on a table, not both."""
         if self._key_cache is None:
             self._key_cache = [None] * self.capacity
+            self._key_slots = {}
         if self._seen is None:
             self._seen = bytearray(b"\xff" * (8 * self.capacity))
         added, removed, unsettled = self._view.excluded_keys(
@@ -1353,14 +1355,20 @@ class LeaseTable:
                 if new is not None:
                     added.append(new)
                 cache[idx] = new
-        if removed:
-            # A key can be keyed in two slots for a moment (two inserts of it
-            # racing: one backs off and frees its slot). Its slot that changed
-            # is no proof that it is no longer out: it is removed only if it
-            # is not out in another slot now (the cost: one lookup a key that left).
-            came = set(added)
-            removed = [key for key in removed if key in came or not self.is_excluded(key, now)]
-        return added, removed
+        # A key can be keyed in two slots for a moment (two inserts of it
+        # racing: one backs off and frees its slot). So the cache's slots are
+        # counted by key, and a key is removed only when no slot holds it out.
+        slots = self._key_slots
+        for key in added:
+            slots[key] = slots.get(key, 0) + 1
+        gone = []
+        for key in removed:
+            left = slots.pop(key, 1) - 1
+            if left > 0:
+                slots[key] = left
+            else:
+                gone.append(key)
+        return added, gone
 
     def _scan_layout(self, now: float) -> tuple:
         """The C scan's arguments before its cache: where slots, keys, holds
