@@ -450,10 +450,9 @@ class Keeper:
         The lease table reports only what changed (``excluded_changes``), so
         the cost follows the keys that changed, not the keys out."""
         added, removed = self.leases.excluded_changes(now)
-        if removed:
-            back = set(removed).difference(added)  # a key that moved slots stays out
-            self.buckets.attach_many(back)
-            self.exclude.difference_update(back)
+        if removed:  # no slot holds these out any more (a key that moved is only added)
+            self.buckets.attach_many(removed)
+            self.exclude.difference_update(removed)
         if added:
             self.buckets.detach_many(added)
             self.exclude.update(added)

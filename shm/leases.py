@@ -1225,17 +1225,8 @@ class LeaseTable:
         # Reset, then scan: a lease published before the reset is in the scan,
         # one published after lowers the hint itself.
         view.store64(EARLIEST_EXPIRY, _INF_BITS)
-        candidates, rest = view.scan_f64(
-            STATES,
-            self.capacity,
-            _mask(LEASED),
-            self._lay.slots,
-            SLOT_SIZE,
-            COPY_AT[0] + EXPIRES_AT,
-            COPY_AT[1] + EXPIRES_AT,
-            now,
-            False,
-            True,
+        candidates, rest = self._scan_field(
+            _mask(LEASED), EXPIRES_AT, now, above=False, rest_min=True
         )
         if rest != float("inf"):
             _lower_expiry(view, rest)
@@ -1412,9 +1403,12 @@ class LeaseTable:
             out.add(key.decode())
         return out
 
-    def _scan_field(self, codes: int, field: int, limit: float, above: bool) -> list:
+    def _scan_field(
+        self, codes: int, field: int, limit: float, above: bool, rest_min: bool = False
+    ) -> Any:
         """(index, word) of the slots in ``codes`` whose current record's f64
-        at ``field`` is above (or at most) ``limit``; one pass in C."""
+        at ``field`` is above (or at most) ``limit``; one pass in C. With
+        ``rest_min``, ``(those, the least field of the others in codes)``."""
         return self._view.scan_f64(
             STATES,
             self.capacity,
@@ -1425,6 +1419,7 @@ class LeaseTable:
             COPY_AT[1] + field,
             limit,
             above,
+            rest_min,
         )
 
     def live(self, limit: int = 1000) -> list[Lease]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from node.errors import StoreError, ValidationError
+from node.log import warn
 
 log = logging.getLogger("queue-node.http")
 
@@ -41,10 +41,10 @@ class _ClientParseErrors(logging.Filter):
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, HttpProcessingError) and 400 <= (exc.code or 0) < 500:
             message = str(exc.message)
-            log.warning(
-                "action=http_bad_request status=%s message=%s",
-                exc.code,
-                json.dumps(message[:200] + ("…" if len(message) > 200 else "")),
+            warn(
+                "http_bad_request",
+                status=exc.code,
+                message=message[:200] + ("…" if len(message) > 200 else ""),
             )
             return False
         return True
