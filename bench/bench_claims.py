@@ -275,6 +275,9 @@ CLAIMERS = {"node_local": _local_claimer, "node_http": _http_claimer}
 def _child(kind, cfg, idx, batch, seconds, ready, go, start, out) -> None:
     try:
         handle, claim, wait_empty = CLAIMERS[kind](cfg, idx, batch, seconds)
+        from node.proc import set_title
+
+        set_title(f"qn-claimer-{idx}")  # for a profiler: `perf report --comm qn-claimer-0`
         ready.put(idx)
         go.wait()
         res = _loop(claim, wait_empty, start.value, seconds)

@@ -22,7 +22,9 @@
   key decoded), again (``ms``: the keeper's steady state, the keys' str objects
   kept from the last call), after 1% of the leases ended and as many new ones
   were granted (``churn``), and the slot-by-slot Python scan it replaced
-  (``py``, ``_excluded_keys_py``).
+  (``py``, ``_excluded_keys_py``); and ``excluded_changes(now)``, what the
+  keeper calls, through a second table object: after the same 1% churn
+  (``changes_churn``) and with nothing changed (``changes_none``).
 
 Results are printed as JSON lines and appended to bench/results/leases.jsonl.
 """
@@ -241,6 +243,10 @@ def bench_scan(live: int) -> None:
         excluded_first_ms = _timed(lambda: table.excluded_keys(now), before=forget)
         excluded_ms = _timed(lambda: table.excluded_keys(now))
         excluded_churn_ms = _timed(lambda: table.excluded_keys(now), before=churn)
+        with LeaseTable.attach(node) as follower:  # its own cache, as the keeper's
+            follower.excluded_changes(now)
+            changes_churn_ms = _timed(lambda: follower.excluded_changes(now), before=churn)
+            changes_none_ms = _timed(lambda: follower.excluded_changes(now))
         probe = [KEY.format(i) for i in range(0, 2 * live, max(1, live // 500))]
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "leases.msgpack"
@@ -262,6 +268,9 @@ def bench_scan(live: int) -> None:
             "excluded_keys_first_ms": excluded_first_ms,
             "excluded_keys_churn_ms": excluded_churn_ms,
             "excluded_keys_py_ms": excluded_py_ms,
+            "churned": 2 * churned,
+            "excluded_changes_churn_ms": changes_churn_ms,
+            "excluded_changes_none_ms": changes_none_ms,
             "excluded_keys_speedup": round(excluded_py_ms / excluded_ms, 1),
             "excluded_keys_first_speedup": round(excluded_py_ms / excluded_first_ms, 1),
             # The ledger's sweep, none due: skipped by the next-expiry hint,

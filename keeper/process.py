@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 import msgpack
@@ -175,8 +176,9 @@ class Keeper:
         self._came_due_mark = 0
         self._grants_mark: int | None = None
         # Keys left out of the last publish because they were leased, held or
-        # parked: a new write of one of them clears its misses and hold.
-        self.exclude: set[str] = set()
+        # parked (the lease table's own record of what it reported, kept in
+        # step by excluded_changes): a new write of one clears its misses and hold.
+        self.exclude: Mapping[str, int] = leases.excluded if leases is not None else {}
         self._load_after: str | None = None
         self._loading = True
         self._tombstones: dict[str, int] = {}
@@ -345,7 +347,8 @@ class Keeper:
         _applied, refused = self.buckets.load_rows(rows, self._tombstones)
         self.stats.apply["refused_classes"] += refused
         if self.exclude:  # leased before this keeper started: keep them out
-            self.buckets.detach_many(self.exclude.intersection([row[0] for row in rows]))
+            exclude = self.exclude
+            self.buckets.detach_many([row[0] for row in rows if row[0] in exclude])
         self._load_after = after
         walked = load["rows"]
         if after is None:
@@ -450,12 +453,10 @@ class Keeper:
         The lease table reports only what changed (``excluded_changes``), so
         the cost follows the keys that changed, not the keys out."""
         added, removed = self.leases.excluded_changes(now)
-        if removed:  # no slot holds these out any more (a key that moved is only added)
+        if removed:  # no slot holds these out any more (first: a key can be in both)
             self.buckets.attach_many(removed)
-            self.exclude.difference_update(removed)
         if added:
             self.buckets.detach_many(added)
-            self.exclude.update(added)
 
     def _phase(self) -> str:
         if self._loading:

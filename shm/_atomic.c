@@ -500,7 +500,14 @@ view_scan_f64(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
  * since (every transition bumps the word's seq), so only a held slot, whose
  * exclusion ends with time, is looked at again: the cost follows the slots
  * that changed, not the keys excluded. An unsettled slot gets seen[i] = all
- * ones and its cache item untouched, for the caller to settle and update. */
+ * ones and its cache item untouched, for the caller to settle and update.
+ *
+ * With an 18th argument `counts` (a dict, str -> how many slots' cache items
+ * hold that key), owned by the caller and kept in step here: a key is in
+ * `added` only when no slot held it before (its count goes from 0 to 1), and
+ * in `removed` only when, at the end of the scan, no slot holds it any more.
+ * A key keyed in two slots for a moment (two inserts racing, one backing off)
+ * or moved to another slot is then reported neither way: it stays excluded. */
 static int
 same_key(PyObject *str, const char *key, Py_ssize_t key_len)
 {
@@ -535,16 +542,85 @@ cache_put(PyObject *cache, Py_ssize_t i, PyObject *item)
     return 0;
 }
 
-/* Prefetching: up to PREFETCH_DEPTH candidates ahead, looking no further
-   than PREFETCH_SPAN slots ahead. */
+/* counts[str] += 1; str goes into added if it was 0 (absent). The counts
+   are small ints, which CPython keeps as shared objects: nothing the garbage
+   collector tracks is allocated here. */
+static int
+count_added(PyObject *counts, PyObject *added, PyObject *str)
+{
+    PyObject *n = PyDict_GetItemWithError(counts, str);
+    if (n == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        PyObject *one = PyLong_FromLong(1);
+        if (one == NULL)
+            return -1;
+        int rc = PyDict_SetItem(counts, str, one);
+        Py_DECREF(one);
+        return rc < 0 ? -1 : PyList_Append(added, str);
+    }
+    long v = PyLong_AsLong(n);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    PyObject *more = PyLong_FromLong(v + 1);
+    if (more == NULL)
+        return -1;
+    int rc = PyDict_SetItem(counts, str, more);
+    Py_DECREF(more);
+    return rc;
+}
+
+/* counts[str] -= 1 for each str that left a slot's cache item; *removed is
+   replaced by the list of those whose count reached 0 (taken out of counts).
+   A str the counts never held (a cache filled before the counts were) counts
+   as held once. */
+static int
+count_removed(PyObject *counts, PyObject **removed)
+{
+    PyObject *gone = PyList_New(0);
+    if (gone == NULL)
+        return -1;
+    Py_ssize_t n = PyList_GET_SIZE(*removed);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *str = PyList_GET_ITEM(*removed, j);
+        PyObject *c = PyDict_GetItemWithError(counts, str);
+        long v = 1;
+        if (c == NULL && PyErr_Occurred())
+            goto fail;
+        if (c != NULL && (v = PyLong_AsLong(c)) == -1 && PyErr_Occurred())
+            goto fail;
+        if (v > 1) {
+            PyObject *less = PyLong_FromLong(v - 1);
+            if (less == NULL)
+                goto fail;
+            int rc = PyDict_SetItem(counts, str, less);
+            Py_DECREF(less);
+            if (rc < 0)
+                goto fail;
+            continue;
+        }
+        if (c != NULL && PyDict_DelItem(counts, str) < 0)
+            goto fail;
+        if (PyList_Append(gone, str) < 0)
+            goto fail;
+    }
+    Py_SETREF(*removed, gone);
+    return 0;
+fail:
+    Py_DECREF(gone);
+    return -1;
+}
+
+/* The scan gathers up to CANDIDATE_RUN candidates, then reads them with
+   their lines asked for PREFETCH_DEPTH candidates ahead. */
+#define CANDIDATE_RUN 512
 #define PREFETCH_DEPTH 8
-#define PREFETCH_SPAN 256
 
 static PyObject *
 view_excluded_keys(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 16 && nargs != 17) {
-        PyErr_Format(PyExc_TypeError, "excluded_keys() takes 16 or 17 arguments (%zd given)",
+    if (nargs < 16 || nargs > 18) {
+        PyErr_Format(PyExc_TypeError, "excluded_keys() takes 16 to 18 arguments (%zd given)",
                      nargs);
         return NULL;
     }
@@ -570,11 +646,16 @@ view_excluded_keys(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
     /* Allocate first: from here on the scan allocates no object the garbage
        collector tracks, so no finalizer can run and change the cache or
        release the view between the checks below and the end of the scan. */
+    int changes = nargs >= 17 && args[16] != Py_None;
+    PyObject *counts = nargs == 18 && args[17] != Py_None ? args[17] : NULL;
+    if (counts != NULL && (!changes || !PyDict_CheckExact(counts))) {
+        PyErr_SetString(PyExc_ValueError, "excluded_keys: counts is a dict, with seen");
+        return NULL;
+    }
     Py_buffer seen_view = {0};
     uint64_t *seen = NULL;
     PyObject *removed = NULL;
     char *key = PyMem_Malloc(max_key > 0 ? max_key : 1);
-    int changes = nargs == 17 && args[16] != Py_None;
     PyObject *keys = changes ? PyList_New(0) : PySet_New(NULL);
     PyObject *unsettled = PyList_New(0);
     if (key == NULL || keys == NULL || unsettled == NULL) {
@@ -622,13 +703,22 @@ view_excluded_keys(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
     const char *slots = buf + slots_off;
     const char *blocks = buf + blocks_off;
     uint64_t wanted = always_mask | held_mask;
-    Py_ssize_t ahead = 0; /* the next slot the prefetcher looks at */
-    int pending = 0;      /* candidates it asked for that the scan has not reached */
-    for (Py_ssize_t i = 0; i < count; i++) {
-        uint64_t w = __atomic_load_n(&states[i], __ATOMIC_ACQUIRE);
-        if (seen != NULL && w == seen[i] && !((held_mask >> (w & 0xF)) & 1))
-            continue; /* no transition since it was settled: nothing changed */
-        if (!((wanted >> (w & 0xF)) & 1)) {
+    uint32_t cand[CANDIDATE_RUN];
+    for (Py_ssize_t next = 0; next < count;) {
+        /* Pass one, over the words in order: the slots worth a look, up to
+           CANDIDATE_RUN of them. A slot with no transition since it was
+           settled is passed over; one that is not a candidate is settled
+           here (its cached key, if any, has left). */
+        int n = 0;
+        for (; next < count && n < CANDIDATE_RUN; next++) {
+            Py_ssize_t i = next;
+            uint64_t w = __atomic_load_n(&states[i], __ATOMIC_ACQUIRE);
+            if (seen != NULL && w == seen[i] && !((held_mask >> (w & 0xF)) & 1))
+                continue; /* no transition since it was settled: nothing changed */
+            if ((wanted >> (w & 0xF)) & 1) {
+                cand[n++] = (uint32_t)i;
+                continue;
+            }
             if (cache != NULL && PyList_GET_ITEM(cache, i) != Py_None) {
                 if (removed != NULL && PyList_Append(removed, PyList_GET_ITEM(cache, i)) < 0)
                     goto fail;
@@ -637,139 +727,140 @@ view_excluded_keys(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
             }
             if (seen != NULL)
                 seen[i] = w;
-            continue;
         }
-        /* Candidates lie far apart in memory: ask for the lines of the next
-           few, so that their cache misses overlap this one's work. */
-        if (ahead <= i) {
-            ahead = i + 1;
-            pending = 0;
-        } else if (pending > 0) {
-            pending--; /* this one */
-        }
-        while (pending < PREFETCH_DEPTH && ahead < count && ahead - i < PREFETCH_SPAN) {
-            uint64_t a = __atomic_load_n(&states[ahead], __ATOMIC_RELAXED);
-            if ((wanted >> (a & 0xF)) & 1) {
-                const char *next = slots + slot_size * ahead;
-                __builtin_prefetch(next);
-                __builtin_prefetch(next + key_at + 48);
+        /* Pass two, over the candidates: they lie far apart in memory, so
+           the lines of the one PREFETCH_DEPTH ahead are asked for before
+           each is read, and their cache misses overlap. */
+        for (int j = 0; j < n + PREFETCH_DEPTH; j++) {
+            if (j < n) {
+                Py_ssize_t ahead = cand[j];
+                uint64_t a = __atomic_load_n(&states[ahead], __ATOMIC_RELAXED);
+                const char *at = slots + slot_size * ahead;
+                __builtin_prefetch(at);
+                __builtin_prefetch(at + key_at + 48);
                 if ((held_mask >> (a & 0xF)) & 1)
-                    __builtin_prefetch(next + ((a >> 8) & 1 ? held1 : held0));
+                    __builtin_prefetch(at + ((a >> 8) & 1 ? held1 : held0));
                 if (cache != NULL) {
                     const char *str = (const char *)PyList_GET_ITEM(cache, ahead);
                     __builtin_prefetch(str);
                     __builtin_prefetch(str + 64);
                 }
-                pending++;
             }
-            ahead++;
-        }
-        int added = 0, settled = 0;
-        const char *slot = slots + slot_size * i;
-        for (Py_ssize_t attempt = 0; attempt < retries && !settled; attempt++) {
-            uint64_t code = w & 0xF;
-            if (!((wanted >> code) & 1)) {
-                settled = 1; /* not a candidate (any more) */
-                break;
-            }
-            int excluded = (int)((always_mask >> code) & 1);
-            if (!excluded) {
-                double until;
-                memcpy(&until, slot + ((w >> 8) & 1 ? held1 : held0), sizeof until);
-                excluded = until > now;
-            }
-            uint16_t key_len = 0;
-            uint32_t block = 0;
-            int valid = 0;
-            if (excluded) {
-                memcpy(&key_len, slot, sizeof key_len);
-                memcpy(&block, slot + 4, sizeof block);
-                if (key_len > 0 && key_len <= max_key) {
-                    if (key_len <= inline_key) {
-                        memcpy(key, slot + key_at, key_len);
-                        valid = 1;
-                    } else if (block > 0 && (Py_ssize_t)block <= long_blocks) {
-                        memcpy(key, slot + key_at, inline_key);
-                        memcpy(key + inline_key, blocks + block_size * (Py_ssize_t)(block - 1),
-                               key_len - inline_key);
-                        valid = 1;
+            if (j < PREFETCH_DEPTH)
+                continue;
+            Py_ssize_t i = cand[j - PREFETCH_DEPTH];
+            uint64_t w = __atomic_load_n(&states[i], __ATOMIC_ACQUIRE);
+            int added = 0, settled = 0;
+            const char *slot = slots + slot_size * i;
+            for (Py_ssize_t attempt = 0; attempt < retries && !settled; attempt++) {
+                uint64_t code = w & 0xF;
+                if (!((wanted >> code) & 1)) {
+                    settled = 1; /* not a candidate (any more) */
+                    break;
+                }
+                int excluded = (int)((always_mask >> code) & 1);
+                if (!excluded) {
+                    double until;
+                    memcpy(&until, slot + ((w >> 8) & 1 ? held1 : held0), sizeof until);
+                    excluded = until > now;
+                }
+                uint16_t key_len = 0;
+                uint32_t block = 0;
+                int valid = 0;
+                if (excluded) {
+                    memcpy(&key_len, slot, sizeof key_len);
+                    memcpy(&block, slot + 4, sizeof block);
+                    if (key_len > 0 && key_len <= max_key) {
+                        if (key_len <= inline_key) {
+                            memcpy(key, slot + key_at, key_len);
+                            valid = 1;
+                        } else if (block > 0 && (Py_ssize_t)block <= long_blocks) {
+                            memcpy(key, slot + key_at, inline_key);
+                            memcpy(key + inline_key, blocks + block_size * (Py_ssize_t)(block - 1),
+                                   key_len - inline_key);
+                            valid = 1;
+                        }
                     }
                 }
-            }
-            /* The reads above happen before the word is read again. */
-            __atomic_thread_fence(__ATOMIC_ACQUIRE);
-            uint64_t again = __atomic_load_n(&states[i], __ATOMIC_ACQUIRE);
-            if (again != w) {
-                w = again; /* changed under the reads: read it again */
-                continue;
-            }
-            if (!excluded) {
-                settled = 1; /* a hold that has passed, read consistently */
-                break;
-            }
-            if (!valid)
-                break; /* a steady word over a key that does not read: the caller's */
-            PyObject *str = NULL;
-            int fresh = 0;
-            if (cache != NULL) {
-                PyObject *old = PyList_GET_ITEM(cache, i);
-                if (old != Py_None && same_key(old, key, key_len)) {
-                    str = old;
-                    Py_INCREF(str);
+                /* The reads above happen before the word is read again. */
+                __atomic_thread_fence(__ATOMIC_ACQUIRE);
+                uint64_t again = __atomic_load_n(&states[i], __ATOMIC_ACQUIRE);
+                if (again != w) {
+                    w = again; /* changed under the reads: read it again */
+                    continue;
                 }
-            }
-            if (str == NULL) {
-                str = PyUnicode_DecodeUTF8(key, key_len, NULL);
-                if (str == NULL)
-                    goto fail;
-                fresh = 1;
-                PyObject *old = cache != NULL ? PyList_GET_ITEM(cache, i) : Py_None;
-                if (removed != NULL && old != Py_None && PyList_Append(removed, old) < 0) {
-                    Py_DECREF(str);
-                    goto fail;
+                if (!excluded) {
+                    settled = 1; /* a hold that has passed, read consistently */
+                    break;
                 }
-                if (cache != NULL && cache_put(cache, i, str) < 0) {
-                    Py_DECREF(str);
-                    goto fail;
+                if (!valid)
+                    break; /* a steady word over a key that does not read: the caller's */
+                PyObject *str = NULL;
+                int fresh = 0;
+                if (cache != NULL) {
+                    PyObject *old = PyList_GET_ITEM(cache, i);
+                    if (old != Py_None && same_key(old, key, key_len)) {
+                        str = old;
+                        Py_INCREF(str);
+                    }
                 }
-            }
-            int rc = 0;
-            if (!changes)
-                rc = PySet_Add(keys, str);
-            else if (fresh)
-                rc = PyList_Append(keys, str);
-            if (seen != NULL)
-                seen[i] = w;
-            Py_DECREF(str);
-            if (rc < 0)
-                goto fail;
-            settled = added = 1;
-        }
-        if (!added && settled) {
-            /* read consistently and not excluded (any more) */
-            if (cache != NULL && PyList_GET_ITEM(cache, i) != Py_None) {
-                if (removed != NULL && PyList_Append(removed, PyList_GET_ITEM(cache, i)) < 0)
+                if (str == NULL) {
+                    str = PyUnicode_DecodeUTF8(key, key_len, NULL);
+                    if (str == NULL)
+                        goto fail;
+                    fresh = 1;
+                    PyObject *old = cache != NULL ? PyList_GET_ITEM(cache, i) : Py_None;
+                    if (removed != NULL && old != Py_None && PyList_Append(removed, old) < 0) {
+                        Py_DECREF(str);
+                        goto fail;
+                    }
+                    if (cache != NULL && cache_put(cache, i, str) < 0) {
+                        Py_DECREF(str);
+                        goto fail;
+                    }
+                }
+                int rc = 0;
+                if (!changes)
+                    rc = PySet_Add(keys, str);
+                else if (fresh && counts != NULL)
+                    rc = count_added(counts, keys, str);
+                else if (fresh)
+                    rc = PyList_Append(keys, str);
+                if (seen != NULL)
+                    seen[i] = w;
+                Py_DECREF(str);
+                if (rc < 0)
                     goto fail;
-                if (cache_put(cache, i, Py_None) < 0)
-                    goto fail;
+                settled = added = 1;
             }
-            if (seen != NULL)
-                seen[i] = w;
-        } else if (!added && !changes && cache != NULL && PyList_GET_ITEM(cache, i) != Py_None &&
-                   cache_put(cache, i, Py_None) < 0) {
-            goto fail;
-        }
-        if (!settled && seen != NULL)
-            seen[i] = ~(uint64_t)0; /* the caller settles it; look again next time */
-        if (!settled) {
-            PyObject *v = PyLong_FromSsize_t(i);
-            if (v == NULL || PyList_Append(unsettled, v) < 0) {
-                Py_XDECREF(v);
+            if (!added && settled) {
+                /* read consistently and not excluded (any more) */
+                if (cache != NULL && PyList_GET_ITEM(cache, i) != Py_None) {
+                    if (removed != NULL && PyList_Append(removed, PyList_GET_ITEM(cache, i)) < 0)
+                        goto fail;
+                    if (cache_put(cache, i, Py_None) < 0)
+                        goto fail;
+                }
+                if (seen != NULL)
+                    seen[i] = w;
+            } else if (!added && !changes && cache != NULL &&
+                       PyList_GET_ITEM(cache, i) != Py_None && cache_put(cache, i, Py_None) < 0) {
                 goto fail;
             }
-            Py_DECREF(v);
+            if (!settled && seen != NULL)
+                seen[i] = ~(uint64_t)0; /* the caller settles it; look again next time */
+            if (!settled) {
+                PyObject *v = PyLong_FromSsize_t(i);
+                if (v == NULL || PyList_Append(unsettled, v) < 0) {
+                    Py_XDECREF(v);
+                    goto fail;
+                }
+                Py_DECREF(v);
+            }
         }
     }
+    if (counts != NULL && count_removed(counts, &removed) < 0)
+        goto fail;
     PyMem_Free(key);
     PyObject *out = changes ? PyTuple_Pack(3, keys, removed, unsettled)
                             : PyTuple_Pack(2, keys, unsettled);

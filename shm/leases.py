@@ -117,6 +117,7 @@ import os
 import signal
 import struct
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -1321,45 +1322,53 @@ class LeaseTable:
         out of its orders and so needs only what changed: one pass in C that
         passes over each slot whose word made no transition since it was
         last read (a word's seq moves with every transition), so the cost
-        follows the slots that changed, not the keys excluded. A key that
-        moved to another slot is in ``added`` only, and a key is in
-        ``removed`` only when no slot holds it out any more.
+        follows the slots that changed, not the keys excluded.
+
+        The keys are followed by how many slots hold each out (``excluded``):
+        a key is added when its first slot takes it and removed when its
+        last lets it go, so a key that moved to another slot, or was keyed in
+        two for a moment (two inserts of it racing: one backs off and frees
+        its slot), is in neither list. A key can be in both when it left
+        and came back within one call: apply ``removed`` before ``added``.
 
         Shares its per-slot cache with ``excluded_keys``: call one or the
         other on a table, not both."""
         if self._key_cache is None:
             self._key_cache = [None] * self.capacity
-            self._key_slots = {}
+            self._key_slots.clear()
         if self._seen is None:
             self._seen = bytearray(b"\xff" * (8 * self.capacity))
+        slots = self._key_slots
         added, removed, unsettled = self._view.excluded_keys(
-            *self._scan_layout(now), self._key_cache, self._seen
+            *self._scan_layout(now), self._key_cache, self._seen, slots
         )
         cache = self._key_cache
         for idx in unsettled:  # kept changing under the scan: settled here
             got = self._stable(idx)
             new = got[1].decode() if got is not None and _excluded(got[0], got[2], now) else None
             old = cache[idx]
-            if old != new:
-                if old is not None:
+            if old == new:
+                continue
+            cache[idx] = new
+            if old is not None:
+                left = slots.pop(old, 1) - 1
+                if left > 0:
+                    slots[old] = left
+                else:
                     removed.append(old)
-                if new is not None:
+            if new is not None:
+                held = slots.get(new, 0)
+                slots[new] = held + 1
+                if not held:
                     added.append(new)
-                cache[idx] = new
-        # A key can be keyed in two slots for a moment (two inserts of it
-        # racing: one backs off and frees its slot). So the cache's slots are
-        # counted by key, and a key is removed only when no slot holds it out.
-        slots = self._key_slots
-        for key in added:
-            slots[key] = slots.get(key, 0) + 1
-        gone = []
-        for key in removed:
-            left = slots.pop(key, 1) - 1
-            if left > 0:
-                slots[key] = left
-            else:
-                gone.append(key)
-        return added, gone
+        return added, removed
+
+    @property
+    def excluded(self) -> Mapping[str, int]:
+        """What ``excluded_changes`` has reported so far and not taken back:
+        each key held out, with how many slots hold it (1 but for a moment).
+        Kept in place, so a reference to it stays current."""
+        return self._key_slots
 
     def _scan_layout(self, now: float) -> tuple:
         """The C scan's arguments before its cache: where slots, keys, holds
@@ -1387,6 +1396,7 @@ class LeaseTable:
         added (a new follower, such as a keeper starting over)."""
         self._key_cache = None
         self._seen = None
+        self._key_slots.clear()
 
     def _excluded_keys_py(self, now: float) -> set[str]:
         """``excluded_keys`` in Python, slot by slot (the tests compare the two)."""

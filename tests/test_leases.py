@@ -544,6 +544,8 @@ def test_excluded_keys_in_c_agree_with_the_python_scan(node, seed):
                     assert reader.excluded_keys(now) == want, (step, now)
                     _follow(follower, followed, now)
                     assert followed == want, (step, now)
+                    assert set(follower.excluded) == want, (step, now)  # kept in step
+                    assert min(follower.excluded.values(), default=1) >= 1
             finally:
                 reader.close()
         long_keys = {k for k in t.excluded_keys(T0 - 1000) if len(k.encode()) > 208}
@@ -592,10 +594,11 @@ def test_a_key_keyed_twice_for_a_moment_stays_followed(node):
         keyed = leases._next(own, leases.UPDATING, leases._copy(own), prev=leases.FREE,
                              owner=leases.owner_bits())
         assert t._cas(idx, own, keyed)
-        _follow(follower, followed, T0)
+        assert follower.excluded_changes(T0) == ([], [])  # out already: not added again
+        assert follower.excluded == {"k": 2}
         t._rollback(idx, keyed)  # it backs off: FREE again
-        _follow(follower, followed, T0)
-        assert followed == {"k"} == t._excluded_keys_py(T0)
+        assert follower.excluded_changes(T0) == ([], [])  # neither way: still out
+        assert followed == {"k"} == t._excluded_keys_py(T0) == set(follower.excluded)
 
 
 def test_excluded_keys_gives_its_strings_again_only_for_the_same_bytes(node):
