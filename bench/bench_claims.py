@@ -37,7 +37,8 @@ node's processes by title (``keeper``, ``ledger``, ``worker-N``) from psutil,
 from the claimers' start to the last one's report (so it includes the
 ``DRAINED_S`` wait at the end). Divided by ``grants`` it is the CPU a grant
 costs in each process, which noise on a shared machine moves less than the
-rate.
+rate. ``claimer_page_faults`` is the claimers' minor page faults over their
+loops (``getrusage``).
 
 Every result is one JSON line, appended to ``bench/results/claims.jsonl``.
 """
@@ -49,6 +50,7 @@ import json
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import resource
 import shutil
 import signal
 import sqlite3
@@ -207,6 +209,7 @@ def _loop(claim, wait_empty, start_at: float, seconds: float) -> dict:
     deadline = start_at + seconds
     t = last_grant = time.monotonic()
     cpu0 = time.process_time()
+    faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     drained = False
     while t < deadline:
         n = claim()
@@ -227,6 +230,7 @@ def _loop(claim, wait_empty, start_at: float, seconds: float) -> dict:
     stopped = (last_grant if drained else t) - start_at
     return {
         "cpu_s": time.process_time() - cpu0,
+        "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0,
         "grants": grants,
         "claims": claims,
         "empty": empty,
@@ -344,6 +348,7 @@ def measure(
         "p99_ms": round(p99 * 1e3, 3) if p99 is not None else None,
         "claims": sum(r["claims"] for r in results),
         "empty_claims": sum(r["empty"] for r in results),
+        "claimer_page_faults": sum(r["faults"] for r in results),
         "drained": any(r["drained"] for r in results),
         "cpus": os.cpu_count(),
         "loadavg_1m": round(load_1m, 2),
