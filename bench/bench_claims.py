@@ -40,6 +40,12 @@ costs in each process, which noise on a shared machine moves less than the
 rate. ``claimer_page_faults`` is the claimers' minor page faults over their
 loops (``getrusage``).
 
+With ``--rounds N`` the whole sequence runs N times, one round after
+another, and the ratios compare each variant's median round (the range of
+its rounds beside it): a run of the node or of Redis at batch 64 lasts about
+a second, so one burst of another job on the machine moves a single round by
+a third.
+
 Every result is one JSON line, appended to ``bench/results/claims.jsonl``.
 """
 
@@ -449,10 +455,26 @@ def report(doc: dict[str, Any]) -> None:
         f.write(line + "\n")
 
 
+def _median_runs(runs: list[dict]) -> dict:
+    """One variant's runs as one: the run of median grants/s (the lower
+    middle of an even count), with the range of all of them."""
+    runs = sorted(runs, key=lambda r: r["grants_per_s"])
+    mid = dict(runs[(len(runs) - 1) // 2])
+    mid["range"] = (runs[0]["grants_per_s"], runs[-1]["grants_per_s"])
+    mid["runs"] = len(runs)
+    return mid
+
+
 def ratios(results: list[dict]) -> None:
+    """The node's grants/s over the best PostgreSQL variant and over Redis, per
+    batch; with several rounds, each variant's median round."""
     print("\nbatch  path        grants/s   p50 ms  p99 ms   x best PG (target)   x Redis (target)")
     for batch, target in TARGETS.items():
-        same = [r for r in results if r["batch"] == batch]
+        by_variant: dict[str, list[dict]] = {}
+        for r in results:
+            if r["batch"] == batch:
+                by_variant.setdefault(r["variant"], []).append(r)
+        same = [_median_runs(runs) for runs in by_variant.values()]
         pg = [r for r in same if r["variant"] in ("postgres_skip_locked", "pgqueuer")]
         redis = [r for r in same if r["variant"] == "redis_lua"]
         best_pg = max((r["grants_per_s"] for r in pg), default=None)
@@ -472,12 +494,19 @@ def ratios(results: list[dict]) -> None:
             print(
                 f"{batch:>5}  {r['variant']:<10} {r['grants_per_s']:>10.0f} "
                 f"{r['p50_ms']!s:>8} {r['p99_ms']!s:>7}   {fmt(x_pg, target['postgres'])}"
-                f"   {fmt(x_redis, target['redis'])}"
+                f"   {fmt(x_redis, target['redis'])}{_spread(r)}"
             )
         for r in same:
             if not r["variant"].startswith("node_"):
                 print(f"{batch:>5}  {r['variant']:<20} {r['grants_per_s']:>10.0f} "
-                      f"{r['p50_ms']!s:>8} {r['p99_ms']!s:>7}")  # fmt: skip
+                      f"{r['p50_ms']!s:>8} {r['p99_ms']!s:>7}{_spread(r)}")  # fmt: skip
+
+
+def _spread(r: dict) -> str:
+    if r["runs"] < 2:
+        return ""
+    lo, hi = r["range"]
+    return f"   ({r['runs']} rounds: {lo:.0f}-{hi:.0f})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -496,27 +525,35 @@ def main(argv: list[str] | None = None) -> int:
         default=["postgres_skip_locked", "pgqueuer", "redis_lua"],
         help="peer variants to run (bench/claims_external.py)",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run everything this many times, rounds one after another; the "
+        "ratios compare each variant's median round",
+    )
     args = p.parse_args(argv)
     db = template(args.rows)
     results = []
-    for batch in args.batch:
-        for kind in args.paths:
-            res = run_node(kind, db, args.rows, batch, args.procs, args.seconds, args)
-            report(res)
-            results.append(res)
-    if not args.no_external:
-        from bench.claims_external import RUNNERS
-
+    for _round in range(args.rounds):
         for batch in args.batch:
-            for variant in args.external:
-                try:
-                    res = RUNNERS[variant](args.rows, batch, args.procs, args.seconds)
-                except Exception as exc:  # noqa: BLE001 - a missing server skips its peer
-                    print(f"{variant} batch {batch}: skipped: {exc!r}", file=sys.stderr)
-                    continue
-                res.pop("tried", None)
+            for kind in args.paths:
+                res = run_node(kind, db, args.rows, batch, args.procs, args.seconds, args)
                 report(res)
                 results.append(res)
+        if not args.no_external:
+            from bench.claims_external import RUNNERS
+
+            for batch in args.batch:
+                for variant in args.external:
+                    try:
+                        res = RUNNERS[variant](args.rows, batch, args.procs, args.seconds)
+                    except Exception as exc:  # noqa: BLE001 - a missing server skips its peer
+                        print(f"{variant} batch {batch}: skipped: {exc!r}", file=sys.stderr)
+                        continue
+                    res.pop("tried", None)
+                    report(res)
+                    results.append(res)
     ratios(results)
     return 0
 

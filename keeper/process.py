@@ -234,7 +234,13 @@ class Keeper:
             self._trim(now)
         if self._loading:
             return 0.0
-        return max(0.0, min(self.next_publish - now, OUTSIDE_POLL_S))
+        wait_s = min(self.next_publish - now, OUTSIDE_POLL_S)
+        if self.ready.low_water:
+            # A request that came within LOW_WATER_MIN_S of the last publish
+            # stays pending (its claimer posted the wake once): honour it as
+            # soon as it may be, not at the next poll.
+            wait_s = min(wait_s, self._published_at + LOW_WATER_MIN_S - now)
+        return max(0.0, wait_s)
 
     # -- the change feed (hot path) -------------------------------------------
 

@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from keeper.process import LOAD_CHUNK, Keeper
+from keeper.process import LOAD_CHUNK, LOW_WATER_MIN_S, OUTSIDE_POLL_S, Keeper
 from node.config import Config, RouteConfig
 from node.rows import RowWrite
 from node.store import open_store
@@ -110,6 +110,29 @@ def test_load_equals_table_and_counts_match(store, segments, node_name, tmp_path
         "discovered": due["discovered"],
         "total": due["sitemap"] + due["discovered"],
     }
+
+
+def test_a_low_water_request_too_soon_is_honoured_when_it_may_be(
+    store, segments, node_name, tmp_path
+):
+    """Claimers ask once (the flag, then one post of the wake). A request that
+    comes within LOW_WATER_MIN_S of the last publish waits, but only until
+    then, not for the next feed poll: the claimers are idle meanwhile."""
+    store.upsert(_rows(300), now=NOW)
+    keeper = Keeper(_config(node_name, tmp_path), store, *segments)
+    keeper.start(NOW)
+    _run_until_live(keeper, NOW)
+    ready = segments[0]
+    published = keeper.stats.publish["count"]
+    at = keeper._published_at + LOW_WATER_MIN_S / 4
+    assert ready.request_publish()
+    wait_s = keeper.tick(at)
+    assert keeper.stats.publish["count"] == published  # too soon: still pending
+    assert ready.low_water
+    assert wait_s == pytest.approx(LOW_WATER_MIN_S * 3 / 4, abs=1e-6) and wait_s < OUTSIDE_POLL_S
+    keeper.tick(at + wait_s + 1e-6)
+    assert keeper.stats.publish["count"] == published + 1
+    assert not ready.low_water
 
 
 def test_first_publish_before_walk_ends_and_walk_never_overwrites_newer(
