@@ -38,7 +38,8 @@ from the claimers' start to the last one's report (so it includes the
 ``DRAINED_S`` wait at the end). Divided by ``grants`` it is the CPU a grant
 costs in each process, which noise on a shared machine moves less than the
 rate. ``claimer_page_faults`` is the claimers' minor page faults over their
-loops (``getrusage``).
+loops (``getrusage``); ``claimer_waited_s`` the time they spent waiting for a
+set that a later grant ended (the wait after the last grant is not counted).
 
 With ``--rounds N`` the whole sequence runs N times, one round after
 another, and the ratios compare each variant's median round (the range of
@@ -217,6 +218,7 @@ def _loop(claim, wait_empty, start_at: float, seconds: float) -> dict:
     cpu0 = time.process_time()
     faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     drained = False
+    waited = waiting = 0.0  # waits for a set: before a later grant / since the last
     while t < deadline:
         n = claim()
         t2 = time.monotonic()
@@ -225,13 +227,17 @@ def _loop(claim, wait_empty, start_at: float, seconds: float) -> dict:
             lat.append(t2 - t)
             grants += n
             last_grant = t2
+            waited += waiting
+            waiting = 0.0
         else:
             empty += 1
             if t2 - last_grant > DRAINED_S:
                 drained = True
                 break
             wait_empty()
-            t2 = time.monotonic()
+            t3 = time.monotonic()
+            waiting += t3 - t2
+            t2 = t3
         t = t2
     stopped = (last_grant if drained else t) - start_at
     return {
@@ -240,6 +246,7 @@ def _loop(claim, wait_empty, start_at: float, seconds: float) -> dict:
         "grants": grants,
         "claims": claims,
         "empty": empty,
+        "waited_s": waited,
         "drained": drained,
         "stopped_at": stopped,
         "lat": lat.tobytes(),
@@ -355,6 +362,7 @@ def measure(
         "claims": sum(r["claims"] for r in results),
         "empty_claims": sum(r["empty"] for r in results),
         "claimer_page_faults": sum(r["faults"] for r in results),
+        "claimer_waited_s": round(sum(r["waited_s"] for r in results), 3),
         "drained": any(r["drained"] for r in results),
         "cpus": os.cpu_count(),
         "loadavg_1m": round(load_1m, 2),
