@@ -542,6 +542,22 @@ cache_put(PyObject *cache, Py_ssize_t i, PyObject *item)
     return 0;
 }
 
+/* Slot i, under word w, holds no excluded key: its cached key (if any) has
+   left (into removed, in changes mode) and the slot is settled under w. */
+static int
+settle_out(PyObject *cache, PyObject *removed, uint64_t *seen, Py_ssize_t i, uint64_t w)
+{
+    if (cache != NULL && PyList_GET_ITEM(cache, i) != Py_None) {
+        if (removed != NULL && PyList_Append(removed, PyList_GET_ITEM(cache, i)) < 0)
+            return -1;
+        if (cache_put(cache, i, Py_None) < 0)
+            return -1;
+    }
+    if (seen != NULL)
+        seen[i] = w;
+    return 0;
+}
+
 /* counts[str] += 1; str goes into added if it was 0 (absent). The counts
    are small ints, which CPython keeps as shared objects: nothing the garbage
    collector tracks is allocated here. */
@@ -719,14 +735,8 @@ view_excluded_keys(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
                 cand[n++] = (uint32_t)i;
                 continue;
             }
-            if (cache != NULL && PyList_GET_ITEM(cache, i) != Py_None) {
-                if (removed != NULL && PyList_Append(removed, PyList_GET_ITEM(cache, i)) < 0)
-                    goto fail;
-                if (cache_put(cache, i, Py_None) < 0)
-                    goto fail;
-            }
-            if (seen != NULL)
-                seen[i] = w;
+            if (settle_out(cache, removed, seen, i, w) < 0)
+                goto fail;
         }
         /* Pass two, over the candidates: they lie far apart in memory, so
            the lines of the one PREFETCH_DEPTH ahead are asked for before
@@ -835,14 +845,8 @@ view_excluded_keys(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
             }
             if (!added && settled) {
                 /* read consistently and not excluded (any more) */
-                if (cache != NULL && PyList_GET_ITEM(cache, i) != Py_None) {
-                    if (removed != NULL && PyList_Append(removed, PyList_GET_ITEM(cache, i)) < 0)
-                        goto fail;
-                    if (cache_put(cache, i, Py_None) < 0)
-                        goto fail;
-                }
-                if (seen != NULL)
-                    seen[i] = w;
+                if (settle_out(cache, removed, seen, i, w) < 0)
+                    goto fail;
             } else if (!added && !changes && cache != NULL &&
                        PyList_GET_ITEM(cache, i) != Py_None && cache_put(cache, i, Py_None) < 0) {
                 goto fail;
