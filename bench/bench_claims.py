@@ -79,6 +79,7 @@ if str(ROOT) not in sys.path:
 from bench.claims_external import (  # noqa: E402 - after the path fix above
     LEASE_S,
     RESULTS,
+    RUNNERS,
     _percentile,
     due_of,
     key_of,
@@ -550,8 +551,6 @@ def main(argv: list[str] | None = None) -> int:
                 report(res)
                 results.append(res)
         if not args.no_external:
-            from bench.claims_external import RUNNERS
-
             for batch in args.batch:
                 for variant in args.external:
                     try:

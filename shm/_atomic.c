@@ -659,15 +659,16 @@ view_excluded_keys(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_ssize_t max_key = inline_key + block_size;
-    /* Allocate first: from here on the scan allocates no object the garbage
-       collector tracks, so no finalizer can run and change the cache or
-       release the view between the checks below and the end of the scan. */
     int changes = nargs >= 17 && args[16] != Py_None;
     PyObject *counts = nargs == 18 && args[17] != Py_None ? args[17] : NULL;
     if (counts != NULL && (!changes || !PyDict_CheckExact(counts))) {
         PyErr_SetString(PyExc_ValueError, "excluded_keys: counts is a dict, with seen");
         return NULL;
     }
+    /* Allocate first: from here on the scan allocates no object the garbage
+       collector tracks, so no finalizer can run and change the cache or
+       release the view between the checks below and the end of the scan
+       (count_removed's list comes after it). */
     Py_buffer seen_view = {0};
     uint64_t *seen = NULL;
     PyObject *removed = NULL;
