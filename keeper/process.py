@@ -457,8 +457,15 @@ class Keeper:
         that became one since the last publish is detached from its class's
         order (it stays in every count), one that no longer is comes back.
         The lease table reports only what changed (``excluded_changes``), so
-        the cost follows the keys that changed, not the keys out."""
-        added, removed = self.leases.excluded_changes(now)
+        the cost follows the keys that changed, not the keys out; the grant
+        records claimers left in the last published set name the slots of
+        most of those, so the scan need not read them."""
+        hints = None
+        records = self.ready.grant_records()
+        if records is not None and self._published:
+            view, count, tag = records
+            hints = (view, self._published, min(count, len(self._published)), tag)
+        added, removed = self.leases.excluded_changes(now, hints)
         if removed:  # no slot holds these out any more (first: a key can be in both)
             self.buckets.attach_many(removed)
         if added:

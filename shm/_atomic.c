@@ -507,7 +507,17 @@ view_scan_f64(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
  * `added` only when no slot held it before (its count goes from 0 to 1), and
  * in `removed` only when, at the end of the scan, no slot holds it any more.
  * A key keyed in two slots for a moment (two inserts racing, one backing off)
- * or moved to another slot is then reported neither way: it stays excluded. */
+ * or moved to another slot is then reported neither way: it stays excluded.
+ *
+ * With a 19th argument `hints`, (records, keys, n, tag, leased, seq_shift):
+ * grant records a claimer wrote (shm/ready.py's layout: u64 each, lease slot
+ * + 1 in bits 0-22, the word's copy bit at 23 and seq at 24-43, `tag` at
+ * 44-63) for keys[0:n], read before the scan. A record whose tag matches and
+ * whose slot still has the word it names (code `leased`, that copy and seq:
+ * no transition since the grant) settles that slot with keys[j] itself, as
+ * if its bytes had been read: no read of the slot, no decoding, and the
+ * caller's own str (its hash known) in `added`. Any other record is passed
+ * over, and its slot read as usual. Needs changes mode and counts. */
 static int
 same_key(PyObject *str, const char *key, Py_ssize_t key_len)
 {
@@ -632,11 +642,58 @@ fail:
 #define CANDIDATE_RUN 512
 #define PREFETCH_DEPTH 8
 
+/* excluded_keys's hints (see there): settle the slots the grant records name
+   whose word has not moved since the grant, with the caller's keys. */
+static int
+settle_hinted(const uint64_t *states, Py_ssize_t count, uint64_t *seen, PyObject *cache,
+              PyObject *counts, PyObject *added, PyObject *removed, const uint64_t *records,
+              PyObject *keys, Py_ssize_t n, uint64_t tag, uint64_t leased, int seq_shift)
+{
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (j + PREFETCH_DEPTH < n) {
+            uint64_t ahead = __atomic_load_n(&records[j + PREFETCH_DEPTH], __ATOMIC_RELAXED);
+            Py_ssize_t at = (Py_ssize_t)(ahead & 0x7FFFFF) - 1;
+            if (ahead >> 44 == tag && at >= 0 && at < count) {
+                __builtin_prefetch(&states[at]);
+                __builtin_prefetch(&seen[at]);
+                __builtin_prefetch(&((PyListObject *)cache)->ob_item[at]);
+            }
+        }
+        uint64_t rec = __atomic_load_n(&records[j], __ATOMIC_ACQUIRE);
+        Py_ssize_t i = (Py_ssize_t)(rec & 0x7FFFFF) - 1;
+        if (rec >> 44 != tag || i < 0 || i >= count)
+            continue; /* none, another publish's, or nonsense: the scan reads the slot */
+        uint64_t want = leased | ((rec >> 23) & 1) << 8 | ((rec >> 24) & 0xFFFFF) << seq_shift;
+        uint64_t w = __atomic_load_n(&states[i], __ATOMIC_ACQUIRE);
+        if (w != want || seen[i] == w)
+            continue; /* moved on since the grant (the scan reads it), or settled already */
+        PyObject *str = PyList_GET_ITEM(keys, j);
+        if (!PyUnicode_CheckExact(str)) {
+            PyErr_SetString(PyExc_TypeError, "excluded_keys: a hint's key is not a str");
+            return -1;
+        }
+        PyObject *old = PyList_GET_ITEM(cache, i);
+        if (old != str) {
+            int same = old != Py_None && PyUnicode_CheckExact(old) &&
+                       PyUnicode_Compare(old, str) == 0;
+            if (!same) {
+                if (old != Py_None && PyList_Append(removed, old) < 0)
+                    return -1;
+                if (cache_put(cache, i, str) < 0 || count_added(counts, added, str) < 0)
+                    return -1;
+            }
+        }
+        seen[i] = w;
+    }
+    return 0;
+}
+
+
 static PyObject *
 view_excluded_keys(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs < 16 || nargs > 18) {
-        PyErr_Format(PyExc_TypeError, "excluded_keys() takes 16 to 18 arguments (%zd given)",
+    if (nargs < 16 || nargs > 19) {
+        PyErr_Format(PyExc_TypeError, "excluded_keys() takes 16 to 19 arguments (%zd given)",
                      nargs);
         return NULL;
     }
@@ -660,16 +717,40 @@ view_excluded_keys(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_ssize_t max_key = inline_key + block_size;
     int changes = nargs >= 17 && args[16] != Py_None;
-    PyObject *counts = nargs == 18 && args[17] != Py_None ? args[17] : NULL;
+    PyObject *counts = nargs >= 18 && args[17] != Py_None ? args[17] : NULL;
     if (counts != NULL && (!changes || !PyDict_CheckExact(counts))) {
         PyErr_SetString(PyExc_ValueError, "excluded_keys: counts is a dict, with seen");
         return NULL;
+    }
+    PyObject *args_records = NULL;
+    PyObject *hints = nargs == 19 && args[18] != Py_None ? args[18] : NULL;
+    PyObject *hint_keys = NULL;
+    Py_ssize_t hint_n = 0, hint_leased = 0, hint_shift = 0;
+    uint64_t hint_tag = 0;
+    if (hints != NULL) {
+        PyObject *records_obj;
+        if (counts == NULL || !PyTuple_CheckExact(hints) ||
+            !PyArg_ParseTuple(hints, "OO!nKnn", &records_obj, &PyList_Type, &hint_keys, &hint_n,
+                              &hint_tag, &hint_leased, &hint_shift)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError,
+                                "excluded_keys: hints are (records, keys, n, tag, leased, "
+                                "seq_shift), with counts");
+            return NULL;
+        }
+        if (hint_leased < 0 || hint_leased > 15 || !((always_mask >> hint_leased) & 1) ||
+            hint_shift < 9 || hint_shift > 44 || hint_n < 0 ||
+            hint_n > PyList_GET_SIZE(hint_keys)) {
+            PyErr_SetString(PyExc_ValueError, "excluded_keys: hints out of range");
+            return NULL;
+        }
+        args_records = records_obj;
     }
     /* Allocate first: from here on the scan allocates no object the garbage
        collector tracks, so no finalizer can run and change the cache or
        release the view between the checks below and the end of the scan
        (count_removed's list comes after it). */
-    Py_buffer seen_view = {0};
+    Py_buffer seen_view = {0}, records_view = {0};
     uint64_t *seen = NULL;
     PyObject *removed = NULL;
     char *key = PyMem_Malloc(max_key > 0 ? max_key : 1);
@@ -721,6 +802,18 @@ view_excluded_keys(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
     const char *blocks = buf + blocks_off;
     uint64_t wanted = always_mask | held_mask;
     uint32_t cand[CANDIDATE_RUN];
+    if (args_records != NULL) {
+        if (PyObject_GetBuffer(args_records, &records_view, PyBUF_SIMPLE) < 0)
+            goto fail;
+        if (records_view.len < hint_n * 8 || ((uintptr_t)records_view.buf) % 8) {
+            PyErr_SetString(PyExc_ValueError, "excluded_keys: records are not n aligned u64");
+            goto fail;
+        }
+        if (settle_hinted(states, count, seen, cache, counts, keys, removed,
+                          (const uint64_t *)records_view.buf, hint_keys, hint_n, hint_tag,
+                          (uint64_t)hint_leased, (int)hint_shift) < 0)
+            goto fail;
+    }
     for (Py_ssize_t next = 0; next < count;) {
         /* Pass one, over the words in order: the slots worth a look, up to
            CANDIDATE_RUN of them. A slot with no transition since it was
@@ -866,6 +959,8 @@ view_excluded_keys(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     if (counts != NULL && count_removed(counts, &removed) < 0)
         goto fail;
+    if (records_view.obj != NULL)
+        PyBuffer_Release(&records_view);
     PyMem_Free(key);
     PyObject *out = changes ? PyTuple_Pack(3, keys, removed, unsettled)
                             : PyTuple_Pack(2, keys, unsettled);
@@ -879,6 +974,8 @@ fail:
     PyMem_Free(key);
     if (seen_view.obj != NULL)
         PyBuffer_Release(&seen_view);
+    if (records_view.obj != NULL)
+        PyBuffer_Release(&records_view);
     Py_XDECREF(keys);
     Py_XDECREF(removed);
     Py_XDECREF(unsettled);

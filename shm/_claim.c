@@ -420,7 +420,7 @@ write_lease(char *rec, uint64_t lease_id, const GrantArgs *a)
    G_SLOW, G_TAKEN_OVER, or G_AGAIN (the slot changed under us: look again). */
 static int
 grant_existing(GranterObject *g, Py_ssize_t idx, uint64_t w, char rec[RECORD_SIZE],
-               const GrantArgs *a, uint64_t *lease_id, uint32_t *misses)
+               const GrantArgs *a, uint64_t *lease_id, uint32_t *misses, uint64_t *word)
 {
     uint64_t code = w & 15;
     double held_until;
@@ -447,8 +447,10 @@ grant_existing(GranterObject *g, Py_ssize_t idx, uint64_t w, char rec[RECORD_SIZ
     memcpy(slot_at(g, idx) + COPY_AT[copy], rec, RECORD_SIZE);
     if (a->stop)
         test_stop(a->stop, P_WRITTEN);
-    if (!cas(state, own, LEASED | copy << 8 | (((own >> SEQ_SHIFT) + 1) & SEQ_MASK) << SEQ_SHIFT))
+    uint64_t leased = LEASED | copy << 8 | (((own >> SEQ_SHIFT) + 1) & SEQ_MASK) << SEQ_SHIFT;
+    if (!cas(state, own, leased))
         return G_TAKEN_OVER;
+    *word = leased;
     lower_expiry(g, a->now + a->lease_s);
     bump(g, GRANTS, 1);
     memcpy(misses, rec + R_MISSES, 4);
@@ -501,7 +503,8 @@ free_blocks(GranterObject *g, Py_ssize_t idx, uint64_t was)
 /* The new key's insert: G_GRANTED with *lease_id (the ticket), G_AGAIN when
    it backed off (look again), G_SLOW or G_TAKEN_OVER. */
 static int
-insert(GranterObject *g, uint64_t h64, const GrantArgs *a, uint64_t *lease_id)
+insert(GranterObject *g, uint64_t h64, const GrantArgs *a, uint64_t *lease_id,
+       Py_ssize_t *slot_out, uint64_t *word)
 {
     Py_ssize_t mask = g->capacity - 1, home = (Py_ssize_t)(h64 & (uint64_t)mask), idx;
     uint64_t was, own;
@@ -550,11 +553,14 @@ insert(GranterObject *g, uint64_t h64, const GrantArgs *a, uint64_t *lease_id)
             return G_TAKEN_OVER;
         return G_AGAIN;
     }
-    if (!cas(state, own, next_word(own, LEASED, copy, 0, 0)))
+    uint64_t leased = next_word(own, LEASED, copy, 0, 0);
+    if (!cas(state, own, leased))
         return G_TAKEN_OVER;
     lower_expiry(g, a->now + a->lease_s);
     bump(g, GRANTS, 1);
     *lease_id = ticket;
+    *slot_out = idx;
+    *word = leased;
     return G_GRANTED;
 }
 
@@ -604,7 +610,8 @@ lease_refusal(GranterObject *g, GrantArgs *a)
 }
 
 int
-lease_grant(GranterObject *g, const GrantArgs *a, uint64_t *lease_id, uint32_t *misses)
+lease_grant(GranterObject *g, const GrantArgs *a, uint64_t *lease_id, uint32_t *misses,
+            Py_ssize_t *slot, uint64_t *word)
 {
     if (a->key_len > INLINE_KEY)
         return G_SLOW;
@@ -627,11 +634,12 @@ lease_grant(GranterObject *g, const GrantArgs *a, uint64_t *lease_id, uint32_t *
         if (got < 0)
             return G_SLOW;
         if (got) {
-            got = grant_existing(g, idx, w, rec, a, lease_id, misses);
+            got = grant_existing(g, idx, w, rec, a, lease_id, misses, word);
+            *slot = idx;
         }
         else {
             *misses = 0;
-            got = insert(g, h64, a, lease_id);
+            got = insert(g, h64, a, lease_id, slot, word);
         }
         if (got != G_AGAIN)
             return got;
@@ -682,9 +690,10 @@ granter_grant(GranterObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "grant(): lease_s and cadence_s must be positive");
         return NULL;
     }
-    uint64_t lease_id = 0;
+    uint64_t lease_id = 0, word = 0;
     uint32_t misses = 0;
-    int got = lease_grant(self, &a, &lease_id, &misses);
+    Py_ssize_t slot = -1;
+    int got = lease_grant(self, &a, &lease_id, &misses, &slot, &word);
     if (got == G_GRANTED)
         return Py_BuildValue("(KI)", (unsigned long long)lease_id, (unsigned int)misses);
     return PyLong_FromLong(got);

@@ -55,7 +55,10 @@ enum {
     G_TAKEN_OVER = -2,
 };
 
-int lease_grant(GranterObject *g, const GrantArgs *a, uint64_t *lease_id, uint32_t *misses);
+/* *slot and *word: where a grant leased the key and the LEASED word it left
+   there (on G_GRANTED). */
+int lease_grant(GranterObject *g, const GrantArgs *a, uint64_t *lease_id, uint32_t *misses,
+                Py_ssize_t *slot, uint64_t *word);
 
 /* Whether the key's slot refuses a grant now, read without taking it:
    G_LEASED, G_HELD, G_PARKED, or 0 (no slot, grantable, or not sure: the

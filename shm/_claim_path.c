@@ -36,6 +36,9 @@
 #define R_FLAG_ASCII 1
 #define R_READ_RETRIES 1000
 #define CURSOR_INDEX 0xFFFFFFFFULL
+#define R_RECORD 8 /* a grant record: lease slot + 1, copy, seq, tag (ready.py) */
+#define RECORD_TAG_MASK 0xFFFFFULL
+#define LEASE_SEQ_SHIFT 44 /* a lease word's 20-bit seq (shm/leases.py SEQ_SHIFT) */
 
 /* -- SQLite, from the library Python's sqlite3 loaded --------------------------- */
 
@@ -130,7 +133,7 @@ typedef struct {
     /* the ready set */
     Py_buffer ready;
     int ready_held;
-    Py_ssize_t ready_capacity, heap_size, stride, heap_at;
+    Py_ssize_t ready_capacity, heap_size, stride, heap_at, records_at;
     double low_water_fraction;
     /* the lease table */
     GranterObject *granter;
@@ -268,7 +271,8 @@ path_init(ClaimPathObject *self, PyObject *args, PyObject *kwds)
     self->ready_capacity = capacity;
     self->heap_size = heap_size;
     self->heap_at = R_SLOT_HEADER + R_ENTRY_SIZE * capacity;
-    self->stride = (R_SLOT_HEADER + R_ENTRY_SIZE * capacity + heap_size + 63) / 64 * 64;
+    self->records_at = (R_SLOT_HEADER + R_ENTRY_SIZE * capacity + heap_size + 63) / 64 * 64;
+    self->stride = (self->records_at + R_RECORD * capacity + 63) / 64 * 64;
     self->low_water_fraction = low_water;
     if (((uintptr_t)self->ready.buf) % 8 || R_FIRST_SLOT + 2 * self->stride > self->ready.len) {
         PyErr_SetString(PyExc_ValueError, "ClaimPath: the ready set does not fit its buffer");
@@ -318,6 +322,8 @@ path_init(ClaimPathObject *self, PyObject *args, PyObject *kwds)
 
 typedef struct {
     Py_ssize_t count;      /* entries copied into self->entries */
+    uint64_t *records;     /* the slot's grant record of the first entry taken */
+    uint64_t tag;          /* the take's publish, as a grant record names it */
     uint32_t flags;        /* the slot's flags */
     uint32_t heap_lo;      /* the first entry's key offset: self->heap starts there */
     Py_ssize_t last_count; /* the set's size and what it has left untaken */
@@ -417,6 +423,8 @@ take(ClaimPathObject *self, Py_ssize_t n, Taken *out, Py_ssize_t *retries)
                 __atomic_thread_fence(__ATOMIC_ACQUIRE);
                 if (sane && ld32(base) == seq) {
                     out->count = got;
+                    out->records = (uint64_t *)(base + self->records_at) + start;
+                    out->tag = ((uint64_t)seq >> 1) & RECORD_TAG_MASK;
                     out->flags = flags;
                     out->last_count = count;
                     out->last_left = count - start - n > 0 ? count - start - n : 0;
@@ -763,9 +771,18 @@ grant_taken(ClaimPathObject *self, const Taken *t, GrantArgs *a, PyObject *grant
             else {
                 a->cadence_s = cadence;
                 a->version = r.version;
-                uint64_t lease_id = 0;
+                uint64_t lease_id = 0, word = 0;
                 uint32_t misses = 0;
-                int got = lease_grant(self->granter, a, &lease_id, &misses);
+                Py_ssize_t slot = -1;
+                int got = lease_grant(self->granter, a, &lease_id, &misses, &slot, &word);
+                if (got == G_GRANTED && slot >= 0 && slot < (1 << 23) - 1)
+                    /* Tell the keeper where this key's lease is (ready.py's
+                       grant records): its next scan need not read the slot. */
+                    __atomic_store_n(&t->records[i],
+                                     (uint64_t)(slot + 1) | ((word >> 8) & 1) << 23 |
+                                         ((word >> LEASE_SEQ_SHIFT) & 0xFFFFF) << 24 |
+                                         t->tag << 44,
+                                     __ATOMIC_RELEASE);
                 PyObject *item = NULL, *out = grants;
                 if (got == G_GRANTED || got == G_SLOW) {
                     PyObject *key_str = entry_key(t, self->heap, entry);

@@ -1323,7 +1323,9 @@ class LeaseTable:
                 keys.add(got[1].decode())
         return keys
 
-    def excluded_changes(self, now: float) -> tuple[list[str], list[str]]:
+    def excluded_changes(
+        self, now: float, hints: tuple[Any, list[str], int, int] | None = None
+    ) -> tuple[list[str], list[str]]:
         """The keys that became excluded since the last call, and those that
         no longer are: ``(added, removed)``; the first call gives every
         excluded key as added. For the keeper, which keeps the excluded keys
@@ -1339,6 +1341,13 @@ class LeaseTable:
         its slot), is in neither list. A key can be in both when it left
         and came back within one call: apply ``removed`` before ``added``.
 
+        ``hints``: ``(records, keys, n, tag)``, the grant records claimers
+        wrote for the keeper's last published set (``ReadySet.grant_records``
+        with that set's keys): a slot whose lease word is still the one a
+        record names is settled with the keeper's own str for it, unread
+        (the records' layout is in shm/ready.py). Only a shortcut: what a
+        record cannot vouch for is read as before.
+
         Shares its per-slot cache with ``excluded_keys``: call one or the
         other on a table, not both."""
         if self._key_cache is None:
@@ -1347,8 +1356,11 @@ class LeaseTable:
         if self._seen is None:
             self._seen = bytearray(b"\xff" * (8 * self.capacity))
         slots = self._key_slots
+        if hints is not None:
+            records, keys, n, tag = hints
+            hints = (records, keys, n, tag, LEASED, SEQ_SHIFT)
         added, removed, unsettled = self._view.excluded_keys(
-            *self._scan_layout(now), self._key_cache, self._seen, slots
+            *self._scan_layout(now), self._key_cache, self._seen, slots, hints
         )
         cache = self._key_cache
         for idx in unsettled:  # kept changing under the scan: settled here

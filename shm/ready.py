@@ -32,7 +32,8 @@ Layout (little-endian, every field naturally aligned)::
     48      16    reserved
     64            slot 0, then slot 1 at 64 + slot_stride
 
-    slot (slot_stride = 64 + 32 * capacity + heap_size, rounded up to 64)
+    slot (records_at = 64 + 32 * capacity + heap_size, rounded up to 64;
+          slot_stride = records_at + 8 * capacity, rounded up to 64)
     +0      4     seq           I    seqlock: odd while the keeper writes
     +4      4     count         I    entries in this slot
     +8      8     generation    Q    publishes since the segment was created
@@ -50,6 +51,7 @@ Layout (little-endian, every field naturally aligned)::
     +40     24    reserved
     +64           entries: capacity x 32 bytes, the first ``count`` valid
     +64+32K       heap: the keys' UTF-8 bytes, in entry order
+    +records_at   grant records: capacity x u64, one an entry (below)
 
     entry (32 bytes)
     +0      4     key_offset    I    into the slot's heap
@@ -58,6 +60,19 @@ Layout (little-endian, every field naturally aligned)::
     +8      8     version       Q
     +16     8     due_minute    q
     +24     8     rank          d
+
+    grant record (u64; 0: none). A claimer that leased entry i writes record
+    i once the lease is LEASED: where the keeper finds the key's lease
+    without reading the lease slot (shm/leases.py ``excluded_changes``).
+    bits 0-22   lease slot index + 1
+    bit  23     the lease word's copy bit
+    bits 24-43  the lease word's seq
+    bits 44-63  the slot's tag (the even seq its publish ended on) >> 1,
+                low 20 bits: a record a lapped claimer writes late names
+                an older publish, and is ignored
+    Every publish of the slot zeroes the records of the set it replaces.
+    Records are hints: the keeper trusts one only while the lease word it
+    names is still the slot's word, and reads the slot itself otherwise.
 
 A set whose keys overflow the heap is published short (``publish`` returns
 how many entries it wrote), never with a torn key.
@@ -97,7 +112,7 @@ except ImportError as _exc:  # reported when a claimer first takes, with what to
 else:
     _ATOMIC_IMPORT_ERROR = None
 
-LAYOUT_VERSION = 2  # 2: tagged claim cursor, low_water
+LAYOUT_VERSION = 3  # 2: tagged claim cursor, low_water; 3: grant records
 KIND = "ready"
 
 ACTIVE_OFFSET = HEADER_SIZE  # 24
@@ -114,6 +129,9 @@ LOW_WATER = struct.Struct("<Q")
 CLAIM_CURSOR = 24  # offset inside a slot
 CURSOR_INDEX = (1 << 32) - 1  # the cursor's index bits; the tag is above them
 FLAG_ASCII = 1
+RECORD = 8  # a grant record's bytes
+RECORD_TAG_SHIFT = 44
+RECORD_TAG_MASK = (1 << 20) - 1
 
 ENTRY_FORMAT = "IHHQqd"  # key_offset, key_len, class_id, version, due_minute, rank
 ENTRY_SIZE = 32
@@ -169,8 +187,18 @@ def heap_size_for(capacity: int) -> int:
     return capacity * KEY_BYTES_PER_ENTRY + KEY_BYTES_EXTRA
 
 
-def _slot_stride(capacity: int, heap_size: int) -> int:
+def _records_at(capacity: int, heap_size: int) -> int:
+    """Where a slot's grant records start, inside the slot."""
     return (SLOT_HEADER_SIZE + ENTRY_SIZE * capacity + heap_size + 63) // 64 * 64
+
+
+def _slot_stride(capacity: int, heap_size: int) -> int:
+    return (_records_at(capacity, heap_size) + RECORD * capacity + 63) // 64 * 64
+
+
+def record_tag(seq: int) -> int:
+    """The tag a grant record carries for a slot whose publish ended on ``seq``."""
+    return (seq >> 1) & RECORD_TAG_MASK
 
 
 def segment_size_for(capacity: int) -> int:
@@ -183,6 +211,11 @@ class ReadySet:
         self.capacity, self.heap_size = READY_FIELDS.unpack_from(seg.mm, READY_FIELDS_OFFSET)
         self._stride = _slot_stride(self.capacity, self.heap_size)
         self._heap_at = SLOT_HEADER_SIZE + ENTRY_SIZE * self.capacity  # inside a slot
+        self._records_at = _records_at(self.capacity, self.heap_size)  # inside a slot
+        # The writer's last publish: its slot, how many entries, its tag
+        # (grant_records), and the records' views, made on first use.
+        self._last_publish: tuple[int, int, int] | None = None
+        self._records: list[memoryview] = []
         self._stamped_pid = 0
         self._flat = [0] * (6 * CHUNK)
         # The atomics view (claim cursor, low_water), made on first use: a
@@ -230,6 +263,8 @@ class ReadySet:
     def close(self) -> None:
         while self._on_close:
             self._on_close.pop()()
+        while self._records:
+            self._records.pop().release()
         if self._view is not None:
             self._view.release()
             self._view = None
@@ -301,6 +336,12 @@ class ReadySet:
         # slot stays odd and is never flipped to.
         seq = (seq + 1 if seq % 2 == 0 else seq + 2) & 0xFFFFFFFF
         U32.pack_into(mm, base, seq)
+        # The grant records of the set this one replaces (claimers write
+        # only below its count; a late one from an older set is ignored by
+        # its tag).
+        old = min(U32.unpack_from(mm, base + 4)[0], self.capacity)
+        at = base + self._records_at
+        mm[at : at + RECORD * old] = bytes(RECORD * old)
         count, heap_used, flags = self._write_chunks(mm, base, chunks)
         # The cursor starts over at 0, tagged with the seq this publish ends on.
         done = (seq + 1) & 0xFFFFFFFF
@@ -313,7 +354,23 @@ class ReadySet:
         U32.pack_into(mm, ACTIVE_OFFSET, slot)
         U32.pack_into(mm, GENERATION_OFFSET, generation & 0xFFFFFFFF)
         self.segment.futex_wake(GENERATION_OFFSET)
+        self._last_publish = (slot, count, record_tag(done))
         return count
+
+    def grant_records(self) -> tuple[memoryview, int, int] | None:
+        """Writer: ``(records, count, tag)`` of this handle's last publish
+        (the slot stays as it is until the next one), for the keeper's
+        lease scan; None before the first. ``records`` is a view of the
+        slot's grant records, read as claimers write them."""
+        if self._last_publish is None:
+            return None
+        slot, count, tag = self._last_publish
+        if not self._records:
+            with memoryview(self.segment.mm) as mv:
+                for i in range(2):
+                    at = self._slot_base(i) + self._records_at
+                    self._records.append(mv[at : at + RECORD * self.capacity])
+        return self._records[slot], count, tag
 
     def _write_chunks(self, mm, base: int, chunks) -> tuple[int, int, int]:
         """Encode and write every chunk; (entries written, heap bytes, flags)."""

@@ -26,6 +26,7 @@ import pytest
 from node.config import Config, RouteConfig
 from node.rows import RowWrite
 from node.store import open_store
+from shm import leases as leases_mod
 from shm import segment
 from shm.leases import LeaseTable, Refuse, Refused
 from shm.ready import ReadySet
@@ -203,6 +204,49 @@ def test_payloads_and_cadences_come_through_as_the_python_path_reads_them(names,
         assert leases.peek("k000", grants["k000"].lease_id)[1].cadence_s == 3600
         assert leases.peek("other-route", grants["other-route"].lease_id)[1].cadence_s == 86400
         assert leases.grant("k000", "x", 30.0, NOW, 3600) == Refused(Refuse.LEASED)
+
+
+def test_the_c_path_records_where_it_leased_each_entry_for_the_keeper(names, tmp_path):
+    """Each entry the C path leases gets a grant record (shm/ready.py): the
+    slot and LEASED word of its lease, tagged with the publish. A keeper's
+    scan given them settles those keys with its own strs, unread, and finds
+    what a scan without them finds."""
+    db = tmp_path / "schedule.db"
+    keys = _schedule(db)
+    with _claimer_on(names[0], db, 100, max_misses=3) as (claimer, ready, leases):
+        _refusals(leases)
+        published = [e[0] for e in _entries(db, keys)]
+        assert ready.publish(_entries(db, keys), NOW) == len(published)
+        with LeaseTable.attach(names[0]) as plain, LeaseTable.attach(names[0]) as hinted:
+            plain.excluded_changes(NOW)
+            hinted.excluded_changes(NOW)  # both know the refusals' keys already
+            granted = {g.key for g in claimer.claim(100, 30.0, "c", NOW)}
+            view, count, tag = ready.grant_records()
+            assert count == len(published)
+            records = view.cast("Q").tolist()[:count]
+            for key, rec in zip(published, records, strict=True):
+                if key not in granted or key == LONG:  # the long key: the Python grant's
+                    assert rec == 0, key
+                    continue
+                idx = (rec & 0x7FFFFF) - 1
+                kb = key.encode()
+                found = leases._lookup(kb, leases_mod._hash(kb))
+                assert found is not None and found[0] == idx, key
+                word = found[1]
+                assert rec >> 44 == tag
+                assert (rec >> 23) & 1 == (word >> 8) & 1
+                assert (rec >> 24) & 0xFFFFF == word >> leases_mod.SEQ_SHIFT
+            added, removed = hinted.excluded_changes(NOW, (view, published, count, tag))
+            want, none = plain.excluded_changes(NOW)
+            assert sorted(added) == sorted(want) == sorted(granted) and removed == none == []
+            mine = {id(key) for key in published}
+            assert {key for key in added if id(key) in mine} == granted - {LONG}
+            assert set(hinted.excluded) == set(plain.excluded)
+            # A new publish zeroes the records it replaces; the older slot's
+            # records stay until that slot is published again.
+            ready.publish(_entries(db, keys)[:5], NOW)
+            ready.publish(_entries(db, keys)[:5], NOW)
+            assert not any(view.cast("Q").tolist()[:count])
 
 
 def test_closing_the_segments_closes_the_c_path_first(names, tmp_path):

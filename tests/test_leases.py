@@ -20,6 +20,7 @@ import sys
 import textwrap
 import time
 import uuid
+from array import array
 from collections import defaultdict
 from pathlib import Path
 
@@ -552,6 +553,67 @@ def test_excluded_keys_in_c_agree_with_the_python_scan(node, seed):
     for state in ("idle", "leased", "held", "parked", "updating"):
         assert seen[state], f"no {state} slot in the random tables: {dict(seen)}"
     assert long_keys, "no long key was excluded"
+
+
+def _grant_records(t: LeaseTable, keys: list[str], tag: int, rnd: random.Random) -> array:
+    """Grant records for ``keys`` as the C claim path writes them (shm/ready.py)
+    for the slot each key is in now, leased or not, and among them records a
+    scan must pass over: another publish's tag, a seq the slot never had,
+    none, nonsense."""
+    out = array("Q")
+    for key in keys:
+        kb = key.encode()
+        found = t._lookup(kb, leases._hash(kb))
+        kind = rnd.random()
+        if found is None or kind < 0.05:
+            out.append(0 if kind < 0.5 else rnd.getrandbits(64) & ~(0xFFFFF << 44))
+            continue
+        idx, w, _rec = found
+        seq = (w >> leases.SEQ_SHIFT) & leases.SEQ_MASK
+        if kind < 0.15:
+            seq = (seq + 1) & leases.SEQ_MASK  # a word the slot has not had yet
+        rec = (idx + 1) | ((w >> 8) & 1) << 23 | seq << 24
+        out.append(rec | ((tag + 1) & 0xFFFFF if kind < 0.25 else tag) << 44)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_excluded_changes_with_grant_records_find_what_a_scan_finds(node, seed):
+    """The keeper's scan given grant records (the C claim path's hints)
+    settles the slots they vouch for with the keeper's own strs, and ends
+    where a scan without them ends, whatever the records say."""
+    rnd = random.Random(seed)
+    hinted_from_list = 0
+    with LeaseTable.create(node, capacity=256, long_blocks=24, max_misses=3) as t, \
+            LeaseTable.attach(node) as plain, LeaseTable.attach(node) as hinted:
+        keys = list({_random_key(rnd) for _ in range(300)})
+        followed_plain: set[str] = set()
+        followed_hinted: set[str] = set()
+        for step in range(12):
+            for _ in range(150):
+                key = rnd.choice(keys)
+                at = T0 + rnd.uniform(-60, 60)
+                lease = _grant(t, key, at, rnd.choice((0.5, 5.0)), rnd.choice((8.0, 200.0)))
+                if lease and rnd.random() < 0.3:
+                    t.complete(key, lease.lease_id, at)
+                elif lease and rnd.random() < 0.3:
+                    t.release(key, lease.lease_id, at)
+            if step % 4 == 3:
+                t.expire(T0 + rnd.uniform(-60, 60))
+            published = [(k + "x")[:-1] if rnd.random() < 0.5 else k for k in rnd.sample(keys, 120)]
+            tag = rnd.getrandbits(20)
+            records = _grant_records(t, published, tag, rnd)
+            now = rnd.choice((T0 - 20, T0, T0 + 80))
+            want = t._excluded_keys_py(now)
+            mine = {id(k) for k in published}
+            added, removed = hinted.excluded_changes(now, (records, published, len(published), tag))
+            hinted_from_list += sum(id(k) in mine for k in added)
+            followed_hinted.difference_update(set(removed).difference(added))
+            followed_hinted.update(added)
+            _follow(plain, followed_plain, now)
+            assert followed_hinted == followed_plain == want, step
+            assert set(hinted.excluded) == set(plain.excluded) == want, step
+    assert hinted_from_list, "no key was settled from the records"
 
 
 def _follow(table: LeaseTable, followed: set[str], now: float) -> None:
