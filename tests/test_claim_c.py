@@ -206,6 +206,37 @@ def test_payloads_and_cadences_come_through_as_the_python_path_reads_them(names,
         assert leases.grant("k000", "x", 30.0, NOW, 3600) == Refused(Refuse.LEASED)
 
 
+ODD_KEYS = [
+    'q"uote', "back\\slash", "tab\there", "nl\nx", "nul\x00byte", "del\x7f", "\x01\x1f",
+    "emoji-\U0001f680", '"', "\\", '\\"\\u0000', "[1,2]", "ключ",
+]
+
+
+def test_a_run_of_keys_read_in_one_statement_finds_keys_json_must_escape(names, tmp_path):
+    """The C path reads a run's rows in one statement, its keys passed as a
+    JSON array: every key the contract allows (any UTF-8, control
+    characters and quotes included) must find its row."""
+    db = tmp_path / "schedule.db"
+    store = open_store(f"sqlite:///{db}")
+    store.upsert(
+        [RowWrite(key=k, route="r", due_at=NOW - 60, payload={"k": k}) for k in ODD_KEYS], now=NOW
+    )
+    store.close()
+    conn = sqlite3.connect(db)
+    versions = dict(conn.execute("SELECT key, version FROM schedule"))
+    conn.close()
+    assert set(versions) == set(ODD_KEYS)
+    minute = int(NOW // 60) - 1
+    entries = [(k, versions[k], minute, 1, float(100 - i)) for i, k in enumerate(ODD_KEYS)]
+    with _claimer_on(names[0], db, 100) as (claimer, ready, _leases):
+        assert claimer.on_c_path
+        ready.publish(entries, NOW)
+        grants = claimer.claim(len(ODD_KEYS), 30.0, "c", NOW)
+        assert sorted(g.key for g in grants) == sorted(ODD_KEYS)
+        assert all(g.payload == {"k": g.key} for g in grants)
+        assert claimer.stats.as_dict()["gone"] == 0
+
+
 def test_the_c_path_records_where_it_leased_each_entry_for_the_keeper(names, tmp_path):
     """Each entry the C path leases gets a grant record (shm/ready.py): the
     slot and LEASED word of its lease, tagged with the publish. A keeper's
