@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import msgpack
@@ -178,7 +178,7 @@ class Keeper:
         # Keys left out of the last publish because they were leased, held or
         # parked (the lease table's own record of what it reported, kept in
         # step by excluded_changes): a new write of one clears its misses and hold.
-        self.exclude: Mapping[str, int] = leases.excluded if leases is not None else {}
+        self.exclude: AbstractSet[str] = leases.excluded if leases is not None else frozenset()
         self._load_after: str | None = None
         self._loading = True
         self._tombstones: dict[str, int] = {}

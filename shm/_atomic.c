@@ -502,10 +502,13 @@ view_scan_f64(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
  * that changed, not the keys excluded. An unsettled slot gets seen[i] = all
  * ones and its cache item untouched, for the caller to settle and update.
  *
- * With an 18th argument `counts` (a dict, str -> how many slots' cache items
- * hold that key), owned by the caller and kept in step here: a key is in
- * `added` only when no slot held it before (its count goes from 0 to 1), and
- * in `removed` only when, at the end of the scan, no slot holds it any more.
+ * With an 18th argument `counts`, (held, extra): a set of the keys some
+ * slot's cache item holds, and a dict of how many more slots than one hold
+ * each key held by several, both owned by the caller and kept in step here
+ * (a set's entries hold their hashes: a key not in it costs one cache line
+ * to look up, where a big dict's lookup reads its index, entry and key): a
+ * key is in `added` only when no slot held it before, and in `removed` only
+ * when, at the end of the scan, no slot holds it any more.
  * A key keyed in two slots for a moment (two inserts racing, one backing off)
  * or moved to another slot is then reported neither way: it stays excluded.
  *
@@ -568,40 +571,44 @@ settle_out(PyObject *cache, PyObject *removed, uint64_t *seen, Py_ssize_t i, uin
     return 0;
 }
 
-/* counts[str] += 1; str goes into added if it was 0 (absent). The counts
-   are small ints, which CPython keeps as shared objects: nothing the garbage
+/* The caller's counts (see excluded_keys): the keys held, and how many more
+   slots than one hold a key held by several. */
+typedef struct {
+    PyObject *held;  /* set */
+    PyObject *extra; /* dict: str -> int >= 1 */
+} Counts;
+
+/* One more slot holds str; str goes into added if none did. The counts are
+   small ints, which CPython keeps as shared objects: nothing the garbage
    collector tracks is allocated here. */
 static int
-count_added(PyObject *counts, PyObject *added, PyObject *str)
+count_added(const Counts *counts, PyObject *added, PyObject *str)
 {
-    PyObject *n = PyDict_GetItemWithError(counts, str);
-    if (n == NULL) {
-        if (PyErr_Occurred())
-            return -1;
-        PyObject *one = PyLong_FromLong(1);
-        if (one == NULL)
-            return -1;
-        int rc = PyDict_SetItem(counts, str, one);
-        Py_DECREF(one);
-        return rc < 0 ? -1 : PyList_Append(added, str);
-    }
-    long v = PyLong_AsLong(n);
-    if (v == -1 && PyErr_Occurred())
+    int has = PySet_Contains(counts->held, str);
+    if (has < 0)
+        return -1;
+    if (!has)
+        return PySet_Add(counts->held, str) < 0 ? -1 : PyList_Append(added, str);
+    PyObject *n = PyDict_GetItemWithError(counts->extra, str);
+    long v = 0;
+    if (n == NULL && PyErr_Occurred())
+        return -1;
+    if (n != NULL && (v = PyLong_AsLong(n)) == -1 && PyErr_Occurred())
         return -1;
     PyObject *more = PyLong_FromLong(v + 1);
     if (more == NULL)
         return -1;
-    int rc = PyDict_SetItem(counts, str, more);
+    int rc = PyDict_SetItem(counts->extra, str, more);
     Py_DECREF(more);
     return rc;
 }
 
-/* counts[str] -= 1 for each str that left a slot's cache item; *removed is
-   replaced by the list of those whose count reached 0 (taken out of counts).
-   A str the counts never held (a cache filled before the counts were) counts
-   as held once. */
+/* One slot fewer holds each str that left a slot's cache item; *removed is
+   replaced by the list of those no slot holds any more (taken out of the
+   counts). A str the counts never held (a cache filled before the counts
+   were) counts as held once. */
 static int
-count_removed(PyObject *counts, PyObject **removed)
+count_removed(const Counts *counts, PyObject **removed)
 {
     PyObject *gone = PyList_New(0);
     if (gone == NULL)
@@ -609,23 +616,30 @@ count_removed(PyObject *counts, PyObject **removed)
     Py_ssize_t n = PyList_GET_SIZE(*removed);
     for (Py_ssize_t j = 0; j < n; j++) {
         PyObject *str = PyList_GET_ITEM(*removed, j);
-        PyObject *c = PyDict_GetItemWithError(counts, str);
-        long v = 1;
-        if (c == NULL && PyErr_Occurred())
-            goto fail;
-        if (c != NULL && (v = PyLong_AsLong(c)) == -1 && PyErr_Occurred())
-            goto fail;
+        long v = 0;
+        if (PyDict_GET_SIZE(counts->extra)) {
+            PyObject *c = PyDict_GetItemWithError(counts->extra, str);
+            if (c == NULL && PyErr_Occurred())
+                goto fail;
+            if (c != NULL && (v = PyLong_AsLong(c)) == -1 && PyErr_Occurred())
+                goto fail;
+        }
         if (v > 1) {
             PyObject *less = PyLong_FromLong(v - 1);
             if (less == NULL)
                 goto fail;
-            int rc = PyDict_SetItem(counts, str, less);
+            int rc = PyDict_SetItem(counts->extra, str, less);
             Py_DECREF(less);
             if (rc < 0)
                 goto fail;
             continue;
         }
-        if (c != NULL && PyDict_DelItem(counts, str) < 0)
+        if (v == 1) {
+            if (PyDict_DelItem(counts->extra, str) < 0)
+                goto fail;
+            continue; /* another slot still holds it */
+        }
+        if (PySet_Discard(counts->held, str) < 0)
             goto fail;
         if (PyList_Append(gone, str) < 0)
             goto fail;
@@ -646,7 +660,7 @@ fail:
    whose word has not moved since the grant, with the caller's keys. */
 static int
 settle_hinted(const uint64_t *states, Py_ssize_t count, uint64_t *seen, PyObject *cache,
-              PyObject *counts, PyObject *added, PyObject *removed, const uint64_t *records,
+              const Counts *counts, PyObject *added, PyObject *removed, const uint64_t *records,
               PyObject *keys, Py_ssize_t n, uint64_t tag, uint64_t leased, int seq_shift)
 {
     for (Py_ssize_t j = 0; j < n; j++) {
@@ -717,10 +731,20 @@ view_excluded_keys(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_ssize_t max_key = inline_key + block_size;
     int changes = nargs >= 17 && args[16] != Py_None;
-    PyObject *counts = nargs >= 18 && args[17] != Py_None ? args[17] : NULL;
-    if (counts != NULL && (!changes || !PyDict_CheckExact(counts))) {
-        PyErr_SetString(PyExc_ValueError, "excluded_keys: counts is a dict, with seen");
-        return NULL;
+    Counts counts_pair = {NULL, NULL};
+    const Counts *counts = NULL;
+    if (nargs >= 18 && args[17] != Py_None) {
+        PyObject *c = args[17];
+        if (!changes || !PyTuple_CheckExact(c) || PyTuple_GET_SIZE(c) != 2 ||
+            !PySet_CheckExact(PyTuple_GET_ITEM(c, 0)) ||
+            !PyDict_CheckExact(PyTuple_GET_ITEM(c, 1))) {
+            PyErr_SetString(PyExc_ValueError,
+                            "excluded_keys: counts is (set, dict), with seen");
+            return NULL;
+        }
+        counts_pair.held = PyTuple_GET_ITEM(c, 0);
+        counts_pair.extra = PyTuple_GET_ITEM(c, 1);
+        counts = &counts_pair;
     }
     PyObject *args_records = NULL;
     PyObject *hints = nargs == 19 && args[18] != Py_None ? args[18] : NULL;

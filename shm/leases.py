@@ -117,7 +117,7 @@ import os
 import signal
 import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -565,7 +565,10 @@ class LeaseTable:
         # compares each str with the slot's bytes before it gives it again.
         self._key_cache: list[str | None] | None = None
         self._seen: bytearray | None = None  # excluded_changes: each slot's last word
-        self._key_slots: dict[str, int] = {}  # excluded_changes: key -> slots caching it
+        # excluded_changes: the keys some slot's cache item holds, and for the
+        # few held by more than one slot (for a moment), how many more.
+        self._key_slots: set[str] = set()
+        self._key_extra: dict[str, int] = {}
         self._full_scan_due = 0.0  # expire: scan at this monotonic time whatever the hint
         self._on_close: list = []  # callables that release what holds this mapping
         lay = self._lay
@@ -1353,14 +1356,15 @@ class LeaseTable:
         if self._key_cache is None:
             self._key_cache = [None] * self.capacity
             self._key_slots.clear()
+            self._key_extra.clear()
         if self._seen is None:
             self._seen = bytearray(b"\xff" * (8 * self.capacity))
-        slots = self._key_slots
+        slots, extra = self._key_slots, self._key_extra
         if hints is not None:
             records, keys, n, tag = hints
             hints = (records, keys, n, tag, LEASED, SEQ_SHIFT)
         added, removed, unsettled = self._view.excluded_keys(
-            *self._scan_layout(now), self._key_cache, self._seen, slots, hints
+            *self._scan_layout(now), self._key_cache, self._seen, (slots, extra), hints
         )
         cache = self._key_cache
         for idx in unsettled:  # kept changing under the scan: settled here
@@ -1371,24 +1375,33 @@ class LeaseTable:
                 continue
             cache[idx] = new
             if old is not None:
-                left = slots.pop(old, 1) - 1
-                if left > 0:
-                    slots[old] = left
-                else:
+                more = extra.pop(old, 0)
+                if more > 1:
+                    extra[old] = more - 1
+                elif not more:
+                    slots.discard(old)
                     removed.append(old)
             if new is not None:
-                held = slots.get(new, 0)
-                slots[new] = held + 1
-                if not held:
+                if new in slots:
+                    extra[new] = extra.get(new, 0) + 1
+                else:
+                    slots.add(new)
                     added.append(new)
         return added, removed
 
     @property
-    def excluded(self) -> Mapping[str, int]:
+    def excluded(self) -> AbstractSet[str]:
         """What ``excluded_changes`` has reported so far and not taken back:
-        each key held out, with how many slots hold it (1 but for a moment).
-        Kept in place, so a reference to it stays current."""
+        the keys held out. Kept in place, so a reference to it stays current.
+        (A set, not a mapping of counts: a set's entries hold their keys'
+        hashes, so a miss costs one cache line, where a big dict's costs
+        three; the keeper adds every key granted to it.)"""
         return self._key_slots
+
+    def excluded_slots(self, key: str) -> int:
+        """How many slots hold ``key`` out, as ``excluded_changes`` counts
+        them: 0 when it is not excluded, 1 but for a moment."""
+        return 1 + self._key_extra.get(key, 0) if key in self._key_slots else 0
 
     def _scan_layout(self, now: float) -> tuple:
         """The C scan's arguments before its cache: where slots, keys, holds
@@ -1417,6 +1430,7 @@ class LeaseTable:
         self._key_cache = None
         self._seen = None
         self._key_slots.clear()
+        self._key_extra.clear()
 
     def _excluded_keys_py(self, now: float) -> set[str]:
         """``excluded_keys`` in Python, slot by slot (the tests compare the two)."""
