@@ -211,6 +211,16 @@ def _drop(
     return tuple(list(compress(column, keep)) for column in columns)
 
 
+def _getter(positions: list[int]):
+    """A function taking a sequence to the list of its items at
+    ``positions``: one ``itemgetter`` call, about half the time of a ``map``
+    over an array's ``__getitem__`` (the publish gathers five columns of
+    5,000 so)."""
+    if len(positions) > 1:
+        get = itemgetter(*positions)
+        return lambda seq: list(get(seq))
+    return lambda seq: [seq[i] for i in positions]
+
 class Buckets:
     """The keeper's rows by class and due minute. See the module docstring."""
 
@@ -998,21 +1008,22 @@ class Buckets:
                 ranks += [(now - m * 60) / cadence_s + boost for m in minute_of[start:end]]
             picks = sorted(range(len(ranks)), key=ranks.__getitem__, reverse=True)
             del picks[k:]
-            picked_ranks = list(map(ranks.__getitem__, picks))
+            at_picks = _getter(picks)
+            picked_ranks = at_picks(ranks)
             kth = picked_ranks[-1] if len(picks) == k else None
             if self._enough(active, counts, total, now, kth):
                 break
             target += max(k - len(picks), 0) + slack
-        slots = list(map(slot_of.__getitem__, picks))
-        keys = list(map(self._keys.__getitem__, slots))
+        at_slots = _getter(at_picks(slot_of))
+        keys = at_slots(self._keys)
         if self._remember_best:
             starts.append(len(values))
             self._remember(values, slot_of, starts, cids, dict(zip(keys, picks, strict=True)))
         return (
             keys,
-            list(map(self._vers.__getitem__, slots)),
-            list(map(minute_of.__getitem__, picks)),
-            list(map(class_of.__getitem__, picks)),
+            at_slots(self._vers),
+            at_picks(minute_of),
+            at_picks(class_of),
             picked_ranks,
         )
 
