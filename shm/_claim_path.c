@@ -867,9 +867,9 @@ grant_run(ClaimPathObject *self, const Taken *t, GrantArgs *a, Py_ssize_t lo, Py
           PyObject *grants, PyObject *slow, long long *k)
 {
     Look looks[PREFETCH_RUN];
-    Py_ssize_t need[PREFETCH_RUN];
+    Py_ssize_t need[PREFETCH_RUN], alone[PREFETCH_RUN]; /* entries whose row is read */
     int found[PREFETCH_RUN];
-    int n = 0;
+    int n = 0, n_alone = 0;
     /* Hash the run's keys and have their slots' lines fetched while the
        first are looked at. */
     for (Py_ssize_t i = lo; i < hi; i++) {
@@ -898,53 +898,35 @@ grant_run(ClaimPathObject *self, const Taken *t, GrantArgs *a, Py_ssize_t lo, Py
         if (a->looked == 1)
             memcpy(look->record, a->record, sizeof look->record);
         /* json_each gives a string holding \u0000 back cut short: such a
-           key is read on its own (first, from the end of `need`). */
-        found[n] = memchr(a->key, 0, a->key_len) != NULL;
-        need[n++] = i;
+           key is read on its own. */
+        if (memchr(a->key, 0, a->key_len) != NULL)
+            alone[n_alone++] = i;
+        else
+            need[n++] = i;
+    }
+    if (n < ROWS_BATCH_MIN) { /* too few for a batch to pay: all on their own */
+        memcpy(alone + n_alone, need, n * sizeof need[0]);
+        n_alone += n;
+        n = 0;
+    }
+    for (int j = 0; j < n_alone; j++) {
+        Py_ssize_t i = alone[j];
+        args_for(self, t, a, i, &looks[i - lo]);
+        RowRead r;
+        int got = read_row(self, a->key, a->key_len, &r);
+        if (got < 0)
+            return -1;
+        if (!got) {
+            k[K_GONE]++;
+            continue;
+        }
+        int rc = grant_row(self, t, a, i, &r, grants, slow, k);
+        row_clear(&r);
+        if (rc < 0)
+            return -1;
     }
     if (n == 0)
         return 0;
-    int alone = 0;
-    for (int j = 0; j < n; j++)
-        alone += found[j];
-    if (n - alone < ROWS_BATCH_MIN)
-        alone = n;
-    if (alone) {
-        /* One statement a key: those of the run that cannot go in the
-           batch (all of them when they are few), moved to its front. */
-        int w = 0;
-        Py_ssize_t keep[PREFETCH_RUN];
-        int kept = 0;
-        for (int j = 0; j < n; j++) {
-            if (alone == n || found[j])
-                need[w++] = need[j];
-            else
-                keep[kept++] = need[j];
-        }
-        for (int j = 0; j < w; j++) {
-            Py_ssize_t i = need[j];
-            args_for(self, t, a, i, &looks[i - lo]);
-            RowRead r;
-            int got = read_row(self, a->key, a->key_len, &r);
-            if (got < 0)
-                return -1;
-            if (!got) {
-                k[K_GONE]++;
-                continue;
-            }
-            int rc = grant_row(self, t, a, i, &r, grants, slow, k);
-            row_clear(&r);
-            if (rc < 0)
-                return -1;
-        }
-        n = kept;
-        for (int j = 0; j < n; j++) {
-            need[j] = keep[j];
-            found[j] = 0;
-        }
-        if (n == 0)
-            return 0;
-    }
     Py_ssize_t len = 1;
     for (int j = 0; j < n; j++) {
         const char *e = self->entries + R_ENTRY_SIZE * need[j];
@@ -955,6 +937,7 @@ grant_run(ClaimPathObject *self, const Taken *t, GrantArgs *a, Py_ssize_t lo, Py
         if (json_key(self, &len, self->heap + (o - t->heap_lo), l) < 0)
             return -1;
         self->json[len++] = j + 1 < n ? ',' : ']';
+        found[j] = 0;
     }
     self->json[0] = '[';
     sqlite3_stmt *st = self->rows_stmt;
