@@ -70,7 +70,7 @@ Layout (little-endian, every field naturally aligned)::
     bits 44-63  the slot's tag (the even seq its publish ended on) >> 1,
                 low 20 bits: a record a lapped claimer writes late names
                 an older publish, and is ignored
-    Every publish of the slot zeroes the records of the set it replaces.
+    Every publish of the slot zeroes all its records first.
     Records are hints: the keeper trusts one only while the lease word it
     names is still the slot's word, and reads the slot itself otherwise.
 
@@ -216,6 +216,7 @@ class ReadySet:
         # (grant_records), and the records' views, made on first use.
         self._last_publish: tuple[int, int, int] | None = None
         self._records: list[memoryview] = []
+        self._no_records = bytes(RECORD * self.capacity)
         self._stamped_pid = 0
         self._flat = [0] * (6 * CHUNK)
         # The atomics view (claim cursor, low_water), made on first use: a
@@ -336,12 +337,10 @@ class ReadySet:
         # slot stays odd and is never flipped to.
         seq = (seq + 1 if seq % 2 == 0 else seq + 2) & 0xFFFFFFFF
         U32.pack_into(mm, base, seq)
-        # The grant records of the set this one replaces (claimers write
-        # only below its count; a late one from an older set is ignored by
-        # its tag).
-        old = min(U32.unpack_from(mm, base + 4)[0], self.capacity)
+        # No grant record survives from an older set (a late one a lapped
+        # claimer writes from now on names an older tag, and is ignored).
         at = base + self._records_at
-        mm[at : at + RECORD * old] = bytes(RECORD * old)
+        mm[at : at + len(self._no_records)] = self._no_records
         count, heap_used, flags = self._write_chunks(mm, base, chunks)
         # The cursor starts over at 0, tagged with the seq this publish ends on.
         done = (seq + 1) & 0xFFFFFFFF
