@@ -29,7 +29,7 @@ from node.store import open_store
 from shm import leases as leases_mod
 from shm import segment
 from shm.leases import LeaseTable, Refuse, Refused
-from shm.ready import ReadySet
+from shm.ready import RECORD_TAG_SHIFT, ReadySet
 from shm.segment import segment_name
 from workers.claim import Claimer, Grant
 
@@ -264,7 +264,7 @@ def test_the_c_path_records_where_it_leased_each_entry_for_the_keeper(names, tmp
                 found = leases._lookup(kb, leases_mod._hash(kb))
                 assert found is not None and found[0] == idx, key
                 word = found[1]
-                assert rec >> 44 == tag
+                assert rec >> RECORD_TAG_SHIFT == tag
                 assert (rec >> 23) & 1 == (word >> 8) & 1
                 assert (rec >> 24) & 0xFFFFF == word >> leases_mod.SEQ_SHIFT
             added, removed = hinted.excluded_changes(NOW, (view, published, count, tag))

@@ -38,6 +38,7 @@ from shm.leases import (
     Refused,
     hold_s,
 )
+from shm.ready import RECORD_TAG_MASK, RECORD_TAG_SHIFT
 from shm.segment import segment_name
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -566,14 +567,16 @@ def _grant_records(t: LeaseTable, keys: list[str], tag: int, rnd: random.Random)
         found = t._lookup(kb, leases._hash(kb))
         kind = rnd.random()
         if found is None or kind < 0.05:
-            out.append(0 if kind < 0.5 else rnd.getrandbits(64) & ~(0xFFFFF << 44))
+            untagged = ~(RECORD_TAG_MASK << RECORD_TAG_SHIFT)
+            out.append(0 if kind < 0.5 else rnd.getrandbits(64) & untagged)
             continue
         idx, w, _rec = found
         seq = (w >> leases.SEQ_SHIFT) & leases.SEQ_MASK
         if kind < 0.15:
             seq = (seq + 1) & leases.SEQ_MASK  # a word the slot has not had yet
         rec = (idx + 1) | ((w >> 8) & 1) << 23 | seq << 24
-        out.append(rec | ((tag + 1) & 0xFFFFF if kind < 0.25 else tag) << 44)
+        tagged = (tag + 1) & RECORD_TAG_MASK if kind < 0.25 else tag
+        out.append(rec | tagged << RECORD_TAG_SHIFT)
     return out
 
 
