@@ -13,6 +13,7 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension("shm._atomic", sources=["shm/_atomic.c"], extra_compile_args=["-O2"]),
+        Extension("keeper._best", sources=["keeper/_best.c"], extra_compile_args=["-O2"]),
         Extension(
             "shm._claim",
             sources=["shm/_claim.c", "shm/_claim_path.c"],

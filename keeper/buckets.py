@@ -122,6 +122,11 @@ from operator import ge, is_, is_not, itemgetter, lt, not_
 from typing import Any
 
 from keeper.classes import ClassTable
+
+try:  # the k-way merge best_columns ranks with; the Python below does the same
+    from keeper import _best
+except ImportError:
+    _best = None  # type: ignore[assignment]
 from keeper.order import BLOCK_LOAD, SLOT_BITS, SLOT_MASK, Order, last_minute
 from node.config import Config
 from node.errors import TooManyClasses
@@ -209,6 +214,37 @@ def _drop(
     for j, _slot in found:
         keep[j] = False
     return tuple(list(compress(column, keep)) for column in columns)
+
+
+def _merge(
+    values: array[int],
+    starts: list[int],
+    rates: list[tuple[float, float]],
+    cids: list[int],
+    now: float,
+    k: int,
+) -> tuple[list[int], list[float], list[int], list[int], list[int], bytearray]:
+    """``keeper._best.merge`` in Python, for a build without it: every
+    candidate's rank, one stable index sort, and a gather a column. The k
+    best of the class runs in ``values`` (class ``cids[c]``'s from
+    ``starts[c]``, its ``(cadence_s, boost)`` in ``rates[c]``), best first:
+    ``(positions, ranks, slots, minutes, class ids, marks)``, marks a
+    bytearray with 1 at each position picked."""
+    # Each value's slot and minute, as the two int32 halves of its int64.
+    halves = array("i", values.tobytes())
+    slot_of, minute_of = halves[_SLOT_HALF::2], halves[_MINUTE_HALF::2]
+    ranks: list[float] = []
+    class_of: list[int] = []
+    ends = [*starts[1:], len(values)] if starts else []
+    for (cadence_s, boost), cid, start, end in zip(rates, cids, starts, ends, strict=True):
+        ranks += [(now - m * 60) / cadence_s + boost for m in minute_of[start:end]]
+        class_of += repeat(cid, end - start)
+    picks = sorted(range(len(ranks)), key=ranks.__getitem__, reverse=True)
+    del picks[k:]
+    at = _getter(picks)
+    marks = bytearray(len(values))
+    deque(map(marks.__setitem__, picks, repeat(1)), maxlen=0)
+    return picks, at(ranks), at(slot_of), at(minute_of), at(class_of), marks
 
 
 def _getter(positions: list[int]):
@@ -767,6 +803,10 @@ class Buckets:
             if values is None:
                 values = by_class[cid] = []
             values.append(mins[slot] << SLOT_BITS | slot)
+        return self._move_classes(by_class, detached)
+
+    def _move_classes(self, by_class: dict[int, list[int]], detached: bool) -> int:
+        """Move each class's values (flagged already) between its orders."""
         due_below = (self._through + 1) << SLOT_BITS
         moved = 0
         for cid, values in by_class.items():
@@ -815,14 +855,26 @@ class Buckets:
             keep = list(map(not_, flags))
             picked, slots = list(compress(picked, keep)), list(compress(slots, keep))
         deque(map(det.__setitem__, slots, repeat(1)), maxlen=0)
-        starts = self._best_starts
+        self._by_class(picked, marks, self._best_starts, self._best_cids, by_class)
+        return rest
+
+    @staticmethod
+    def _by_class(
+        picked: list[int],
+        marks: bytearray,
+        starts: list[int],
+        cids: list[int],
+        by_class: dict[int, list[int]],
+    ) -> None:
+        """Split ``picked`` (the marked candidates, class run by class run)
+        into ``by_class``: class ``cids[c]``'s run starts at ``starts[c]``
+        and ends where the next starts."""
         taken = 0
-        for c, cid in enumerate(self._best_cids):
+        for c, cid in enumerate(cids):
             n = marks.count(1, starts[c], starts[c + 1])
             if n:
                 by_class[cid] = picked[taken : taken + n]
                 taken += n
-        return rest
 
     def _remember(
         self,
@@ -962,14 +1014,22 @@ class Buckets:
         k: int,
         paused_routes: Container[str] = (),
         exclude: Container[str] | None = None,
+        detach: bool = False,
     ) -> Columns:
         """``best`` as the columns ``ReadySet.publish_columns`` takes: ``(keys,
         versions, due minutes, class ids, ranks)``, best first.
 
+        ``detach``: detach the keys returned, as ``detach_many`` would (the
+        keeper's live sets stay out of the next): their values are at hand,
+        so no key is looked up, and nothing is remembered for a later
+        ``detach_many``.
+
         Built as columns: each class's head run is copied out of its order
-        into one array (read as int32 halves for the slots and minutes) and
-        its ranks into one list (a comprehension of floats a class), one
-        index sort orders them, and a gather a column picks the k best. No
+        into one array, and a k-way merge of the runs by rank (in C,
+        ``keeper._best.merge``: within a run the ranks never rise; in Python
+        without it, every rank and one stable index sort) gives the k best
+        with their slots, minutes and classes; a gather a column takes the
+        keys and versions. No
         tuple a row: with the publish that takes the columns as they are, it
         measured 0.6 to 0.8 of ``best`` and ``ReadySet.publish`` in the
         keeper's loop (no transpose, and no collector passes over 5,000 fresh
@@ -988,7 +1048,6 @@ class Buckets:
         while True:
             counts, slack = self._counts(active, now, now_minute, total, target)
             values = array("q")  # the heads taken, class by class
-            class_of: list[int] = []
             starts: list[int] = []  # where each class's run starts in ``values``
             cids: list[int] = []
             rates = []
@@ -998,34 +1057,48 @@ class Buckets:
                     cids.append(cid)
                     rates.append((cadence_s, boost))
                     values += order.head(n)
-                    class_of += repeat(cid, n)
-            # Each value's slot and minute, as the two int32 halves of its int64.
-            halves = array("i", values.tobytes())
-            slot_of, minute_of = halves[_SLOT_HALF::2], halves[_MINUTE_HALF::2]
-            ranks: list[float] = []
-            ends = [*starts[1:], len(values)] if starts else []
-            for (cadence_s, boost), start, end in zip(rates, starts, ends, strict=True):
-                ranks += [(now - m * 60) / cadence_s + boost for m in minute_of[start:end]]
-            picks = sorted(range(len(ranks)), key=ranks.__getitem__, reverse=True)
-            del picks[k:]
-            at_picks = _getter(picks)
-            picked_ranks = at_picks(ranks)
+            if _best is not None:
+                cadences, boosts = [float(r[0]) for r in rates], [float(r[1]) for r in rates]
+                merged = _best.merge(values, starts, cadences, boosts, cids, now, k)
+            else:
+                merged = _merge(values, starts, rates, cids, now, k)
+            picks, picked_ranks, picked_slots, picked_minutes, picked_cids, marks = merged
             kth = picked_ranks[-1] if len(picks) == k else None
             if self._enough(active, counts, total, now, kth):
                 break
             target += max(k - len(picks), 0) + slack
-        at_slots = _getter(at_picks(slot_of))
+        at_slots = _getter(picked_slots)
         keys = at_slots(self._keys)
-        if self._remember_best:
-            starts.append(len(values))
+        columns = (keys, at_slots(self._vers), picked_minutes, picked_cids, picked_ranks)
+        starts.append(len(values))
+        if detach:
+            self._detach_picked(values, starts, cids, picked_slots, marks)
+        elif self._remember_best:
+            slot_of = array("i", values.tobytes())[_SLOT_HALF::2]
             self._remember(values, slot_of, starts, cids, dict(zip(keys, picks, strict=True)))
-        return (
-            keys,
-            at_slots(self._vers),
-            at_picks(minute_of),
-            at_picks(class_of),
-            picked_ranks,
-        )
+        return columns
+
+    def _detach_picked(
+        self,
+        values: array[int],
+        starts: list[int],
+        cids: list[int],
+        slots: list[int],
+        marks: bytearray,
+    ) -> None:
+        """``best_columns(detach=True)``'s last step: detach the candidates
+        ``marks`` picks (their ``slots``), all attached (best reads the
+        attached orders only), and forget any remembered best."""
+        if self._dirty:
+            self._flush()
+        if _best is not None:
+            _best.flag(self._det, slots, 1)
+        else:
+            deque(map(self._det.__setitem__, slots, repeat(1)), maxlen=0)
+        by_class: dict[int, list[int]] = {}
+        self._by_class(list(compress(values, marks)), marks, starts, cids, by_class)
+        self._move_classes(by_class, detached=True)
+        self._best_at = {}
 
     def _active(
         self, now: float, paused_routes: Container[str]

@@ -186,7 +186,17 @@ class Keeper:
         self._top_checked: dict[str, float] = {}
         self._top_check_due = 0.0
         self._top_trim_due = 0.0
-        self._published: list[str] = []  # the keys of the last publish, best first
+        # The sets claimers may still take from, by ready-set slot, best first:
+        # the active one and the next, published ahead (shm/ready.py), each
+        # as written. With a lease table their keys are detached while their
+        # set is live (``_out``), so that the next set leaves them out; a set
+        # claimers moved on from is retired at the next publish: its keys
+        # come back but for those the lease table now keeps out.
+        self._sets: dict[int, list[str]] = {}
+        self._out: set[str] = set()
+        # The keys of ``_out`` the lease table keeps out too (granted from a
+        # live set, nearly always): they stay detached when their set retires.
+        self._out_excluded: set[str] = set()
         self._flow: deque[tuple[int, dict[str, int]]] = deque(maxlen=FLOW_MINUTES)
         self._caught_up = False
         self.next_publish = 0.0
@@ -222,8 +232,13 @@ class Keeper:
         if self._loading:
             self._load_step(now)
         self._sample_flow(now)
-        if self.ready_low(now) or now >= self.next_publish:
+        low = self.ready_low(now)
+        if now >= self.next_publish:
             self.publish(now)
+        elif low and (self.leases is None or not self.ready.pending()):
+            # Claimers took from the active set: write the next one while
+            # they drain it (none without a lease table to keep it apart).
+            self.publish(now, ahead=self.leases is not None)
         if now >= self.next_state:
             self.write_state(now)
         if self._verify is not None:
@@ -255,6 +270,7 @@ class Keeper:
         loading = self._loading
         tombstones = self._tombstones
         exclude = self.exclude if self.leases is not None else ()
+        out = self._out
         for _ in range(FEED_BATCHES_PER_TICK):
             batch = changes(self.feed_seq, FEED_BATCH)
             if not batch:
@@ -284,6 +300,8 @@ class Keeper:
                     if ch.origin != ORIGIN_WRITEBACK:
                         # A new write of a key with misses clears them.
                         self.leases.clear_on_write(ch.key)
+                elif ch.op == OP_INSERT and ch.key in out:
+                    detach(ch.key)  # inserted again while a live set holds it
                 if ch.op == OP_INSERT:
                     flow["added"] += 1
                 elif ch.origin == ORIGIN_WRITEBACK:
@@ -423,18 +441,31 @@ class Keeper:
             return False
         return self.ready.take_low_water()
 
-    def publish(self, now: float) -> None:
+    def publish(self, now: float, ahead: bool = False) -> None:
+        """Publish the best due keys: a fresh set claimers take from at once,
+        or (``ahead``, with a lease table) the next set, which leaves the
+        active set's keys out and which claimers switch to when the active
+        set is drained."""
         t0 = time.perf_counter()
         if self.leases is not None:
             self._follow_leases(now)
+            self._retire(self.ready.active_slot if ahead else None)
+        keep_out = self.leases is not None
         if self.paused_node:
             columns: Columns = ([], [], [], [], [])
         else:
             columns = self.buckets.best_columns(
-                now, self.config.ready_size, paused_routes=self.paused_routes
+                now, self.config.ready_size, paused_routes=self.paused_routes, detach=keep_out
             )
-        self.ready.publish_columns(*columns, now)
+        written = self.ready.publish_columns(*columns, now, ahead=ahead)
         keys = columns[0]
+        if written < len(keys):
+            if keep_out:  # the heap was full: the rest were not published
+                self.buckets.attach_many(keys[written:])
+            del keys[written:]
+        if keep_out:
+            self._out.update(keys)
+        self._sets[self.ready.last_slot] = keys
         spent = time.perf_counter() - t0
         metrics.observe_publish(spent)
         ms = spent * 1000
@@ -445,7 +476,6 @@ class Keeper:
         pub["size"] = len(keys)
         if pub["count"] == 1:
             self.stats.load["first_publish_s"] = round(time.perf_counter() - self._t_start, 4)
-        self._published = keys
         self._published_at = now
         self.next_publish = now + self.config.publish_interval_s
         self.state.heartbeat(now, self.status, self.exact, self._phase(), published=True)
@@ -458,18 +488,51 @@ class Keeper:
         order (it stays in every count), one that no longer is comes back.
         The lease table reports only what changed (``excluded_changes``), so
         the cost follows the keys that changed, not the keys out; the grant
-        records claimers left in the last published set name the slots of
-        most of those, so the scan need not read them."""
-        hints = None
-        records = self.ready.grant_records()
-        if records is not None and self._published:
-            view, count, tag = records
-            hints = (view, self._published, min(count, len(self._published)), tag)
+        records claimers left in the live sets name the slots of most of
+        those, so the scan need not read them. A key of a live set is
+        detached already, and stays so until its set retires."""
+        hints = []
+        for slot, keys in self._sets.items():
+            records = self.ready.grant_records(slot)
+            if records is not None and keys:
+                view, count, tag = records
+                hints.append((view, keys, min(count, len(keys)), tag))
         added, removed = self.leases.excluded_changes(now, hints)
+        out, both = self._out, self._out_excluded
         if removed:  # no slot holds these out any more (first: a key can be in both)
+            ended = out.intersection(removed)
+            if ended:
+                both -= ended
+                removed = [key for key in removed if key not in ended]
             self.buckets.attach_many(removed)
         if added:
-            self.buckets.detach_many(added)
+            # The first keys added were settled from the live sets' grant
+            # records: the sets' own strs, detached already.
+            hinted = self.leases.hinted_added
+            both.update(added[:hinted] if hinted < len(added) else added)
+            if hinted == len(added):
+                return
+            rest = added[hinted:]
+            granted = out.intersection(rest)
+            if granted:
+                both |= granted
+                rest = [key for key in rest if key not in granted]
+            self.buckets.detach_many(rest)
+
+    def _retire(self, keep: int | None) -> None:
+        """Retire every live set but the one in slot ``keep``: claimers have
+        moved on from it (or a fresh set replaces them all). Its keys leave
+        ``_out`` and come back into the orders, but for those the lease table
+        keeps out (call after ``_follow_leases``)."""
+        out, both = self._out, self._out_excluded
+        for slot in [slot for slot in self._sets if slot != keep]:
+            keys = self._sets.pop(slot)
+            back = set(keys)
+            out -= back
+            back -= both
+            both.difference_update(keys)
+            if back:
+                self.buckets.attach_many(back)
 
     def _phase(self) -> str:
         if self._loading:
@@ -532,7 +595,7 @@ class Keeper:
             return False
         self.buckets.remove(key)
         self.buckets.apply(key, row.version, row.route, row.cadence_s, row.sitemap, row.due_at)
-        if key in self.exclude:
+        if key in self.exclude or key in self._out:
             self.buckets.detach(key)
         return True
 
@@ -730,7 +793,11 @@ class Keeper:
         info = self.classes.info(cid)
         due = minute <= int(now // 60)
         rank = (now - minute * 60) / info.cadence_s + info.boost if due else None
-        position = next((i for i, k in enumerate(self._published) if k == key), None)
+        active = self.ready.active_slot
+        published = list(self._sets.get(active, ()))
+        if self.ready.pending():  # claimers take the next set's after the active set's
+            published += self._sets.get(1 - active, ())
+        position = next((i for i, k in enumerate(published) if k == key), None)
         return {
             "held": True,
             "status": self.status,

@@ -494,9 +494,10 @@ view_scan_f64(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
  *
  * Changes mode: with a 17th argument `seen` (a writable buffer of `count`
  * u64, the word each slot had when last settled; all ones: never) and a
- * cache, the answer is (added, removed, unsettled): the strs of keys that
- * became excluded since the last call and of those that no longer are (the
- * cache's old items). A slot whose word equals seen[i] has made no transition
+ * cache, the answer is (added, removed, unsettled, hinted): the strs of keys
+ * that became excluded since the last call and of those that no longer are
+ * (the cache's old items); the first `hinted` of added are strs of the hints'
+ * key lists (settled from grant records, below). A slot whose word equals seen[i] has made no transition
  * since (every transition bumps the word's seq), so only a held slot, whose
  * exclusion ends with time, is looked at again: the cost follows the slots
  * that changed, not the keys excluded. An unsettled slot gets seen[i] = all
@@ -512,8 +513,9 @@ view_scan_f64(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
  * A key keyed in two slots for a moment (two inserts racing, one backing off)
  * or moved to another slot is then reported neither way: it stays excluded.
  *
- * With a 19th argument `hints`, (records, keys, n, tag, leased, seq_shift):
- * grant records a claimer wrote (shm/ready.py's layout: u64 each, lease slot
+ * With a 19th argument `hints`, a tuple of up to four (records, keys, n,
+ * tag, leased, seq_shift), one a published set (the keeper's active and
+ * retiring sets): grant records a claimer wrote (shm/ready.py's layout: u64 each, lease slot
  * + 1 in bits 0-22, the word's copy bit at 23 and seq at 24-43, `tag` at
  * 44-63) for keys[0:n], read before the scan. A record whose tag matches and
  * whose slot still has the word it names (code `leased`, that copy and seq:
@@ -656,6 +658,14 @@ fail:
 #define CANDIDATE_RUN 512
 #define PREFETCH_DEPTH 8
 
+/* One of excluded_keys's hints (see there), as parsed. */
+#define MAX_HINTS 4
+typedef struct {
+    PyObject *records, *keys; /* borrowed from the hints tuple */
+    Py_ssize_t n, leased, shift;
+    uint64_t tag;
+} Hint;
+
 /* excluded_keys's hints (see there): settle the slots the grant records name
    whose word has not moved since the grant, with the caller's keys. */
 static int
@@ -746,29 +756,37 @@ view_excluded_keys(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
         counts_pair.extra = PyTuple_GET_ITEM(c, 1);
         counts = &counts_pair;
     }
-    PyObject *args_records = NULL;
+    /* hints: a tuple of up to MAX_HINTS (records, keys, n, tag, leased,
+       seq_shift), one a published set whose records may name slots. */
+    Hint hint[MAX_HINTS];
+    Py_ssize_t hint_count = 0;
     PyObject *hints = nargs == 19 && args[18] != Py_None ? args[18] : NULL;
-    PyObject *hint_keys = NULL;
-    Py_ssize_t hint_n = 0, hint_leased = 0, hint_shift = 0;
-    uint64_t hint_tag = 0;
     if (hints != NULL) {
-        PyObject *records_obj;
-        if (counts == NULL || !PyTuple_CheckExact(hints) ||
-            !PyArg_ParseTuple(hints, "OO!nKnn", &records_obj, &PyList_Type, &hint_keys, &hint_n,
-                              &hint_tag, &hint_leased, &hint_shift)) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_ValueError,
-                                "excluded_keys: hints are (records, keys, n, tag, leased, "
-                                "seq_shift), with counts");
+        if (counts == NULL || !PyTuple_CheckExact(hints) || PyTuple_GET_SIZE(hints) > MAX_HINTS) {
+            PyErr_SetString(PyExc_ValueError,
+                            "excluded_keys: hints are a tuple of at most 4 (records, keys, n, "
+                            "tag, leased, seq_shift), with counts");
             return NULL;
         }
-        if (hint_leased < 0 || hint_leased > 15 || !((always_mask >> hint_leased) & 1) ||
-            hint_shift < 9 || hint_shift > 44 || hint_n < 0 ||
-            hint_n > PyList_GET_SIZE(hint_keys)) {
-            PyErr_SetString(PyExc_ValueError, "excluded_keys: hints out of range");
-            return NULL;
+        for (Py_ssize_t h = 0; h < PyTuple_GET_SIZE(hints); h++) {
+            Hint *x = &hint[hint_count];
+            PyObject *one = PyTuple_GET_ITEM(hints, h);
+            if (!PyTuple_CheckExact(one) ||
+                !PyArg_ParseTuple(one, "OO!nKnn", &x->records, &PyList_Type, &x->keys, &x->n,
+                                  &x->tag, &x->leased, &x->shift)) {
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_ValueError,
+                                    "excluded_keys: a hint is (records, keys, n, tag, leased, "
+                                    "seq_shift)");
+                return NULL;
+            }
+            if (x->leased < 0 || x->leased > 15 || !((always_mask >> x->leased) & 1) ||
+                x->shift < 9 || x->shift > 44 || x->n < 0 || x->n > PyList_GET_SIZE(x->keys)) {
+                PyErr_SetString(PyExc_ValueError, "excluded_keys: hints out of range");
+                return NULL;
+            }
+            hint_count++;
         }
-        args_records = records_obj;
     }
     /* Allocate first: from here on the scan allocates no object the garbage
        collector tracks, so no finalizer can run and change the cache or
@@ -826,17 +844,22 @@ view_excluded_keys(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
     const char *blocks = buf + blocks_off;
     uint64_t wanted = always_mask | held_mask;
     uint32_t cand[CANDIDATE_RUN];
-    if (args_records != NULL) {
-        if (PyObject_GetBuffer(args_records, &records_view, PyBUF_SIMPLE) < 0)
+    Py_ssize_t hinted = 0; /* keys added from the hints: the first of `keys` */
+    for (Py_ssize_t h = 0; h < hint_count; h++) {
+        Hint *x = &hint[h];
+        if (PyObject_GetBuffer(x->records, &records_view, PyBUF_SIMPLE) < 0)
             goto fail;
-        if (records_view.len < hint_n * 8 || ((uintptr_t)records_view.buf) % 8) {
+        if (records_view.len < x->n * 8 || ((uintptr_t)records_view.buf) % 8) {
             PyErr_SetString(PyExc_ValueError, "excluded_keys: records are not n aligned u64");
             goto fail;
         }
         if (settle_hinted(states, count, seen, cache, counts, keys, removed,
-                          (const uint64_t *)records_view.buf, hint_keys, hint_n, hint_tag,
-                          (uint64_t)hint_leased, (int)hint_shift) < 0)
+                          (const uint64_t *)records_view.buf, x->keys, x->n, x->tag,
+                          (uint64_t)x->leased, (int)x->shift) < 0)
             goto fail;
+        PyBuffer_Release(&records_view);
+        records_view.obj = NULL;
+        hinted = PyList_GET_SIZE(keys);
     }
     for (Py_ssize_t next = 0; next < count;) {
         /* Pass one, over the words in order: the slots worth a look, up to
@@ -983,11 +1006,15 @@ view_excluded_keys(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     if (counts != NULL && count_removed(counts, &removed) < 0)
         goto fail;
+    PyObject *hinted_obj = changes ? PyLong_FromSsize_t(hinted) : NULL;
+    if (changes && hinted_obj == NULL)
+        goto fail;
     if (records_view.obj != NULL)
         PyBuffer_Release(&records_view);
     PyMem_Free(key);
-    PyObject *out = changes ? PyTuple_Pack(3, keys, removed, unsettled)
+    PyObject *out = changes ? PyTuple_Pack(4, keys, removed, unsettled, hinted_obj)
                             : PyTuple_Pack(2, keys, unsettled);
+    Py_XDECREF(hinted_obj);
     if (seen_view.obj != NULL)
         PyBuffer_Release(&seen_view);
     Py_DECREF(keys);

@@ -22,13 +22,19 @@
 #include "_claim.h"
 
 #include <dlfcn.h>
+#include <limits.h>
+#include <linux/futex.h>
 #include <math.h>
 #include <sched.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 /* -- the ready set's layout (shm/ready.py; both must change together) ---------- */
 
-#define R_ACTIVE 24
+#define R_ACTIVE 24     /* the switch word: active slot (low 32), generation futex word */
+#define R_GENERATION 28 /* the futex word, inside the switch word */
+#define R_SLOT_GENERATION 8
 #define R_LOW_WATER 40
 #define R_FIRST_SLOT 64
 #define R_SLOT_HEADER 64
@@ -149,6 +155,7 @@ typedef struct {
     int ready_held;
     Py_ssize_t ready_capacity, heap_size, stride, heap_at, records_at;
     double low_water_fraction;
+    Py_ssize_t switches; /* to a pending set, by this path */
     /* the lease table */
     GranterObject *granter;
     /* the schedule */
@@ -390,6 +397,50 @@ settled(ClaimPathObject *self, const char *base, uint32_t tag, Py_ssize_t *count
     return 0;
 }
 
+/* Whether the slot at base holds a finished publish of generation gen. */
+static int
+finished_at(const char *base, uint64_t gen)
+{
+    uint32_t seq = ld32(base);
+    uint64_t cursor = ld64(base + R_CURSOR), g;
+    memcpy(&g, base + R_SLOT_GENERATION, 8);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    return !(seq & 1) && (uint32_t)(cursor >> 32) == seq && g == gen && ld32(base) == seq;
+}
+
+/* ReadySet.pending: the slot not active holds the next set (published ahead). */
+static int
+next_pending(ClaimPathObject *self)
+{
+    char *buf = (char *)self->ready.buf;
+    uint64_t word = ld64(buf + R_ACTIVE), gen;
+    const char *active = buf + R_FIRST_SLOT + (word & 1) * self->stride;
+    memcpy(&gen, active + R_SLOT_GENERATION, 8);
+    return finished_at(buf + R_FIRST_SLOT + (1 - (word & 1)) * self->stride, gen + 1);
+}
+
+/* ReadySet._switch: the set `word` names is drained; switch to the other slot
+   if it is pending, and wake the waiters. 1 when the active slot is no longer
+   the one `word` names (whoever switched). */
+static int
+switch_to_next(ClaimPathObject *self, uint64_t word)
+{
+    char *buf = (char *)self->ready.buf;
+    const char *active = buf + R_FIRST_SLOT + (word & 1) * self->stride;
+    const char *other = buf + R_FIRST_SLOT + (1 - (word & 1)) * self->stride;
+    uint64_t gen;
+    memcpy(&gen, active + R_SLOT_GENERATION, 8);
+    if (!finished_at(other, gen + 1))
+        return ld64(buf + R_ACTIVE) != word;
+    uint64_t want = (1 - (word & 1)) | ((gen + 1) & 0xFFFFFFFFULL) << 32;
+    if (__atomic_compare_exchange_n((uint64_t *)(buf + R_ACTIVE), &word, want, 0,
+                                    __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+        self->switches++;
+        syscall(SYS_futex, (uint32_t *)(buf + R_GENERATION), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    }
+    return 1;
+}
+
 /* ReadySet.take(n) into self->entries / self->heap: 0, or -1 when the keeper
    lapped the reader R_READ_RETRIES times (*retries counts the torn reads). */
 static int
@@ -398,7 +449,8 @@ take(ClaimPathObject *self, Py_ssize_t n, Taken *out, Py_ssize_t *retries)
     char *buf = (char *)self->ready.buf;
     memset(out, 0, sizeof *out);
     for (int attempt = 0; attempt < R_READ_RETRIES; attempt++) {
-        char *base = buf + R_FIRST_SLOT + (ld32(buf + R_ACTIVE) & 1) * self->stride;
+        uint64_t word = ld64(buf + R_ACTIVE);
+        char *base = buf + R_FIRST_SLOT + (word & 1) * self->stride;
         uint32_t seq = ld32(base), raw_count, flags;
         memcpy(&raw_count, base + 4, 4);
         uint64_t cursor = ld64(base + R_CURSOR);
@@ -411,6 +463,8 @@ take(ClaimPathObject *self, Py_ssize_t n, Taken *out, Py_ssize_t *retries)
             /* Drained: no add (claimers polling an empty set leave the cursor be). */
             __atomic_thread_fence(__ATOMIC_ACQUIRE);
             if (ld32(base) == seq) {
+                if (switch_to_next(self, word))
+                    continue; /* the next set is active now: take from it */
                 out->last_count = count;
                 out->last_left = 0;
                 return 0;
@@ -649,7 +703,7 @@ cadence_for(ClaimPathObject *self, RowRead *r, double *out)
 /* Counters a claim returns, in this order (workers/claim.py reads them). */
 enum {
     K_TAKEN, K_GONE, K_MOVED, K_NOT_DUE, K_LEASED, K_HELD, K_PARKED, K_DRAINED,
-    K_LOW_WATER, K_LAST_COUNT, K_LAST_LEFT, K_RETRIES, K_N
+    K_LOW_WATER, K_LAST_COUNT, K_LAST_LEFT, K_RETRIES, K_SWITCHES, K_N
 };
 
 static Py_ssize_t
@@ -1007,7 +1061,7 @@ grant_taken(ClaimPathObject *self, const Taken *t, GrantArgs *a, PyObject *grant
  * As Claimer.claim: take up to `max` entries (again while the set has more),
  * grant what is still due. counters: see K_* (taken, gone, moved, not_due,
  * leased, held, parked, drained, low_water raised, last_count, last_left,
- * retries). Raises RowError (sqlite code, message) on a store error and
+ * retries, switches to a pending set). Raises RowError (sqlite code, message) on a store error and
  * RuntimeError when the set would not read steadily; leases granted before an
  * error are in the exception's `grants` attribute, so none is lost. */
 static PyObject *
@@ -1047,6 +1101,7 @@ path_claim(ClaimPathObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (grants == NULL || slow == NULL)
         goto fail;
     char *ready = (char *)self->ready.buf;
+    Py_ssize_t switches = self->switches;
     while (PyList_GET_SIZE(grants) + PyList_GET_SIZE(slow) < max_n) {
         Py_ssize_t want = max_n - PyList_GET_SIZE(grants) - PyList_GET_SIZE(slow);
         if (want > self->ready_capacity)
@@ -1061,9 +1116,9 @@ path_claim(ClaimPathObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         k[K_LAST_COUNT] = t.last_count;
         k[K_LAST_LEFT] = t.last_left;
-        /* Fewer than a quarter of the set left: ask the keeper for a new one. */
+        /* Taken past the low-water mark with no next set pending: ask for it. */
         if (t.last_left < t.last_count * self->low_water_fraction &&
-            ld64(ready + R_LOW_WATER) == 0 &&
+            ld64(ready + R_LOW_WATER) == 0 && !next_pending(self) &&
             __atomic_compare_exchange_n((uint64_t *)(ready + R_LOW_WATER), &(uint64_t){0}, 1,
                                         0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
             k[K_LOW_WATER]++;
@@ -1074,11 +1129,10 @@ path_claim(ClaimPathObject *self, PyObject *const *args, Py_ssize_t nargs)
         k[K_TAKEN] += t.count;
         if (grant_taken(self, &t, &a, grants, slow, k) < 0)
             goto fail;
-        if (t.count < want) {
-            k[K_DRAINED]++;
-            break; /* the set ran out under us */
-        }
+        /* Fewer than `want`: the set ran out under us. Take again: the next
+           set may be pending (take switches to it), or nothing is left. */
     }
+    k[K_SWITCHES] = self->switches - switches;
     PyObject *counters = PyTuple_New(K_N);
     if (counters == NULL)
         goto fail;

@@ -117,6 +117,7 @@ import os
 import signal
 import struct
 import time
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
@@ -565,6 +566,8 @@ class LeaseTable:
         # compares each str with the slot's bytes before it gives it again.
         self._key_cache: list[str | None] | None = None
         self._seen: bytearray | None = None  # excluded_changes: each slot's last word
+        #: after excluded_changes: how many of its added keys came first from the hints
+        self.hinted_added = 0
         # excluded_changes: the keys some slot's cache item holds, and for the
         # few held by more than one slot (for a moment), how many more.
         self._key_slots: set[str] = set()
@@ -1327,7 +1330,7 @@ class LeaseTable:
         return keys
 
     def excluded_changes(
-        self, now: float, hints: tuple[Any, list[str], int, int] | None = None
+        self, now: float, hints: Sequence[tuple[Any, list[str], int, int]] = ()
     ) -> tuple[list[str], list[str]]:
         """The keys that became excluded since the last call, and those that
         no longer are: ``(added, removed)``; the first call gives every
@@ -1344,12 +1347,13 @@ class LeaseTable:
         its slot), is in neither list. A key can be in both when it left
         and came back within one call: apply ``removed`` before ``added``.
 
-        ``hints``: ``(records, keys, n, tag)``, the grant records claimers
-        wrote for the keeper's last published set (``ReadySet.grant_records``
+        ``hints``: up to four ``(records, keys, n, tag)``, the grant records
+        claimers wrote for a set the keeper published (``ReadySet.grant_records``
         with that set's keys): a slot whose lease word is still the one a
         record names is settled with the keeper's own str for it, unread
         (the records' layout is in shm/ready.py). Only a shortcut: what a
-        record cannot vouch for is read as before.
+        record cannot vouch for is read as before. After the call, the first
+        ``hinted_added`` keys of ``added`` are strs of the hints' key lists.
 
         Shares its per-slot cache with ``excluded_keys``: call one or the
         other on a table, not both."""
@@ -1360,11 +1364,9 @@ class LeaseTable:
         if self._seen is None:
             self._seen = bytearray(b"\xff" * (8 * self.capacity))
         slots, extra = self._key_slots, self._key_extra
-        if hints is not None:
-            records, keys, n, tag = hints
-            hints = (records, keys, n, tag, LEASED, SEQ_SHIFT)
-        added, removed, unsettled = self._view.excluded_keys(
-            *self._scan_layout(now), self._key_cache, self._seen, (slots, extra), hints
+        full = tuple((records, keys, n, tag, LEASED, SEQ_SHIFT) for records, keys, n, tag in hints)
+        added, removed, unsettled, self.hinted_added = self._view.excluded_keys(
+            *self._scan_layout(now), self._key_cache, self._seen, (slots, extra), full or None
         )
         cache = self._key_cache
         for idx in unsettled:  # kept changing under the scan: settled here

@@ -7,12 +7,28 @@ two words only: a slot's ``claim_cursor`` and the header's ``low_water``, both
 with atomic read-modify-writes (``shm._atomic``).
 
 Double-buffered. The keeper writes the slot that is *not* active, under that
-slot's seqlock, then flips ``active``, then bumps the ``generation`` futex word
-and wakes every waiter. A reader takes ``active``, copies that slot's entries
-and keys between two reads of the slot's seqlock, and retries if the counter
-was odd or moved (the keeper lapped it twice). A keeper that dies, or a publish
-that fails, mid-write leaves only the inactive slot odd and never flips to it:
+slot's seqlock. A reader takes ``active``, copies that slot's entries and keys
+between two reads of the slot's seqlock, and retries if the counter was odd or
+moved (the keeper lapped it twice). A keeper that dies, or a publish that
+fails, mid-write leaves only the inactive slot odd and never switches to it:
 the active set stays readable.
+
+Two kinds of publish:
+
+- A fresh set (``publish``): the keeper switches to it at once. Every second,
+  and whenever the keeper's picture changed as a whole (load, pause).
+- The next set, published ahead (``publish(..., ahead=True)``): while
+  claimers drain the active set, the keeper writes the next K best keys (the
+  active set's keys left out) into the other slot and does not switch. That
+  slot is then *pending*: finished (seq even, cursor tagged) and one
+  generation newer than the active one. The first claimer to find the active
+  set drained switches to it (a compare-and-swap of the switch word), and so
+  does the keeper should the set drain while it writes: the claimers never
+  wait for a publish while the keeper keeps up.
+
+A switch is one compare-and-swap of the *switch word*, the u64 at 24 that
+holds ``active`` and the ``generation`` futex word together; whoever switched
+wakes the futex's waiters.
 
 Layout (little-endian, every field naturally aligned)::
 
@@ -20,15 +36,20 @@ Layout (little-endian, every field naturally aligned)::
     offset  size  field         format
     0       24    common header (magic, layout, writer pid, owner pid, size;
                   see shm/segment.py)
-    24      4     active        I    index of the published slot, 0 or 1
-    28      4     generation    I    futex word: low 32 bits of the newest
-                                     slot generation; woken on every publish
+    24      4     active        I    index of the slot claimers take from,
+                                     0 or 1
+    28      4     generation    I    futex word: low 32 bits of the active
+                                     slot's generation; woken at every
+                                     switch. With ``active``: the switch
+                                     word, one u64, changed by a store (the
+                                     keeper) or a compare-and-swap (a switch
+                                     to a pending set)
     32      4     capacity      I    entries per slot (K)
     36      4     heap_size     I    key bytes per slot: K * 256 + 65536
-    40      8     low_water     Q    1: a claimer found the active set nearly
-                                     drained and asks for a republish; the
-                                     keeper takes it (swaps it back to 0),
-                                     and every publish clears it
+    40      8     low_water     Q    1: a claimer took from the active set
+                                     while no next set was pending, and asks
+                                     for one; the keeper takes it (swaps it
+                                     back to 0), and every publish clears it
     48      16    reserved
     64            slot 0, then slot 1 at 64 + slot_stride
 
@@ -112,10 +133,10 @@ except ImportError as _exc:  # reported when a claimer first takes, with what to
 else:
     _ATOMIC_IMPORT_ERROR = None
 
-LAYOUT_VERSION = 3  # 2: tagged claim cursor, low_water; 3: grant records
+LAYOUT_VERSION = 4  # 2: tagged claim cursor, low_water; 3: grant records; 4: sets ahead
 KIND = "ready"
 
-ACTIVE_OFFSET = HEADER_SIZE  # 24
+ACTIVE_OFFSET = HEADER_SIZE  # 24: the switch word (active, generation), a u64
 GENERATION_OFFSET = 28
 READY_FIELDS = struct.Struct("<II")  # capacity, heap_size at 32
 READY_FIELDS_OFFSET = 32
@@ -125,6 +146,7 @@ FIRST_SLOT = 64
 SLOT = struct.Struct("<IIQdQII")  # seq, count, generation, published_at, cursor, heap_used, flags
 SLOT_HEADER_SIZE = 64
 SLOT_GENERATION = 8  # offset inside a slot
+U64 = struct.Struct("<Q")
 LOW_WATER = struct.Struct("<Q")
 CLAIM_CURSOR = 24  # offset inside a slot
 CURSOR_INDEX = (1 << 32) - 1  # the cursor's index bits; the tag is above them
@@ -212,9 +234,11 @@ class ReadySet:
         self._stride = _slot_stride(self.capacity, self.heap_size)
         self._heap_at = SLOT_HEADER_SIZE + ENTRY_SIZE * self.capacity  # inside a slot
         self._records_at = _records_at(self.capacity, self.heap_size)  # inside a slot
-        # The writer's last publish: its slot, how many entries, its tag
-        # (grant_records), and the records' views, made on first use.
-        self._last_publish: tuple[int, int, int] | None = None
+        # The writer's last publish into each slot: how many entries and its
+        # tag (grant_records), and the records' views, made on first use.
+        self._slot_publish: list[tuple[int, int] | None] = [None, None]
+        #: the slot this handle last published into (the writer's), or None
+        self.last_slot: int | None = None
         self._records: list[memoryview] = []
         self._no_records = bytes(RECORD * self.capacity)
         self._stamped_pid = 0
@@ -225,6 +249,8 @@ class ReadySet:
         self._view: Any = None
         #: torn copies retried by this handle's snapshots and takes (a health figure).
         self.retries = 0
+        #: switches to a pending set this handle made (a claimer's, or the keeper's)
+        self.switches = 0
         #: after each ``take``: the size of the set it took from, and how many
         #: entries of it were left untaken (the claimer's low-water check).
         self.last_count = 0
@@ -282,13 +308,23 @@ class ReadySet:
 
     # -- writer (the keeper) ----------------------------------------------------
 
-    def publish(self, entries: Sequence[tuple[str, int, int, int, float]], now: float) -> int:
+    def publish(
+        self,
+        entries: Sequence[tuple[str, int, int, int, float]],
+        now: float,
+        ahead: bool = False,
+    ) -> int:
         """Publish ``(key, version, due_minute, class_id, rank)`` in rank order.
 
         Returns how many entries were written: at most ``capacity``, fewer when
         their keys overflow the heap. Readers see the whole set or the last
         one. A bad entry (a field out of range) raises ValueError and leaves
         the last set published.
+
+        ``ahead``: the next set, for claimers to switch to once the active one
+        is drained (at once if it is drained already); the caller leaves the
+        active set's keys out of it. Otherwise claimers take from this set
+        from now on.
         """
         n = min(len(entries), self.capacity)
 
@@ -296,7 +332,7 @@ class ReadySet:
             for start in range(0, n, CHUNK):
                 yield zip(*entries[start : min(start + CHUNK, n)], strict=True)
 
-        return self._publish(chunks(), now)
+        return self._publish(chunks(), now, ahead)
 
     def publish_columns(
         self,
@@ -306,6 +342,7 @@ class ReadySet:
         class_ids: Sequence[int],
         ranks: Sequence[float],
         now: float,
+        ahead: bool = False,
     ) -> int:
         """``publish`` for a caller that already holds columns: it skips
         transposing the tuples, about a quarter of the cost of a publish."""
@@ -319,15 +356,18 @@ class ReadySet:
                 end = min(start + CHUNK, n)
                 yield (col[start:end] for col in cols)
 
-        return self._publish(chunks(), now)
+        return self._publish(chunks(), now, ahead)
 
-    def _publish(self, chunks, now: float) -> int:
+    def _publish(self, chunks, now: float, ahead: bool) -> int:
         mm = self.segment.mm
+        view = self._view if self._view is not None else self._atomics()
         pid = os.getpid()
         if self._stamped_pid != pid:
             self.segment.set_writer_pid(pid)
             self._stamped_pid = pid
-        active = U32.unpack_from(mm, ACTIVE_OFFSET)[0]
+        # Claimers switch only to a pending set, and this handle is the only
+        # writer: the slot not active now is the one no claimer takes from.
+        active = view.load64(ACTIVE_OFFSET) & 1
         slot = 1 - active
         base = self._slot_base(slot)
         generation = SLOT.unpack_from(mm, self._slot_base(active))[2] + 1
@@ -346,24 +386,69 @@ class ReadySet:
         done = (seq + 1) & 0xFFFFFFFF
         SLOT.pack_into(mm, base, seq, count, generation, now, done << 32, heap_used, flags)
         U32.pack_into(mm, base, done)
-        # A fresh set answers any pending request for one. Cleared before the
-        # flip: a claimer still on the old set may set it again, which costs
+        # A new set answers any pending request for one. Cleared before the
+        # switch: a claimer still on the old set may set it again, which costs
         # one spare publish, never a lost request about the new set.
         LOW_WATER.pack_into(mm, LOW_WATER_OFFSET, 0)
-        U32.pack_into(mm, ACTIVE_OFFSET, slot)
-        U32.pack_into(mm, GENERATION_OFFSET, generation & 0xFFFFFFFF)
-        self.segment.futex_wake(GENERATION_OFFSET)
-        self._last_publish = (slot, count, record_tag(done))
+        self._slot_publish[slot] = (count, record_tag(done))
+        self.last_slot = slot
+        if not ahead:
+            view.store64(ACTIVE_OFFSET, slot | (generation & 0xFFFFFFFF) << 32)
+            self.segment.futex_wake(GENERATION_OFFSET)
+        elif self._drained(mm, FIRST_SLOT + active * self._stride):
+            # Claimers found the active set empty before this one was done:
+            # they wait for it.
+            self._switch(view, view.load64(ACTIVE_OFFSET))
         return count
 
-    def grant_records(self) -> tuple[memoryview, int, int] | None:
+    def _drained(self, mm: Any, base: int) -> bool:
+        """Whether the slot at ``base`` is a finished set with nothing left to take."""
+        seq, count, _gen, _at, cursor, _used, _flags = SLOT.unpack_from(mm, base)
+        return not seq & 1 and cursor >> 32 == seq and cursor & CURSOR_INDEX >= count
+
+    def _switch(self, view: Any, word: int) -> bool:
+        """The set the switch word ``word`` names is drained: switch to the
+        other slot if that holds the next set (it is pending). True when the
+        active slot is no longer the one ``word`` names, whoever switched."""
+        mm = self.segment.mm
+        other = FIRST_SLOT + (1 - (word & 1)) * self._stride
+        seq, _count, generation, _at, cursor, _used, _flags = SLOT.unpack_from(mm, other)
+        active = U64.unpack_from(mm, FIRST_SLOT + (word & 1) * self._stride + SLOT_GENERATION)[0]
+        if seq & 1 or cursor >> 32 != seq or generation != active + 1:
+            return view.load64(ACTIVE_OFFSET) != word
+        if U32.unpack_from(mm, other)[0] != seq:
+            return view.load64(ACTIVE_OFFSET) != word  # rewritten under us: not this one
+        new = (1 - (word & 1)) | (generation & 0xFFFFFFFF) << 32
+        if view.cas64(ACTIVE_OFFSET, word, new) == word:
+            self.switches += 1
+            self.segment.futex_wake(GENERATION_OFFSET)
+        return True
+
+    def pending(self) -> bool:
+        """Whether the slot that is not active holds the next set: finished,
+        and one generation newer than the active one (published ahead, and
+        not switched to yet)."""
+        mm = self.segment.mm
+        active = U32.unpack_from(mm, ACTIVE_OFFSET)[0] & 1
+        generation = U64.unpack_from(mm, FIRST_SLOT + active * self._stride + SLOT_GENERATION)[0]
+        other = FIRST_SLOT + (1 - active) * self._stride
+        seq, _count, other_gen, _at, cursor, _used, _flags = SLOT.unpack_from(mm, other)
+        return not seq & 1 and cursor >> 32 == seq and other_gen == generation + 1
+
+    @property
+    def active_slot(self) -> int:
+        """The slot claimers take from now (0 or 1)."""
+        return U32.unpack_from(self.segment.mm, ACTIVE_OFFSET)[0] & 1
+
+    def grant_records(self, slot: int) -> tuple[memoryview, int, int] | None:
         """Writer: ``(records, count, tag)`` of this handle's last publish
-        (the slot stays as it is until the next one), for the keeper's
-        lease scan; None before the first. ``records`` is a view of the
-        slot's grant records, read as claimers write them."""
-        if self._last_publish is None:
+        into ``slot`` (it stays as it is until the next publish there), for
+        the keeper's lease scan; None before the first. ``records`` is a view
+        of the slot's grant records, read as claimers write them."""
+        last = self._slot_publish[slot]
+        if last is None:
             return None
-        slot, count, tag = self._last_publish
+        count, tag = last
         if not self._records:
             with memoryview(self.segment.mm) as mv:
                 for i in range(2):
@@ -456,7 +541,8 @@ class ReadySet:
         view = self._view if self._view is not None else self._atomics()
         mm = self.segment.mm
         for _ in range(READ_RETRIES):
-            base = FIRST_SLOT + (U32.unpack_from(mm, ACTIVE_OFFSET)[0] & 1) * self._stride
+            word = view.load64(ACTIVE_OFFSET)
+            base = FIRST_SLOT + (word & 1) * self._stride
             seq, count, generation, _at, cursor, _used, flags = SLOT.unpack_from(mm, base)
             count = min(count, self.capacity)
             if seq & 1 or cursor >> 32 != seq:
@@ -465,6 +551,8 @@ class ReadySet:
                 # Drained: no add, so claimers polling an empty set neither
                 # bounce the cursor's cache line nor push the index on.
                 if U32.unpack_from(mm, base)[0] == seq:
+                    if self._switch(view, word):
+                        continue  # the next set is active now: take from it
                     self.last_count, self.last_left = count, 0
                     return generation, []
             else:
@@ -530,19 +618,31 @@ class ReadySet:
             return None
 
     def remaining(self) -> int:
-        """Entries of the published set not yet taken (a racy count: a hint)."""
+        """Entries not yet taken: the active set's, and the pending set's if
+        there is one (a racy count: a hint)."""
         mm = self.segment.mm
         base = self._slot_base(U32.unpack_from(mm, ACTIVE_OFFSET)[0] & 1)
         _seq, count, _gen, _at, cursor, _used, _flags = SLOT.unpack_from(mm, base)
         count = min(count, self.capacity)
-        return count - min(cursor & CURSOR_INDEX, count)
+        left = count - min(cursor & CURSOR_INDEX, count)
+        if self.pending():
+            other = self._slot_base(1 - (U32.unpack_from(mm, ACTIVE_OFFSET)[0] & 1))
+            _seq, count, _gen, _at, cursor, _used, _flags = SLOT.unpack_from(mm, other)
+            count = min(count, self.capacity)
+            left += count - min(cursor & CURSOR_INDEX, count)
+        return left
 
     def request_publish(self) -> bool:
-        """A claimer found the set nearly drained: ask the keeper for a fresh
-        one. True when this call raised the flag (then post the keeper's wake
-        semaphore); False when a request was already pending."""
+        """A claimer took from the active set: ask the keeper for the next one
+        unless it is pending already. True when this call raised the flag
+        (then post the keeper's wake semaphore); False when a request or the
+        next set was pending already."""
         view = self._view if self._view is not None else self._atomics()
-        return view.load64(LOW_WATER_OFFSET) == 0 and view.cas64(LOW_WATER_OFFSET, 0, 1) == 0
+        return (
+            view.load64(LOW_WATER_OFFSET) == 0
+            and not self.pending()
+            and view.cas64(LOW_WATER_OFFSET, 0, 1) == 0
+        )
 
     def take_low_water(self) -> bool:
         """Keeper: whether a claimer asked for a republish; clears the request."""
@@ -572,12 +672,13 @@ class ReadySet:
                 return current
             self.segment.futex_wait(GENERATION_OFFSET, word, remaining)
 
-    def snapshot(self) -> ReadySnapshot:
-        """A consistent copy of the published set (raises SnapshotUnstable if
-        the keeper laps this reader ``READ_RETRIES`` times in a row)."""
+    def snapshot(self, slot: int | None = None) -> ReadySnapshot:
+        """A consistent copy of the active set, or of what ``slot`` holds
+        (whether pending, retired or active). Raises SnapshotUnstable if the
+        keeper laps this reader ``READ_RETRIES`` times in a row."""
         mm = self.segment.mm
         for _ in range(READ_RETRIES):
-            active = U32.unpack_from(mm, ACTIVE_OFFSET)[0]
+            active = U32.unpack_from(mm, ACTIVE_OFFSET)[0] if slot is None else slot
             base = self._slot_base(active & 1)
             seq, count, generation, published_at, _cursor, heap_used, flags = SLOT.unpack_from(
                 mm, base

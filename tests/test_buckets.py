@@ -1440,3 +1440,50 @@ def test_order_removals_and_merges_of_every_shape_agree_with_a_list(held, load, 
         assert list(order) == model and order.size == len(model)
         assert order.maxes == [block[-1] for block in order.blocks]
         assert all(0 < len(block) <= 2 * load for block in order.blocks)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_c_merge_picks_what_the_python_sort_picks_bit_for_bit(seed):
+    """keeper._best.merge (the k-way merge best_columns uses) and the Python
+    it stands in for give the same picks in the same order, ties included
+    (the sort was stable), and the same float ranks."""
+    best = pytest.importorskip("keeper._best")
+    from array import array
+
+    from keeper.buckets import _merge
+    from keeper.order import SLOT_BITS
+
+    rnd = Random(seed)
+    now = 1_800_000_000.0 + rnd.uniform(0, 60)
+    values = array("q")
+    starts, cids, rates = [], [], []
+    for c in range(rnd.randrange(0, 25)):
+        minute = int(now // 60) - rnd.randrange(0, 40_000)
+        run = []
+        for _ in range(rnd.choice([0, 1, 3, 50, 400])):
+            minute += rnd.choice([0, 0, 1, 7])  # equal minutes: equal ranks inside a class
+            run.append(minute << SLOT_BITS | rnd.randrange(1 << 20))
+        starts.append(len(values))
+        cids.append(c * 3 + 1)
+        cadence = rnd.choice([900, 3600, 3600, 86400, 7200.0])  # equal rates: ties across classes
+        rates.append((cadence, rnd.choice([0.0, 0.0, 0.5, 1.0])))
+        values += array("q", sorted(run))
+    for k in (1, 7, 500, 10**6):
+        want = _merge(values, starts, rates, cids, now, k)
+        got = best.merge(
+            values, starts, [float(r[0]) for r in rates], [float(r[1]) for r in rates], cids, now, k
+        )
+        assert got == want
+        assert [r.hex() for r in got[1]] == [r.hex() for r in want[1]]
+    with pytest.raises(ValueError):  # a cadence of 0: no rank
+        best.merge(values, [0], [0.0], [0.0], [1], now, 5)
+
+
+def test_flag_sets_the_bytes_named_and_refuses_a_bad_index_changing_nothing():
+    best = pytest.importorskip("keeper._best")
+    flags = bytearray(8)
+    best.flag(flags, [1, 5, 5], 1)
+    assert flags == bytearray([0, 1, 0, 0, 0, 1, 0, 0])
+    with pytest.raises(IndexError):
+        best.flag(flags, [2, 8], 1)
+    assert flags == bytearray([0, 1, 0, 0, 0, 1, 0, 0])

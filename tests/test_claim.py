@@ -157,6 +157,67 @@ def test_take_lapped_by_two_publishes_takes_from_the_new_set(name):
         assert [e.key for e in claimer.take(2)[1]] == ["new-3", "new-4"]
 
 
+def _set(prefix: str, n: int) -> list[tuple]:
+    return [(f"{prefix}-{i}", 1, 1, 1, float(n - i)) for i in range(n)]
+
+
+def test_a_set_published_ahead_waits_until_the_active_one_drains(ready, name):
+    """The next set (published ahead) is pending, not active: takes drain
+    the active set first, then the first take that finds it drained
+    switches to the next one; a set drained with nothing pending stays
+    drained, and a fresh publish replaces a pending set."""
+    with ReadySet.attach(name) as claimer:
+        ready.publish(_set("a", 10), NOW)
+        ready.publish(_set("b", 5), NOW, ahead=True)
+        assert ready.pending() and claimer.generation == 1 and claimer.remaining() == 15
+        assert [e.key for e in claimer.take(7)[1]] == [f"a-{i}" for i in range(7)]
+        generation, taken = claimer.take(5)  # the rest of the active set only
+        assert generation == 1 and [e.key for e in taken] == ["a-7", "a-8", "a-9"]
+        assert claimer.switches == 0
+        generation, taken = claimer.take(5)  # drained: switch, and take from the next
+        assert generation == 2 and [e.key for e in taken] == [f"b-{i}" for i in range(5)]
+        assert claimer.switches == 1 and not ready.pending() and ready.active_slot == 0
+        assert claimer.take(5) == (2, [])  # the old set is older: never switched back to
+        ready.publish(_set("c", 4), NOW)
+        ready.publish(_set("d", 4), NOW, ahead=True)
+        assert ready.pending() and claimer.generation == 3
+        ready.publish(_set("e", 3), NOW)  # a fresh set: switched to at once
+        assert not ready.pending() and claimer.generation == 4
+        assert [e.key for e in claimer.take(10)[1]] == ["e-0", "e-1", "e-2"]
+
+
+def test_the_keeper_switches_when_the_set_drained_before_the_next_was_written(ready, name):
+    """Claimers that found the active set drained wait for the next: a
+    set published ahead is switched to at once then, and the waiters wake."""
+    import threading
+
+    with ReadySet.attach(name) as claimer, ReadySet.attach(name) as waiter:
+        ready.publish(_set("a", 3), NOW)
+        assert len(claimer.take(10)[1]) == 3 and claimer.take(1) == (1, [])
+        woke: list[int] = []
+        thread = threading.Thread(target=lambda: woke.append(waiter.wait_publish(1, 10.0)))
+        thread.start()
+        ready.publish(_set("b", 2), NOW, ahead=True)
+        thread.join(10.0)
+        assert woke == [2] and ready.switches == 1 and not ready.pending()
+        assert [e.key for e in claimer.take(5)[1]] == ["b-0", "b-1"]
+
+
+def test_a_claimer_that_switches_wakes_the_waiters(ready, name):
+    import threading
+
+    with ReadySet.attach(name) as claimer, ReadySet.attach(name) as waiter:
+        ready.publish(_set("a", 3), NOW)
+        ready.publish(_set("b", 2), NOW, ahead=True)
+        woke: list[int] = []
+        thread = threading.Thread(target=lambda: woke.append(waiter.wait_publish(1, 10.0)))
+        thread.start()
+        assert len(claimer.take(3)[1]) == 3
+        assert [e.key for e in claimer.take(3)[1]] == ["b-0", "b-1"]
+        thread.join(10.0)
+        assert woke == [2] and claimer.switches == 1
+
+
 def test_take_reads_unicode_keys(ready):
     entries = [(f"ключ-{i}-€", i + 1, 5, 1, 1.0) for i in range(10)]
     ready.publish(entries, NOW)
@@ -260,22 +321,36 @@ def test_no_grant_before_the_first_publish_since_start(ready, leases):
     assert claimer.claim(1, 60, "w", NOW) == []
 
 
-def test_low_water_is_signalled_when_less_than_a_quarter_is_left(ready, leases):
-    store = open_store("memory://")
+@pytest.mark.parametrize("c_path", [True, False])
+def test_the_next_set_is_asked_for_once_a_quarter_is_taken_and_switched_to(
+    ready, leases, tmp_path, c_path
+):
+    """A claimer asks for the next set once a quarter of the active one is
+    taken (once: the flag stays up until the keeper takes it), never while
+    the next set is pending; a claim that drains the active set goes on into
+    the pending one, in rank order, and asks again."""
+    store = open_store(f"sqlite:///{tmp_path}/schedule.db")
     keys = _keys(100)
     _seed(store, keys)
-    ready.publish(_entries(store, keys), NOW)
+    ready.publish(_entries(store, keys)[:40], NOW)
     wakes = []
-    claimer = _claimer(store, ready, leases, wake=lambda: wakes.append(1))
-    claimer.claim(75, 60, "w", NOW)  # 25 left: not below a quarter
+    claimer = _claimer(store, ready, leases, wake=lambda: wakes.append(1), c_path=c_path)
+    assert claimer.on_c_path == c_path
+    assert [g.key for g in claimer.claim(10, 60, "w", NOW)] == keys[:10]  # 30 left of 40
     assert not ready.low_water and wakes == []
-    claimer.claim(1, 60, "w", NOW)  # 24 left
+    claimer.claim(1, 60, "w", NOW)  # 29 left: past the mark
     assert ready.low_water and wakes == [1]
     claimer.claim(1, 60, "w", NOW)  # still pending: no second wake
     assert wakes == [1]
     assert ready.take_low_water()
-    claimer.claim(1, 60, "w", NOW)  # asked again after the keeper took it
-    assert wakes == [1, 1]
+    ready.publish(_entries(store, keys)[40:], NOW, ahead=True)
+    assert ready.pending() and ready.remaining() == 28 + 60
+    claimer.claim(1, 60, "w", NOW)  # the next set is pending: no request
+    assert not ready.low_water and wakes == [1]
+    grants = claimer.claim(60, 60, "w", NOW)  # the active set's 27, then the next's
+    assert [g.key for g in grants] == keys[13:73]
+    assert claimer.stats.switches == 1 and not ready.pending()
+    assert ready.low_water and wakes == [1, 1]  # 27 left of 60: ask again
 
 
 def test_a_drained_claimer_waits_for_the_next_publish(ready, leases):

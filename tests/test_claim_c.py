@@ -252,7 +252,7 @@ def test_the_c_path_records_where_it_leased_each_entry_for_the_keeper(names, tmp
             plain.excluded_changes(NOW)
             hinted.excluded_changes(NOW)  # both know the refusals' keys already
             granted = {g.key for g in claimer.claim(100, 30.0, "c", NOW)}
-            view, count, tag = ready.grant_records()
+            view, count, tag = ready.grant_records(ready.last_slot)
             assert count == len(published)
             records = view.cast("Q").tolist()[:count]
             for key, rec in zip(published, records, strict=True):
@@ -267,7 +267,7 @@ def test_the_c_path_records_where_it_leased_each_entry_for_the_keeper(names, tmp
                 assert rec >> RECORD_TAG_SHIFT == tag
                 assert (rec >> 23) & 1 == (word >> 8) & 1
                 assert (rec >> 24) & 0xFFFFF == word >> leases_mod.SEQ_SHIFT
-            added, removed = hinted.excluded_changes(NOW, (view, published, count, tag))
+            added, removed = hinted.excluded_changes(NOW, [(view, published, count, tag)])
             want, none = plain.excluded_changes(NOW)
             assert sorted(added) == sorted(want) == sorted(granted) and removed == none == []
             mine = {id(key) for key in published}

@@ -513,31 +513,66 @@ def test_lag_window_percentiles_are_within_a_bin_of_sorting():
     assert window.figures()["samples"] == 1
 
 
-@pytest.mark.parametrize("seed", [21, 22, 23])
+def _detached_wrongly(
+    keeper: Keeper, leases, now: float, ready: ReadySet, other_slot: bool = True
+) -> tuple[list[str], list[str]]:
+    """(keys out but attached, keys detached but neither out nor in the
+    active slot's set or, with ``other_slot``, the other slot's)."""
+    sets = {e.key for e in ready.snapshot().entries}
+    if other_slot:
+        sets |= {e.key for e in ready.snapshot(1 - ready.active_slot).entries}
+    buckets = keeper.buckets
+    attached, detached = [], []
+    for key, *_ in buckets.items():
+        out = leases.is_excluded(key, now)
+        if out and not buckets.is_detached(key):
+            attached.append(key)
+        elif buckets.is_detached(key) and not out and key not in sets:
+            detached.append(key)
+    return attached, detached
+
+
+def _take(ready: ReadySet, n: int) -> list[str]:
+    """Up to ``n`` keys, taken as a claimer takes (switching to the next set)."""
+    keys: list[str] = []
+    while len(keys) < n:
+        _generation, entries = ready.take(n - len(keys))
+        if not entries:
+            break
+        keys += [entry.key for entry in entries]
+    return keys
+
+
+@pytest.mark.parametrize("seed,ahead", [(21, False), (22, False), (23, False), (31, True),
+                                        (32, True), (33, True)])
 def test_the_publish_follows_the_leases_while_claimers_drain_it(
-    segments, node_name, tmp_path, seed
+    segments, node_name, tmp_path, seed, ahead
 ):
-    """Rounds of what claimers and the ledger do between two publishes: a
-    head of the set granted (a few skipped), results written back, errors
-    (holds), new writes and deletes of leased keys. After every publish no
-    published key is out, every key out and held is detached and no other,
-    and the keeper equals the table, its due count exact."""
+    """Rounds of what claimers and the ledger do between two publishes: keys
+    taken and granted (a few skipped), results written back, errors
+    (holds), new writes and deletes of leased keys; with ``ahead``, most
+    publishes are of the next set, which claimers switch to when the active
+    one drains. After every publish no key of the new set is out, every key
+    out or in a set claimers can still take from is detached and no other
+    (none is lost), and the keeper equals the table, its due count exact."""
     from shm.leases import LeaseTable
 
     rnd = random.Random(seed)
     store = open_store("memory://")
     store.upsert(_rows(3000, seed=seed), now=NOW)
     leases = LeaseTable.create(node_name, capacity=8192, max_misses=2)
+    claimer = ReadySet.attach(node_name)
+    ready = segments[0]
     try:
         keeper = Keeper(_config(node_name, tmp_path), store, *segments, leases=leases)
         keeper.start(NOW)
         _run_until_live(keeper, NOW)
         live: dict[str, object] = {}
         now = NOW
-        for _ in range(25):
+        kinds = Counter()
+        for _ in range(40 if ahead else 25):
             now += rnd.choice([0.02, 0.02, 1.0, 130.0])  # holds of 2 x 60 s pass now and then
-            published = [e.key for e in segments[0].snapshot().entries]
-            for key in published[: rnd.randrange(0, 400)]:
+            for key in _take(claimer, rnd.randrange(0, 700 if ahead else 400)):
                 row = store.get(key)
                 if rnd.random() < 0.05 or row is None or row.due_at > now:
                     continue  # skipped, as a claim skips
@@ -565,22 +600,31 @@ def test_the_publish_follows_the_leases_while_claimers_drain_it(
                         store.upsert([write], now=now)
                     live[key] = lease
             keeper.drain_feed(now)
-            keeper.publish(now)
-            published = [e.key for e in segments[0].snapshot().entries]
-            assert not [key for key in published if leases.is_excluded(key, now)]
-            buckets = keeper.buckets
-            wrong = [
-                key
-                for key, *_ in buckets.items()
-                if buckets.is_detached(key) != leases.is_excluded(key, now)
-            ]
-            assert not wrong
+            kind = "ahead" if ahead and rnd.random() < 0.8 and not ready.pending() else "fresh"
+            keeper.publish(now, ahead=kind == "ahead")
+            kinds[kind] += 1
+            new = ready.snapshot(ready.last_slot).entries
+            assert not [e.key for e in new if leases.is_excluded(e.key, now)]
+            # Out means detached; detached means out, or in a set the keeper
+            # published that it has not retired (the active set, the next
+            # one, and one claimers drained since the last publish).
+            assert _detached_wrongly(keeper, leases, now, ready) == ([], [])
             assert _keeper_view(keeper) == _table(store)
             keeper.write_state(now)
             due = sum(1 for minute, _v in _table(store).values() if minute <= int(now // 60))
             assert segments[1].read()["doc"]["now"]["due"]["total"] == due
+        # A fresh set retires every other: now detached is out or in it, no
+        # other key (none was lost on the way).
+        keeper.publish(now)
+        assert _detached_wrongly(keeper, leases, now, ready, other_slot=False) == ([], [])
         assert keeper.stats.verify["top_repairs"] == 0
+        if ahead:
+            # Switched to by the claimer, and by the keeper when the claimer
+            # had drained the active set before the next was written.
+            assert kinds["ahead"] > 10, kinds
+            assert claimer.switches > 0 and ready.switches > 0, (claimer.switches, ready.switches)
     finally:
+        claimer.close()
         leases.close()
         LeaseTable.unlink(node_name)
         store.close()

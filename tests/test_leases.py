@@ -603,13 +603,21 @@ def test_excluded_changes_with_grant_records_find_what_a_scan_finds(node, seed):
                     t.release(key, lease.lease_id, at)
             if step % 4 == 3:
                 t.expire(T0 + rnd.uniform(-60, 60))
-            published = [(k + "x")[:-1] if rnd.random() < 0.5 else k for k in rnd.sample(keys, 120)]
-            tag = rnd.getrandbits(20)
-            records = _grant_records(t, published, tag, rnd)
+            # Two published sets (the active one and the one before), as the
+            # keeper passes them; a key may be in both.
+            hints = []
+            mine = set()
+            for _ in range(2):
+                published = [
+                    (k + "x")[:-1] if rnd.random() < 0.5 else k for k in rnd.sample(keys, 120)
+                ]
+                tag = rnd.getrandbits(20)
+                records = _grant_records(t, published, tag, rnd)
+                hints.append((records, published, len(published), tag))
+                mine |= {id(k) for k in published}
             now = rnd.choice((T0 - 20, T0, T0 + 80))
             want = t._excluded_keys_py(now)
-            mine = {id(k) for k in published}
-            added, removed = hinted.excluded_changes(now, (records, published, len(published), tag))
+            added, removed = hinted.excluded_changes(now, hints)
             hinted_from_list += sum(id(k) in mine for k in added)
             followed_hinted.difference_update(set(removed).difference(added))
             followed_hinted.update(added)
