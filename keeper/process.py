@@ -4,8 +4,9 @@ It does nothing but keep. One ``tick(now)`` at a time it
 
 1. applies the change feed (every insert, update and delete, in seq order);
 2. while loading, walks the table one chunk further;
-3. once a second (and at once when the ready set runs low) writes the best K
-   due keys into the ready set, then re-reads the top of what it published;
+3. once a second writes the best K due keys into the ready set, and under
+   claim load the next K ahead (``publish``), then re-reads the top of what
+   it published;
 4. every few seconds writes its counts into the state buffer;
 5. walks the table slowly to verify itself, every ``verify_interval_s``;
 6. answers questions from workers (explain a key, dump, verify now).

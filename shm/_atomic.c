@@ -1043,8 +1043,97 @@ view_release(ViewObject *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
+/* write_entries(entries_off, heap_off, heap_size, n, keys, versions, dues,
+ *               cids, ranks) -> (written, heap_used, all_ascii)
+ *
+ * The ready set's writer (shm/ready.py, ReadySet.publish_columns): entries
+ * 0..n-1 of the columns (lists) as 32-byte entries at entries_off (key
+ * offset u32, key length u16, class id u16, version u64, due minute i64,
+ * rank f64) and their keys' UTF-8 into the heap at heap_off, in order. Stops
+ * at the first key that does not fit whole in heap_size bytes. A field out
+ * of range (a key over 65,535 bytes, a class id over 65,535, a negative or
+ * too large version or due minute) is a ValueError naming the entry, with
+ * the entries before it written: the caller's slot stays odd. */
+static PyObject *
+view_write_entries(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NARGS(9, "write_entries");
+    if (!self->held) {
+        PyErr_SetString(PyExc_ValueError, "view is released");
+        return NULL;
+    }
+    Py_ssize_t entries_off, heap_off, heap_size, n;
+    if (as_ssize(args[0], &entries_off) < 0 || as_ssize(args[1], &heap_off) < 0 ||
+        as_ssize(args[2], &heap_size) < 0 || as_ssize(args[3], &n) < 0)
+        return NULL;
+    PyObject *cols[5];
+    for (int c = 0; c < 5; c++) {
+        cols[c] = args[4 + c];
+        if (!PyList_Check(cols[c]) || PyList_GET_SIZE(cols[c]) < n) {
+            PyErr_SetString(PyExc_TypeError, "write_entries(): the columns are lists of at least n");
+            return NULL;
+        }
+    }
+    Py_ssize_t len = self->view.len;
+    if (entries_off < 0 || n < 0 || n > (len - entries_off) / 32 || heap_off < 0 ||
+        heap_size < 0 || heap_size > len - heap_off) {
+        PyErr_SetString(PyExc_ValueError, "write_entries(): the slot does not fit the buffer");
+        return NULL;
+    }
+    char *entries = (char *)self->view.buf + entries_off;
+    char *heap = (char *)self->view.buf + heap_off;
+    Py_ssize_t used = 0, i = 0;
+    int ascii = 1;
+    for (; i < n; i++) {
+        PyObject *key = PyList_GET_ITEM(cols[0], i);
+        if (!PyUnicode_Check(key)) {
+            PyErr_Format(PyExc_TypeError, "ready entry %zd: the key is not a str", i);
+            return NULL;
+        }
+        Py_ssize_t klen;
+        const char *utf8 = PyUnicode_AsUTF8AndSize(key, &klen);
+        if (utf8 == NULL)
+            return NULL;
+        if (!PyUnicode_IS_ASCII(key))
+            ascii = 0;
+        if (klen > heap_size - used)
+            break; /* the heap is full: the keys that fit whole, and stop */
+        unsigned long long version = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(cols[1], i));
+        long long due = PyLong_AsLongLong(PyList_GET_ITEM(cols[2], i));
+        long cid = PyLong_AsLong(PyList_GET_ITEM(cols[3], i));
+        double rank = PyFloat_AsDouble(PyList_GET_ITEM(cols[4], i));
+        if (PyErr_Occurred() || klen > 0xFFFF || cid < 0 || cid > 0xFFFF) {
+            if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_OverflowError) &&
+                !PyErr_ExceptionMatches(PyExc_TypeError))
+                return NULL;
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError,
+                         "ready entry %zd: a field does not fit (key_len and class_id are u16, "
+                         "version u64, due_minute i64)", i);
+            return NULL;
+        }
+        char *e = entries + 32 * i;
+        uint32_t offset = (uint32_t)used;
+        uint16_t key_len = (uint16_t)klen, class_id = (uint16_t)cid;
+        uint64_t v = version;
+        int64_t d = due;
+        memcpy(e, &offset, 4);
+        memcpy(e + 4, &key_len, 2);
+        memcpy(e + 6, &class_id, 2);
+        memcpy(e + 8, &v, 8);
+        memcpy(e + 16, &d, 8);
+        memcpy(e + 24, &rank, 8);
+        memcpy(heap + used, utf8, klen);
+        used += klen;
+    }
+    return Py_BuildValue("(nnO)", i, used, ascii ? Py_True : Py_False);
+}
+
 static PyMethodDef view_methods[] = {
     {"load64", (PyCFunction)(void (*)(void))view_load64, METH_FASTCALL, "load64(off) -> int"},
+    {"write_entries", (PyCFunction)(void (*)(void))view_write_entries, METH_FASTCALL,
+     "write_entries(entries_off, heap_off, heap_size, n, keys, versions, dues, cids, ranks)"
+     " -> (written, heap_used, all_ascii)"},
     {"store64", (PyCFunction)(void (*)(void))view_store64, METH_FASTCALL,
      "store64(off, value): a sequentially consistent store"},
     {"cas64", (PyCFunction)(void (*)(void))view_cas64, METH_FASTCALL,

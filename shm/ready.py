@@ -345,11 +345,15 @@ class ReadySet:
         ahead: bool = False,
     ) -> int:
         """``publish`` for a caller that already holds columns: it skips
-        transposing the tuples, about a quarter of the cost of a publish."""
+        transposing the tuples, about a quarter of the cost of a publish.
+        Lists are written by one call into C (``_atomic.View.write_entries``,
+        a fifth of the time of the chunked Python packing)."""
         cols = (keys, versions, due_minutes, class_ids, ranks)
         if len({len(col) for col in cols}) != 1:
             raise ValueError(f"columns differ in length: {[len(col) for col in cols]}")
         n = min(len(keys), self.capacity)
+        if all(type(col) is list for col in cols):
+            return self._publish(cols, now, ahead)
 
         def chunks():
             for start in range(0, n, CHUNK):
@@ -358,7 +362,10 @@ class ReadySet:
 
         return self._publish(chunks(), now, ahead)
 
-    def _publish(self, chunks, now: float, ahead: bool) -> int:
+    def _publish(self, chunks: Any, now: float, ahead: bool) -> int:
+        """Write a set into the slot not active: ``chunks`` are an iterable of
+        column chunks (``_write_chunks``), or a tuple of five whole columns as
+        lists (``write_entries``)."""
         mm = self.segment.mm
         view = self._view if self._view is not None else self._atomics()
         pid = os.getpid()
@@ -381,7 +388,15 @@ class ReadySet:
         # claimer writes from now on names an older tag, and is ignored).
         at = base + self._records_at
         mm[at : at + len(self._no_records)] = self._no_records
-        count, heap_used, flags = self._write_chunks(mm, base, chunks)
+        if isinstance(chunks, tuple):  # whole columns, as lists: written in C
+            n = min(len(chunks[0]), self.capacity)
+            at = base + SLOT_HEADER_SIZE
+            count, heap_used, ascii = view.write_entries(
+                at, base + self._heap_at, self.heap_size, n, *chunks
+            )
+            flags = FLAG_ASCII if ascii else 0
+        else:
+            count, heap_used, flags = self._write_chunks(mm, base, chunks)
         # The cursor starts over at 0, tagged with the seq this publish ends on.
         done = (seq + 1) & 0xFFFFFFFF
         SLOT.pack_into(mm, base, seq, count, generation, now, done << 32, heap_used, flags)

@@ -252,6 +252,66 @@ def test_a_heap_that_fills_in_a_later_chunk_keeps_the_earlier_chunks(node):
         assert [tuple(e) for e in ready.snapshot().entries] == rows[:written]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_columns_written_in_c_are_the_bytes_the_python_packing_writes(node, other_node, seed):
+    """publish_columns of lists goes through _atomic.View.write_entries; of
+    other sequences, through the chunked Python packing. The same set gives
+    the same slot, byte for byte: entries, heap, count, heap used, flags,
+    also when the heap fills part-way and when a key is not ASCII."""
+    import random
+
+    from shm.ready import FIRST_SLOT, SLOT_HEADER_SIZE
+
+    rnd = random.Random(seed)
+    capacity = 300
+    n = rnd.choice([0, 1, 255, 256, 257, 300, 400])
+    long_keys = seed % 2 == 1  # 300 keys of ~500 bytes overflow the heap
+    keys = [
+        f"k{i}-" + ("é" if rnd.random() < 0.1 else "x") * (rnd.randrange(400, 600) if long_keys
+                                                            else rnd.randrange(0, 40))
+        for i in range(n)
+    ]
+    cols = (
+        keys,
+        [rnd.getrandbits(64) for _ in range(n)],
+        [rnd.randrange(-(1 << 40), 1 << 40) for _ in range(n)],
+        [rnd.randrange(1 << 16) for _ in range(n)],
+        [rnd.uniform(-5, 5) for _ in range(n)],
+    )
+    with ReadySet.create(node, capacity) as c_ready, ReadySet.create(other_node, capacity) as py:
+        c_count = c_ready.publish_columns(*cols, 1.0)
+        py_count = py.publish_columns(*map(tuple, cols), 1.0)
+        assert c_count == py_count == len(c_ready.snapshot().entries)
+        assert [tuple(e) for e in c_ready.snapshot().entries] == [
+            tuple(e) for e in py.snapshot().entries
+        ]
+        base = FIRST_SLOT + c_ready.last_slot * c_ready._stride
+        head = slice(base + 4, base + 16)  # count, generation: the same publish
+        rest = slice(base + 32, base + SLOT_HEADER_SIZE + c_ready._heap_at - SLOT_HEADER_SIZE
+                     + c_ready.heap_size)
+        assert c_ready.segment.mm[head] == py.segment.mm[head]
+        assert c_ready.segment.mm[rest] == py.segment.mm[rest]
+
+
+def test_a_bad_column_entry_written_in_c_is_refused_and_the_last_set_stays(node):
+    with ReadySet.create(node, capacity=10) as ready:
+        ready.publish_columns(["a"], [1], [1], [1], [1.0], 1.0)
+        for bad in (
+            (["b"], [1], [1], [70_000], [1.0]),  # class_id is u16
+            (["b"], [-1], [1], [1], [1.0]),  # version is u64
+            (["b"], [1], [1 << 63], [1], [1.0]),  # due_minute is i64
+            (["b" * 66_000], [1], [1], [1], [1.0]),  # key_len is u16 (the heap holds it)
+        ):
+            with pytest.raises(ValueError, match="does not fit"):
+                ready.publish_columns(*bad, 2.0)
+            snap = ready.snapshot()
+            assert snap.generation == 1 and snap.entries[0].key == "a"
+        with pytest.raises(TypeError):
+            ready.publish_columns([b"bytes"], [1], [1], [1], [1.0], 2.0)
+        ready.publish_columns(["c"], [1], [1], [1], [1.0], 3.0)
+        assert ready.snapshot().entries[0].key == "c"
+
+
 def test_a_bad_entry_is_refused_and_the_last_set_stays(node):
     with ReadySet.create(node, capacity=10) as ready:
         ready.publish([("a", 1, 1, 1, 1.0)], 1.0)
