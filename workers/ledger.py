@@ -702,6 +702,13 @@ class Ledger:
             for task in tasks:
                 task.cancel()
             writer.close()
+            try:
+                # A reply that met a closed connection left the error on the
+                # stream's close future too; awaiting it here takes it, where
+                # left unawaited asyncio may log it as never retrieved.
+                await asyncio.wait_for(writer.wait_closed(), STOP_GRACE_S)
+            except (ConnectionError, asyncio.TimeoutError):
+                pass
 
     async def _reply(self, request: dict) -> dict:
         try:
