@@ -707,7 +707,7 @@ class Ledger:
                 # stream's close future too; awaiting it here takes it, where
                 # left unawaited asyncio may log it as never retrieved.
                 await asyncio.wait_for(writer.wait_closed(), STOP_GRACE_S)
-            except (ConnectionError, asyncio.TimeoutError):
+            except (ConnectionError, TimeoutError):
                 pass
 
     async def _reply(self, request: dict) -> dict:
