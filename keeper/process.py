@@ -66,7 +66,8 @@ TOP_TRIM_S = 10.0
 VERIFY_CHUNK = 2_000
 # Minutes of flow kept (the contract's "last hour").
 FLOW_MINUTES = 60
-# Claimers that drain the set ask for a republish; never more often than this.
+# Claimers ask for the next set; after a set less than half full (a few
+# keys due: claimers would drain each at once), honoured at most this often.
 LOW_WATER_MIN_S = 0.01
 # Class rows in the state document; more are summarised and flagged truncated.
 STATE_CLASS_ROWS = 1_000
@@ -252,10 +253,10 @@ class Keeper:
             return 0.0
         wait_s = min(self.next_publish - now, OUTSIDE_POLL_S)
         if self.ready.low_water:
-            # A request that came within LOW_WATER_MIN_S of the last publish
+            # A request that came within _low_water_min_s of the last publish
             # stays pending (its claimer posted the wake once): honour it as
             # soon as it may be, not at the next poll.
-            wait_s = min(wait_s, self._published_at + LOW_WATER_MIN_S - now)
+            wait_s = min(wait_s, self._published_at + self._low_water_min_s() - now)
         return max(0.0, wait_s)
 
     # -- the change feed (hot path) -------------------------------------------
@@ -436,11 +437,21 @@ class Keeper:
     # -- publishing -----------------------------------------------------------
 
     def ready_low(self, now: float) -> bool:
-        """Claimers asked for a republish (the set runs low): honoured at
-        most every LOW_WATER_MIN_S, and only once the first load step is in."""
-        if self._published_at + LOW_WATER_MIN_S > now:
+        """Claimers asked for the next set: honoured at once after a set at
+        least half full, else at most every LOW_WATER_MIN_S."""
+        if self._published_at + self._low_water_min_s() > now:
             return False
         return self.ready.take_low_water()
+
+    def _low_water_min_s(self) -> float:
+        """How soon after the last publish a request is honoured: at once
+        when that set was at least half full (claimers drain thousands a
+        request, and each next set is worth writing: the next set published
+        ahead must not wait), else LOW_WATER_MIN_S, against a storm of
+        publishes of a few keys each."""
+        if self.stats.publish["size"] * 2 >= self.config.ready_size:
+            return 0.0
+        return LOW_WATER_MIN_S
 
     def publish(self, now: float, ahead: bool = False) -> None:
         """Publish the best due keys: a fresh set claimers take from at once,
@@ -527,13 +538,16 @@ class Keeper:
         keeps out (call after ``_follow_leases``)."""
         out, both = self._out, self._out_excluded
         for slot in [slot for slot in self._sets if slot != keep]:
-            keys = self._sets.pop(slot)
-            back = set(keys)
-            out -= back
-            back -= both
+            keys = self._sets.pop(slot)  # no key twice
+            out.difference_update(keys)
+            before = len(both)
             both.difference_update(keys)
-            if back:
-                self.buckets.attach_many(back)
+            if before - len(both) < len(keys):
+                # Not all granted (the common case is a set drained and all
+                # granted): the rest come back. Of a live set's keys, those
+                # in ``both`` are exactly those the lease table keeps out.
+                exclude = self.exclude
+                self.buckets.attach_many([key for key in keys if key not in exclude])
 
     def _phase(self) -> str:
         if self._loading:

@@ -1058,12 +1058,14 @@ grant_taken(ClaimPathObject *self, const Taken *t, GrantArgs *a, PyObject *grant
 
 /* claim(max, holder, lease_s, now, owner, stop) -> (grants, slow, counters)
  *
- * As Claimer.claim: take up to `max` entries (again while the set has more),
+ * As Claimer.claim: take up to `max` entries (again while the set, or the
+ * next one it switches to, has more),
  * grant what is still due. counters: see K_* (taken, gone, moved, not_due,
  * leased, held, parked, drained, low_water raised, last_count, last_left,
- * retries, switches to a pending set). Raises RowError (sqlite code, message) on a store error and
- * RuntimeError when the set would not read steadily; leases granted before an
- * error are in the exception's `grants` attribute, so none is lost. */
+ * retries, switches to a pending set). Raises RowError (sqlite code,
+ * message) on a store error and RuntimeError when the set would not read
+ * steadily; leases granted before an error are in the exception's `grants`
+ * attribute, so none is lost. */
 static PyObject *
 path_claim(ClaimPathObject *self, PyObject *const *args, Py_ssize_t nargs)
 {

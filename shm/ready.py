@@ -542,10 +542,12 @@ class ReadySet:
         return self._view
 
     def take(self, n: int) -> tuple[int, list[ReadyEntry]]:
-        """Take the next ``n`` entries of the published set, in rank order:
-        ``(generation, entries)``, fewer than ``n`` when the set runs out
-        (none once it is drained; wait for the next publish with
-        ``wait_publish(generation, ...)``).
+        """Take the next ``n`` entries of the active set, in rank order:
+        ``(generation, entries)``, fewer than ``n`` when the set runs out.
+        A take that finds the active set drained switches to the next set if
+        it is pending (``_switch``) and takes from that; none when nothing is
+        pending (wait for the next publish with ``wait_publish(generation,
+        ...)``).
 
         No two takes of one set get the same entry, in any process (a
         fetch-add on the slot's claim cursor). Raises SnapshotUnstable if the

@@ -322,11 +322,11 @@ def test_no_grant_before_the_first_publish_since_start(ready, leases):
 
 
 @pytest.mark.parametrize("c_path", [True, False])
-def test_the_next_set_is_asked_for_once_a_quarter_is_taken_and_switched_to(
+def test_the_next_set_is_asked_for_at_the_first_take_and_switched_to(
     ready, leases, tmp_path, c_path
 ):
-    """A claimer asks for the next set once a quarter of the active one is
-    taken (once: the flag stays up until the keeper takes it), never while
+    """A claimer asks for the next set as soon as it takes from the active
+    one (once: the flag stays up until the keeper takes it), never while
     the next set is pending; a claim that drains the active set goes on into
     the pending one, in rank order, and asks again."""
     store = open_store(f"sqlite:///{tmp_path}/schedule.db")
@@ -336,21 +336,20 @@ def test_the_next_set_is_asked_for_once_a_quarter_is_taken_and_switched_to(
     wakes = []
     claimer = _claimer(store, ready, leases, wake=lambda: wakes.append(1), c_path=c_path)
     assert claimer.on_c_path == c_path
-    assert [g.key for g in claimer.claim(10, 60, "w", NOW)] == keys[:10]  # 30 left of 40
-    assert not ready.low_water and wakes == []
-    claimer.claim(1, 60, "w", NOW)  # 29 left: past the mark
+    assert not ready.low_water
+    assert [g.key for g in claimer.claim(10, 60, "w", NOW)] == keys[:10]
     assert ready.low_water and wakes == [1]
     claimer.claim(1, 60, "w", NOW)  # still pending: no second wake
     assert wakes == [1]
     assert ready.take_low_water()
     ready.publish(_entries(store, keys)[40:], NOW, ahead=True)
-    assert ready.pending() and ready.remaining() == 28 + 60
+    assert ready.pending() and ready.remaining() == 29 + 60
     claimer.claim(1, 60, "w", NOW)  # the next set is pending: no request
     assert not ready.low_water and wakes == [1]
-    grants = claimer.claim(60, 60, "w", NOW)  # the active set's 27, then the next's
-    assert [g.key for g in grants] == keys[13:73]
+    grants = claimer.claim(60, 60, "w", NOW)  # the active set's 28, then the next's
+    assert [g.key for g in grants] == keys[12:72]
     assert claimer.stats.switches == 1 and not ready.pending()
-    assert ready.low_water and wakes == [1, 1]  # 27 left of 60: ask again
+    assert ready.low_water and wakes == [1, 1]  # taking from the new set: ask again
 
 
 def test_a_drained_claimer_waits_for_the_next_publish(ready, leases):

@@ -115,10 +115,11 @@ def test_load_equals_table_and_counts_match(store, segments, node_name, tmp_path
 def test_a_low_water_request_too_soon_is_honoured_when_it_may_be(
     store, segments, node_name, tmp_path
 ):
-    """Claimers ask once (the flag, then one post of the wake). A request that
-    comes within LOW_WATER_MIN_S of the last publish waits, but only until
-    then, not for the next feed poll: the claimers are idle meanwhile."""
-    store.upsert(_rows(300), now=NOW)
+    """Claimers ask once (the flag, then one post of the wake). After a set
+    less than half full, a request that comes within LOW_WATER_MIN_S of the
+    last publish waits, but only until then, not for the next feed poll: the
+    claimers are idle meanwhile."""
+    store.upsert(_rows(300), now=NOW)  # about 120 due, of a ready size of 500
     keeper = Keeper(_config(node_name, tmp_path), store, *segments)
     keeper.start(NOW)
     _run_until_live(keeper, NOW)
@@ -133,6 +134,22 @@ def test_a_low_water_request_too_soon_is_honoured_when_it_may_be(
     keeper.tick(at + wait_s + 1e-6)
     assert keeper.stats.publish["count"] == published + 1
     assert not ready.low_water
+
+
+def test_a_request_after_a_set_at_least_half_full_is_honoured_at_once(
+    store, segments, node_name, tmp_path
+):
+    """Claimers drain thousands a request then: the next set is written at
+    once, not LOW_WATER_MIN_S after the last."""
+    store.upsert(_rows(3000), now=NOW)
+    keeper = Keeper(_config(node_name, tmp_path), store, *segments)
+    keeper.start(NOW)
+    _run_until_live(keeper, NOW)
+    assert keeper.stats.publish["size"] == 500
+    published = keeper.stats.publish["count"]
+    assert segments[0].request_publish()
+    keeper.tick(keeper._published_at + LOW_WATER_MIN_S / 4)
+    assert keeper.stats.publish["count"] == published + 1
 
 
 def test_first_publish_before_walk_ends_and_walk_never_overwrites_newer(
