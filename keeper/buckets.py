@@ -122,14 +122,14 @@ from operator import ge, is_, is_not, itemgetter, lt, not_
 from typing import Any
 
 from keeper.classes import ClassTable
+from keeper.order import BLOCK_LOAD, SLOT_BITS, SLOT_MASK, Order, last_minute
+from node.config import Config
+from node.errors import TooManyClasses
 
 try:  # the k-way merge best_columns ranks with; the Python below does the same
     from keeper import _best
 except ImportError:
     _best = None  # type: ignore[assignment]
-from keeper.order import BLOCK_LOAD, SLOT_BITS, SLOT_MASK, Order, last_minute
-from node.config import Config
-from node.errors import TooManyClasses
 
 # ``best`` looks for a rank threshold that takes between k and
 # k + max(BEST_SLACK_MIN, k >> BEST_SLACK_SHIFT) rows, in at most

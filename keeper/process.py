@@ -459,10 +459,10 @@ class Keeper:
         active set's keys out and which claimers switch to when the active
         set is drained."""
         t0 = time.perf_counter()
-        if self.leases is not None:
+        keep_out = self.leases is not None
+        if keep_out:
             self._follow_leases(now)
             self._retire(self.ready.active_slot if ahead else None)
-        keep_out = self.leases is not None
         if self.paused_node:
             columns: Columns = ([], [], [], [], [])
         else:

@@ -147,7 +147,7 @@ SLOT = struct.Struct("<IIQdQII")  # seq, count, generation, published_at, cursor
 SLOT_HEADER_SIZE = 64
 SLOT_GENERATION = 8  # offset inside a slot
 U64 = struct.Struct("<Q")
-LOW_WATER = struct.Struct("<Q")
+LOW_WATER = U64
 CLAIM_CURSOR = 24  # offset inside a slot
 CURSOR_INDEX = (1 << 32) - 1  # the cursor's index bits; the tag is above them
 FLAG_ASCII = 1
@@ -421,18 +421,27 @@ class ReadySet:
         seq, count, _gen, _at, cursor, _used, _flags = SLOT.unpack_from(mm, base)
         return not seq & 1 and cursor >> 32 == seq and cursor & CURSOR_INDEX >= count
 
+    def _next_generation(self, active: int) -> int | None:
+        """The generation of the set the slot not ``active`` holds if it is
+        the next set (pending: finished, and one generation newer than the
+        active slot's), else None."""
+        mm = self.segment.mm
+        other = self._slot_base(1 - active)
+        seq, _count, generation, _at, cursor, _used, _flags = SLOT.unpack_from(mm, other)
+        current = U64.unpack_from(mm, self._slot_base(active) + SLOT_GENERATION)[0]
+        if seq & 1 or cursor >> 32 != seq or generation != current + 1:
+            return None
+        if U32.unpack_from(mm, other)[0] != seq:
+            return None  # rewritten under us: not that set
+        return generation
+
     def _switch(self, view: Any, word: int) -> bool:
         """The set the switch word ``word`` names is drained: switch to the
         other slot if that holds the next set (it is pending). True when the
         active slot is no longer the one ``word`` names, whoever switched."""
-        mm = self.segment.mm
-        other = FIRST_SLOT + (1 - (word & 1)) * self._stride
-        seq, _count, generation, _at, cursor, _used, _flags = SLOT.unpack_from(mm, other)
-        active = U64.unpack_from(mm, FIRST_SLOT + (word & 1) * self._stride + SLOT_GENERATION)[0]
-        if seq & 1 or cursor >> 32 != seq or generation != active + 1:
+        generation = self._next_generation(word & 1)
+        if generation is None:
             return view.load64(ACTIVE_OFFSET) != word
-        if U32.unpack_from(mm, other)[0] != seq:
-            return view.load64(ACTIVE_OFFSET) != word  # rewritten under us: not this one
         new = (1 - (word & 1)) | (generation & 0xFFFFFFFF) << 32
         if view.cas64(ACTIVE_OFFSET, word, new) == word:
             self.switches += 1
@@ -443,12 +452,7 @@ class ReadySet:
         """Whether the slot that is not active holds the next set: finished,
         and one generation newer than the active one (published ahead, and
         not switched to yet)."""
-        mm = self.segment.mm
-        active = U32.unpack_from(mm, ACTIVE_OFFSET)[0] & 1
-        generation = U64.unpack_from(mm, FIRST_SLOT + active * self._stride + SLOT_GENERATION)[0]
-        other = FIRST_SLOT + (1 - active) * self._stride
-        seq, _count, other_gen, _at, cursor, _used, _flags = SLOT.unpack_from(mm, other)
-        return not seq & 1 and cursor >> 32 == seq and other_gen == generation + 1
+        return self._next_generation(self.active_slot) is not None
 
     @property
     def active_slot(self) -> int:
@@ -524,7 +528,7 @@ class ReadySet:
         """The newest published generation (0 before the first publish)."""
         mm = self.segment.mm
         active = U32.unpack_from(mm, ACTIVE_OFFSET)[0] & 1
-        return struct.unpack_from("<Q", mm, self._slot_base(active) + SLOT_GENERATION)[0]
+        return U64.unpack_from(mm, self._slot_base(active) + SLOT_GENERATION)[0]
 
     def _atomics(self) -> Any:
         if self._view is None:

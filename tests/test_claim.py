@@ -186,35 +186,49 @@ def test_a_set_published_ahead_waits_until_the_active_one_drains(ready, name):
         assert [e.key for e in claimer.take(10)[1]] == ["e-0", "e-1", "e-2"]
 
 
+def _asleep_waiting(handle: ReadySet, after_generation: int) -> tuple[Any, list[int]]:
+    """A thread blocked in ``handle.wait_publish(after_generation, 60 s)``,
+    returned once it sleeps in the kernel, and the list its answer goes to:
+    it returns within the test's join only if something wakes the futex."""
+    import threading
+
+    woke: list[int] = []
+    thread = threading.Thread(
+        target=lambda: woke.append(handle.wait_publish(after_generation, 60.0)), daemon=True
+    )
+    thread.start()
+
+    def asleep() -> bool:
+        with open(f"/proc/self/task/{thread.native_id}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"S"
+
+    _wait_until(lambda: thread.native_id is not None and asleep(), "the waiter to sleep")
+    return thread, woke
+
+
 def test_the_keeper_switches_when_the_set_drained_before_the_next_was_written(ready, name):
     """Claimers that found the active set drained wait for the next: a
     set published ahead is switched to at once then, and the waiters wake."""
-    import threading
-
     with ReadySet.attach(name) as claimer, ReadySet.attach(name) as waiter:
         ready.publish(_set("a", 3), NOW)
         assert len(claimer.take(10)[1]) == 3 and claimer.take(1) == (1, [])
-        woke: list[int] = []
-        thread = threading.Thread(target=lambda: woke.append(waiter.wait_publish(1, 10.0)))
-        thread.start()
+        thread, woke = _asleep_waiting(waiter, 1)
         ready.publish(_set("b", 2), NOW, ahead=True)
         thread.join(10.0)
+        assert not thread.is_alive(), "the switch did not wake the waiter"
         assert woke == [2] and ready.switches == 1 and not ready.pending()
         assert [e.key for e in claimer.take(5)[1]] == ["b-0", "b-1"]
 
 
 def test_a_claimer_that_switches_wakes_the_waiters(ready, name):
-    import threading
-
     with ReadySet.attach(name) as claimer, ReadySet.attach(name) as waiter:
         ready.publish(_set("a", 3), NOW)
         ready.publish(_set("b", 2), NOW, ahead=True)
-        woke: list[int] = []
-        thread = threading.Thread(target=lambda: woke.append(waiter.wait_publish(1, 10.0)))
-        thread.start()
+        thread, woke = _asleep_waiting(waiter, 1)
         assert len(claimer.take(3)[1]) == 3
         assert [e.key for e in claimer.take(3)[1]] == ["b-0", "b-1"]
         thread.join(10.0)
+        assert not thread.is_alive(), "the switch did not wake the waiter"
         assert woke == [2] and claimer.switches == 1
 
 
