@@ -12,7 +12,12 @@ Limits: every queue counts against the user's RLIMIT_MSGQUEUE (800 KiB by
 default, about ten queues of 10 × 8 KiB), so queues are small (4 messages of
 8 KiB to ask, 1 to answer) and a reply queue lives only as long as its
 question. Requests and replies stay small; bulk answers (a dump) go to a file
-whose path is in the reply.
+in the node's run directory whose path is in the reply (never a path a
+request names).
+
+Trust: the ask queue is created exclusively, mode 0600; one a crash of this
+user's left is replaced, anyone else's refused. An asker sends only into a
+queue its own uid owns, and the keeper answers only into such a reply queue.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from typing import Any
 
 import msgpack
 import posix_ipc
+
+from node.errors import NameTaken
+from shm.segment import check_owner
 
 MAX_MESSAGES = 4
 # A reply queue holds one answer.
@@ -42,21 +50,56 @@ def reply_queue_prefix(node: str) -> str:
 _ids = itertools.count(1)
 
 
+def _queue_owner(mq: posix_ipc.MessageQueue) -> int:
+    # On Linux a message queue descriptor is a file descriptor of the mqueue
+    # file system, so fstat tells its owner even where /dev/mqueue is not
+    # mounted.
+    return os.fstat(mq.mqd).st_uid
+
+
+def check_queue(name: str) -> None:
+    """NameTaken unless queue ``name`` is absent or this uid's own."""
+    try:
+        mq = posix_ipc.MessageQueue(name, read=False, write=True)
+    except posix_ipc.ExistentialError:
+        return
+    except posix_ipc.PermissionsError:
+        raise NameTaken(f"{name} exists and this user cannot even open it: it is "
+                        "another user's; remove it as its owner or root, or pick "
+                        "another --name") from None
+    try:
+        check_owner(name, _queue_owner(mq))
+    finally:
+        mq.close()
+
+
 class AskServer:
     """The keeper's end. Created by the keeper, unlinked by the supervisor."""
 
     def __init__(self, node: str) -> None:
         self.node = node
-        self._mq = posix_ipc.MessageQueue(
-            ask_queue_name(node),
-            posix_ipc.O_CREAT,
+        name = ask_queue_name(node)
+        try:
+            self._mq = self._create(name)
+        except posix_ipc.ExistentialError:
+            # One a crash of ours left holds only stale questions: replaced.
+            # Anyone else's is refused (the supervisor checked at start too).
+            check_queue(name)
+            posix_ipc.unlink_message_queue(name)
+            self._mq = self._create(name)
+        self._mq.block = False
+
+    @staticmethod
+    def _create(name: str) -> posix_ipc.MessageQueue:
+        return posix_ipc.MessageQueue(
+            name,
+            posix_ipc.O_CREX,
             mode=_MODE,
             max_messages=MAX_MESSAGES,
             max_message_size=MAX_MESSAGE_BYTES,
             read=True,
             write=False,
         )
-        self._mq.block = False
 
     def poll(self, limit: int = MAX_MESSAGES) -> list[dict[str, Any]]:
         """Requests waiting now, without blocking. Malformed ones are dropped."""
@@ -88,6 +131,8 @@ class AskServer:
         except posix_ipc.ExistentialError:
             return False
         try:
+            if _queue_owner(mq) != os.getuid():
+                return False  # never answer into another user's queue
             mq.block = False
             mq.send(data)
             return True
@@ -125,6 +170,8 @@ def ask(node: str, request: dict[str, Any], timeout_s: float = 1.0) -> dict[str,
         except posix_ipc.ExistentialError:
             return None
         try:
+            if _queue_owner(mq) != os.getuid():
+                return None  # not the keeper's: questions may name keys
             mq.send(data, timeout=timeout_s)
         except posix_ipc.BusyError:
             return None

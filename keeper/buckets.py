@@ -127,7 +127,7 @@ from node.config import Config
 from node.errors import TooManyClasses
 
 try:  # the k-way merge best_columns ranks with; the Python below does the same
-    from keeper import _best
+    from keeper import _best  # type: ignore[attr-defined]  # C, built by setup.py
 except ImportError:
     _best = None  # type: ignore[assignment]
 
@@ -511,8 +511,8 @@ class Buckets:
                 cids[cut:] = repeat(_LATER, n - cut)
             if found or cut is not None:
                 applied += self._settle(rows, found, cids)
-                rows, keys, cids = _drop(found, cids, rows, keys, cids)
-        found = self._enter(rows, keys, cids, probe)
+                rows, keys, cids = _drop(found, cids, rows, keys, cids)  # type: ignore[arg-type]
+        found = self._enter(rows, keys, cids, probe)  # type: ignore[arg-type]  # all resolved
         applied += len(rows) - len(found)
         if found:
             applied += self._settle(rows, found, cids)
@@ -696,7 +696,7 @@ class Buckets:
 
     def _unplace(self, slot: int, cid: int, minute: int) -> None:
         if self._best_at:
-            self._best_at.pop(self._keys[slot], None)  # its remembered value goes stale
+            self._best_at.pop(self._keys[slot], None)  # type: ignore[arg-type]  # a placed slot has a key
         value = minute << SLOT_BITS | slot
         if self._det[slot]:
             self._order_detached[cid].remove(value)
@@ -844,7 +844,7 @@ class Buckets:
             return rest
         values = self._best_values
         marks = bytearray(len(values))
-        deque(map(marks.__setitem__, at, repeat(1)), maxlen=0)
+        deque(map(marks.__setitem__, at, repeat(1)), maxlen=0)  # type: ignore[arg-type]
         picked = list(compress(values, marks))  # class by class, each ascending
         slots = list(compress(self._best_slots, marks))
         det = self._det
@@ -1049,7 +1049,7 @@ class Buckets:
             counts, slack = self._counts(active, now, now_minute, total, target)
             values = array("q")  # the heads taken, class by class
             starts: list[int] = []  # where each class's run starts in ``values``
-            cids: list[int] = []
+            cids: list[int] = []  # type: ignore[no-redef]  # the other branch returned
             rates = []
             for (order, cid, cadence_s, boost, _n, _head), n in zip(active, counts, strict=True):
                 if n:

@@ -22,6 +22,7 @@ during the load leaves a tombstone that an older walked row cannot pass.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Set as AbstractSet
@@ -40,6 +41,8 @@ from node.store.base import BadRow, Store
 
 # Rows per load step: large enough that 250k rows load in a dozen steps,
 # small enough that the first publish comes within tens of milliseconds.
+# What ``dump`` writes, in <data-dir>/run (tests compare it with the table).
+DUMP_FILE = "keeper-dump.msgpack"
 LOAD_CHUNK = 20_000
 # Changes read per feed query. A burst larger than this is applied over
 # several queries in the same tick.
@@ -291,7 +294,7 @@ class Keeper:
                         self.stats.apply["invalid"] += 1
                     continue
                 try:
-                    apply(ch.key, ch.seq, ch.route, ch.cadence_s, ch.sitemap, ch.due_at)
+                    apply(ch.key, ch.seq, ch.route, ch.cadence_s, ch.sitemap, ch.due_at)  # type: ignore[arg-type]  # an upsert carries both
                 except TooManyClasses:
                     remove(ch.key)
                     self.stats.apply["refused_classes"] += 1
@@ -791,11 +794,17 @@ class Keeper:
                     "load": self.stats.load, "apply": self.stats.apply,
                     "lag": self.stats.lag_figures()}
         if op == "dump":
-            path = str(request.get("path"))
+            # Always the one file in the node's own run directory, never a
+            # path the request names: the ask queue is the node's, but the
+            # keeper writes nothing a message can point elsewhere.
+            path = self.config.data_dir.resolve() / "run" / DUMP_FILE
             rows = [list(item) for item in self.buckets.items()]
-            with open(path, "wb") as f:
+            tmp = path.with_suffix(".tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as f:
                 f.write(msgpack.packb({"feed_seq": self.feed_seq, "rows": rows}))
-            return {"ok": True, "rows": len(rows), "path": path}
+            os.replace(tmp, path)
+            return {"ok": True, "rows": len(rows), "path": str(path)}
         if op == "corrupt" and self.test_hooks:
             return self._corrupt(request)
         return {"error": f"unknown op {op!r}"}

@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--watch", action="store_true")
     s.add_argument("--interval", type=float, default=WATCH_POLL_S, help=argparse.SUPPRESS)
     sub.add_parser("import", help="import rows from JSON lines, CSV or a sitemap", add_help=False)
+    c = sub.add_parser(
+        "clear", help="remove a stopped node's shared memory, semaphore and queues"
+    )
+    c.add_argument("name", help="the node's name")
     return parser
 
 
@@ -147,6 +151,21 @@ def _watch_state(name: str, state: dict, poll_s: float) -> int:
             signal.signal(sig, handler)
 
 
+def _cmd_clear(args: argparse.Namespace) -> int:
+    """Remove a node's host-wide names when no process holds them: the way
+    out of a start refused for a stale or foreign name. Exit 0 (what was
+    removed, one line each), 2 when they are in use or not this user's."""
+    from node.config import check_name
+    from node.names import clear
+
+    removed = clear(check_name(args.name))
+    for name in removed:
+        print(f"removed {name}")
+    if not removed:
+        print(f"nothing of node {args.name!r} to remove")
+    return RET_OK
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from node.demo import main as demo_main
 
@@ -175,6 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_state(args)
         if args.command == "demo":
             return _cmd_demo(args)
+        if args.command == "clear":
+            return _cmd_clear(args)
     except (ConfigError, NodeError) as exc:
         if verbose:
             raise

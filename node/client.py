@@ -30,14 +30,16 @@ import base64
 import http.client
 import json
 import os
+import socket
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from node.config import Config
-from node.errors import NodeError, NodeNotRunning, ValidationError
+from node.config import UNIX_PREFIX, Config
+from node.errors import NodeError, NodeNotRunning, NodeRestarted, ValidationError
 from node.proc import ENV_CONFIG
 from node.rows import check_key
 from workers.claim import (
@@ -54,6 +56,11 @@ from workers.claim import (
     refuse,
 )
 
+if TYPE_CHECKING:
+    from shm.leases import Outcome
+
+# A LocalClaimer waiting for a publish looks at its node's seal this often.
+RESTART_CHECK_S = 0.25
 # A call that is not a long poll should be answered well within this.
 TIMEOUT_S = 30.0
 ENV_DATA_DIR = "QUEUE_NODE_DATA_DIR"
@@ -98,16 +105,43 @@ def _result_body(result: Any) -> dict[str, Any]:
     return {"result": result}
 
 
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP over a node's socket file (``--http unix:PATH``)."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.unix_path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
 class Client:
     """The HTTP API, blocking. ``base_url`` like ``http://127.0.0.1:8470``."""
 
     def __init__(self, base_url: str, token: str | None = None, timeout_s: float = TIMEOUT_S):
-        parts = urllib.parse.urlsplit(base_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"base_url {base_url!r} is not http(s)://host:port")
+        self._unix: str | None = None
+        if base_url.startswith(UNIX_PREFIX):
+            self._unix = base_url[len(UNIX_PREFIX) :]
+            if not self._unix.startswith("/"):
+                raise ValueError(f"base_url {base_url!r} is not unix:/absolute/path")
+            parts = urllib.parse.urlsplit("http://localhost")
+        else:
+            parts = urllib.parse.urlsplit(base_url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(
+                    f"base_url {base_url!r} is not http(s)://host:port or unix:/path"
+                )
         self.base_url = base_url.rstrip("/")
         self._https = parts.scheme == "https"
-        self._host = parts.hostname
+        self._host = parts.hostname or "localhost"
         self._port = parts.port
         self._prefix = parts.path.rstrip("/")
         self.timeout_s = timeout_s
@@ -127,8 +161,11 @@ class Client:
             if self._conn.sock is not None:
                 self._conn.sock.settimeout(timeout_s)
             return self._conn, True
-        cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-        self._conn = cls(self._host, self._port, timeout=timeout_s)
+        if self._unix is not None:
+            self._conn = _UnixConnection(self._unix, timeout_s)
+        else:
+            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+            self._conn = cls(self._host, self._port, timeout=timeout_s)
         self._conn_pid = os.getpid()
         return self._conn, False
 
@@ -357,6 +394,15 @@ class LocalClaimer:
     One per thread (a claim is not thread-safe). ``close()`` when done: it
     unmaps the segments and closes the store and the ledger connection;
     nothing is unlinked (only the supervisor does that).
+
+    Across restarts of the node: a clean stop seals the lease table before it
+    saves the leases, so nothing can be granted, renewed or released in it
+    any more. A call that meets the seal (or finds nothing to claim in a
+    sealed table) reattaches to the new node's segments, told apart by their
+    boot id, and goes on there; while no new node is up it raises
+    ``ClientError(503, "node_restarted")`` and tries again at the next call.
+    After a kill -9 the restarted node reattaches the same segments, which
+    are not sealed: an attached claimer goes on as it was.
     """
 
     def __init__(
@@ -366,24 +412,42 @@ class LocalClaimer:
         consumer: str | None = None,
     ) -> None:
         from node.ipc import Client as IpcClient
+
+        self.name = name
+        self._data_dir = data_dir
+        self.consumer = consumer or f"local-{os.getpid()}"
+        self._opened: list[Any] = []
+        self._attach()
+        self.ledger = IpcClient(ledger_address(name))
+
+    def _attach(self) -> None:
+        """Map the node's segments and open its store; ``boot_id`` is the
+        boot these belong to. Raises NodeNotRunning (or NameTaken for names
+        that are not this user's node's)."""
+        from node.identity import data_dir_id
         from node.store import open_store
         from shm.leases import LeaseTable
         from shm.ready import ReadySet
-        from shm.state import StateBuffer
+        from shm.state import StateBuffer, boot_id
         from shm.wake import Wake
 
-        self.name = name
-        self.config = find_config(name, data_dir)
-        self.consumer = consumer or f"local-{os.getpid()}"
-        self._opened: list[Any] = []
+        self.config = find_config(self.name, self._data_dir)
+        ident = data_dir_id(self.config.data_dir)
         try:
-            self.state = self._open(StateBuffer.attach(name))
-            self.ready = self._open(ReadySet.attach(name))
-            self.leases = self._open(LeaseTable.attach(name))
-            self.wake = self._open(Wake.attach(name))
+            self.state = self._open(StateBuffer.attach(self.name))
+            for seg in (self.state.segment,):
+                found = seg.identity
+                if found is None or found[0] != ident:
+                    raise NodeNotRunning(
+                        f"{seg.name} is not the segment of the node in {self.config.data_dir}"
+                    )
+            self.boot_id = boot_id(self.state.segment)
+            self.ready = self._open(ReadySet.attach(self.name))
+            self.leases = self._open(LeaseTable.attach(self.name))
+            self.wake = self._open(Wake.attach(self.name))
             self.store = self._open(open_store(self.config.store_url))
         except BaseException:
-            self.close()
+            self._detach()
             raise
         self.claimer = Claimer(
             self.config,
@@ -393,11 +457,43 @@ class LocalClaimer:
             wake=self.wake.post,
             is_ready=self._keeper_published,
         )
-        self.ledger = IpcClient(ledger_address(name))
+
+    def _detach(self) -> None:
+        while self._opened:
+            try:
+                self._opened.pop().close()
+            except (OSError, BufferError, NodeError):
+                pass  # a mapping of a node that is gone: nothing to flush
 
     def _open(self, obj: Any) -> Any:
         self._opened.append(obj)
         return obj
+
+    def _restarted(self) -> bool:
+        """Whether the node these segments belong to has stopped (sealed)."""
+        return bool(self._opened) and self.leases.sealed
+
+    def _reattach(self) -> None:
+        """Move to the new node's segments, or ClientError 503 node_restarted
+        while there is none (or only the old one's, sealed, still named)."""
+        old_boot = getattr(self, "boot_id", None)
+        self._detach()
+        try:
+            self._attach()
+        except NodeError as exc:
+            raise ClientError(
+                503, "node_restarted",
+                f"node {self.name!r} restarted and no new node is up yet: {exc}",
+            ) from None  # fmt: skip
+        if self.leases.sealed or self.boot_id == old_boot:
+            self._detach()
+            raise ClientError(503, "node_restarted",
+                              f"node {self.name!r} is stopping; its next start is not up yet")
+
+    def _current(self) -> None:
+        """Reattach first when the last call found the node gone."""
+        if not self._opened:
+            self._reattach()
 
     def _keeper_published(self) -> bool:
         state = self.state.read()
@@ -421,16 +517,28 @@ class LocalClaimer:
         except ValidationError as exc:
             raise _from_validation(exc) from None
         deadline = time.monotonic() + wait_s
+        self._current()
         while True:
             generation = self.claimer.generation
             try:
                 grants = self.claimer.claim(max_n, lease_s, consumer, time.time())
             except NotReady as exc:
+                if self._restarted():
+                    self._reattach()
+                    continue
                 raise ClientError(503, "not_ready", str(exc)) from None
+            except NodeRestarted:
+                self._reattach()
+                continue
+            if not grants and self._restarted():
+                self._reattach()
+                continue
             left = deadline - time.monotonic()
             if grants or left <= 0:
                 return grants
-            self.claimer.wait_for_publish(generation, left)
+            # In slices: a node that stops publishes nothing more, and a
+            # waiter must notice the seal.
+            self.claimer.wait_for_publish(generation, min(left, RESTART_CHECK_S))
 
     def complete(self, lease_id: int, key: str, result: Any) -> int:
         """Hand in a lease's result (bytes or a JSON value), answered once it
@@ -458,6 +566,9 @@ class LocalClaimer:
         try:
             answer = self.ledger.call("complete", items=request)
         except IpcError as exc:
+            if self._opened and self._restarted():
+                raise ClientError(503, "node_restarted",
+                                  f"node {self.name!r} restarted: {exc}; send it again") from None
             raise ClientError(503, "ledger_unavailable", str(exc)) from None
         except RemoteError as exc:
             raise _from_work(ledger_error(exc.code, exc.message)) from None
@@ -476,7 +587,7 @@ class LocalClaimer:
         _check_lease(lease_id, key)
         if error is not None and not isinstance(error, str):
             raise ClientError(400, "invalid_error", "error must be a string (or None)", "error")
-        outcome = self.claimer.release(key, lease_id, time.time(), error)
+        outcome = self._on_current(lambda: self.claimer.release(key, lease_id, time.time(), error))
         if outcome.value != "released":
             raise _from_work(refuse(outcome, key))
 
@@ -488,17 +599,27 @@ class LocalClaimer:
         except ValidationError as exc:
             raise _from_validation(exc) from None
         now = time.time()
-        outcome = self.claimer.renew(key, lease_id, lease_s, now)
+        outcome = self._on_current(lambda: self.claimer.renew(key, lease_id, lease_s, now))
         if outcome.value != "renewed":
             raise _from_work(refuse(outcome, key))
         return now + lease_s
+
+    def _on_current(self, change: Callable[[], Outcome]) -> Outcome:
+        """Run a lease change in the current node's table: one that meets the
+        seal of a stopped node runs again in the new node's (its leases were
+        saved and loaded there), never in the old one."""
+        self._current()
+        try:
+            return change()
+        except NodeRestarted:
+            self._reattach()
+            return change()
 
     def close(self) -> None:
         ledger = getattr(self, "ledger", None)
         if ledger is not None:
             ledger.close()
-        while self._opened:
-            self._opened.pop().close()
+        self._detach()
 
     def __enter__(self) -> LocalClaimer:
         return self

@@ -21,6 +21,10 @@ from node.errors import ConfigError
 from node.rows import JOB_RE, MAX_CADENCE_S, MIN_CADENCE_S
 
 NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+# ``--http unix:PATH``: serve on a UNIX socket file instead of TCP. Its path
+# must fit sockaddr_un's sun_path (108 bytes with the terminating NUL).
+UNIX_PREFIX = "unix:"
+MAX_UNIX_PATH_BYTES = 107
 ENV_PREFIX = "QUEUE_NODE_"
 # A bearer token travels in an HTTP header: visible ASCII only (RFC 6750's
 # b64token is narrower still), so every client can send it byte for byte.
@@ -103,10 +107,27 @@ class Config:
     # at which a segment file rolls over (compaction removes whole segments).
     log_fsync: str = "batch"
     log_segment_bytes: int = 64 << 20
+    # Bounds on what callers can make an HTTP worker hold (docs/api.md,
+    # "Bounds"): a claim answer stops growing past claim_answer_bytes (its
+    # other leases are handed back); long polls waiting at once, per worker;
+    # open connections per worker (more are answered 503 and closed); an
+    # idle keep-alive connection is closed after keepalive_s (aiohttp's own
+    # default is an hour); a request's headers must arrive within
+    # header_timeout_s of its first byte (of the connection, for the first).
+    claim_answer_bytes: int = 16 << 20
+    max_poll_waiters: int = 512
+    max_connections: int = 1024
+    keepalive_s: float = 75.0
+    header_timeout_s: float = 10.0
     defaults: RouteConfig = RouteConfig()
     routes: dict[str, RouteConfig] = field(default_factory=dict)
     jobs: dict[str, JobConfig] = field(default_factory=dict)
     config_file: Path | None = None
+
+    @property
+    def http_unix(self) -> Path | None:
+        """The socket file of ``http = "unix:PATH"``; None for HOST:PORT."""
+        return Path(self.http[len(UNIX_PREFIX) :]) if self.http.startswith(UNIX_PREFIX) else None
 
     @property
     def http_host(self) -> str:
@@ -188,6 +209,11 @@ OPTIONS: dict[str, str] = {
     "handler_timeout_s": _DURATION,
     "log_fsync": _STR,
     "log_segment_bytes": _INT,
+    "claim_answer_bytes": _INT,
+    "max_poll_waiters": _INT,
+    "max_connections": _INT,
+    "keepalive_s": _DURATION,
+    "header_timeout_s": _DURATION,
 }
 
 # name -> the values a string option may take
@@ -212,7 +238,17 @@ _RANGES: dict[str, tuple[float, float]] = {
     "batch_size": (1, 10_000),
     "handler_timeout_s": (1, 86_400),
     "log_segment_bytes": (4096, 1 << 34),
+    "claim_answer_bytes": (64 << 10, 1 << 30),
+    "max_poll_waiters": (1, 65_536),
+    "max_connections": (1, 1_000_000),
+    "keepalive_s": (1, 3600),
+    "header_timeout_s": (1, 300),
 }
+
+
+def _number(value: float) -> str:
+    """A range's end as a person reads it: 1073741824, not 1.07374e+09."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
 def _convert(name: str, value: Any, source: str) -> Any:  # noqa: C901 - one branch per kind
@@ -257,7 +293,8 @@ def _convert(name: str, value: Any, source: str) -> Any:  # noqa: C901 - one bra
     low_high = _RANGES.get(name)
     if low_high and not low_high[0] <= value <= low_high[1]:
         raise ConfigError(
-            f"{name} = {value!r} is out of range: allowed {low_high[0]:g} to {low_high[1]:g}",
+            f"{name} = {value!r} is out of range: allowed {_number(low_high[0])} to "
+            f"{_number(low_high[1])}",
             source,
         )
     return value
@@ -475,7 +512,9 @@ def load_config(
     env = dict(os.environ if env is None else env)
     path = config_file or flags.pop("config", None) or env.get(ENV_PREFIX + "CONFIG")
     values: dict[str, Any] = {}
-    defaults, routes, jobs = RouteConfig(), {}, {}
+    defaults = RouteConfig()
+    routes: dict[str, RouteConfig] = {}
+    jobs: dict[str, Any] = {}
     if path:
         path = Path(path)
         file_options, defaults, routes, jobs = _from_file(path)
@@ -500,9 +539,7 @@ def validate(config: Config) -> Config:
     """Checks that span several options. Returns the config with derived
     defaults filled in (the name)."""
     name = check_name(config.name or _clean_host_name())
-    m = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):(\d{1,5})", config.http)
-    if not m or int(m.group(2)) > 65535:
-        raise ConfigError(f"http = {config.http!r} is not valid: expected HOST:PORT")
+    http = _check_http(config.http)
     from node.store import check_store_url
 
     check_store_url(config.store_url)
@@ -515,8 +552,8 @@ def validate(config: Config) -> Config:
             "token is not valid: 1 to 4096 visible ASCII characters, no spaces "
             "(it is sent as Authorization: Bearer <token>)"
         )
-    host = m.group(1).strip("[]")
-    if host not in ("127.0.0.1", "localhost", "::1") and not config.token:
+    host = None if http.startswith(UNIX_PREFIX) else http.rsplit(":", 1)[0].strip("[]")
+    if host is not None and host not in ("127.0.0.1", "localhost", "::1") and not config.token:
         raise ConfigError(
             f"binding {host} needs a token: set --token or QUEUE_NODE_TOKEN "
             "(the node binds 127.0.0.1 without one)"
@@ -537,4 +574,24 @@ def validate(config: Config) -> Config:
     timeout = config.handler_timeout_s
     if timeout is None:
         timeout = max(60.0, 10 * config.lease_s)
-    return dataclasses.replace(config, name=name, handler_timeout_s=timeout)
+    return dataclasses.replace(config, name=name, http=http, handler_timeout_s=timeout)
+
+
+def _check_http(http: str) -> str:
+    """``HOST:PORT``, or ``unix:PATH`` made absolute (children and node.json
+    then name the same file whatever their working directory)."""
+    if http.startswith(UNIX_PREFIX):
+        path = http[len(UNIX_PREFIX) :]
+        if not path or "\0" in path:
+            raise ConfigError(f"http = {http!r} is not valid: expected unix:PATH")
+        path = os.path.abspath(path)
+        if len(os.fsencode(path)) > MAX_UNIX_PATH_BYTES:
+            raise ConfigError(
+                f"http = unix:{path} is too long: a socket path is at most "
+                f"{MAX_UNIX_PATH_BYTES} bytes"
+            )
+        return UNIX_PREFIX + path
+    m = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):(\d{1,5})", http)
+    if not m or int(m.group(2)) > 65535:
+        raise ConfigError(f"http = {http!r} is not valid: expected HOST:PORT or unix:PATH")
+    return http

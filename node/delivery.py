@@ -22,16 +22,21 @@ structure is sized by what a poll returns, not by the backlog (invariant 7):
 ``touched`` counts the entries a call examined; tests assert on it instead
 of on wall time. Time is passed in (``now``, wall seconds). Not thread-safe:
 the ledger owns one, on its event loop.
+
+``RepeatIndex`` (below) is the other half of answering a caller twice: which
+result answered each lease, so that a repeated completion gets its id back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import heapq
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from itertools import repeat
 
 from node.errors import NodeError
 
@@ -99,6 +104,7 @@ class Delivery:
         self._wakes: list[tuple[float, str]] = []  # heap: (deadline, job)
         self._wake_at: dict[str, float] = {}  # the job's entry in _wakes
         self._events: dict[str | None, asyncio.Event] = {}
+        self._waiting: dict[str | None, int] = {}  # long polls waiting, per job
         self._max_id = 0
         self._offered_before = 0
         self.touched = 0
@@ -341,17 +347,160 @@ class Delivery:
         """Jobs with results not yet acked."""
         return list(self._jobs)
 
-    def waiter(self, job: str | None) -> asyncio.Event:
-        """An event set when a result for ``job`` (None: any job) is added;
-        a fresh one after each add. For long polls: poll, and if nothing came
-        back, wait on this (bounded by ``next_deadline``), then poll again."""
+    @contextlib.contextmanager
+    def waiting(self, job: str | None) -> Iterator[asyncio.Event]:
+        """For a long poll's wait: an event set when a result for ``job``
+        (None: any job) is added (a fresh one after each add). Poll, and if
+        nothing came back, wait on this (bounded by ``next_deadline``), then
+        poll again. The job's entry lives while some poll waits on it: a
+        caller polling made-up job names cannot grow the table."""
         event = self._events.get(job)
         if event is None:
             event = self._events[job] = asyncio.Event()
-        return event
+        self._waiting[job] = self._waiting.get(job, 0) + 1
+        try:
+            yield event
+        finally:
+            left = self._waiting[job] - 1
+            if left:
+                self._waiting[job] = left
+            else:
+                del self._waiting[job]
+                self._events.pop(job, None)
+
+    def waiters(self) -> tuple[int, int]:
+        """(long polls waiting, jobs they wait on)."""
+        return sum(self._waiting.values()), len(self._events)
 
     def wake_all(self) -> None:
         """Set every waiter (shutdown: long polls answer what they have)."""
         events, self._events = self._events, {}
         for event in events.values():
             event.set()
+
+
+# -- repeats ----------------------------------------------------------------------
+
+# Below this many dead slots (or consumed retirements) the repeat index's
+# arrays are not rebuilt: a rebuild copies what is left, amortised O(1) above.
+_REPEAT_COMPACT_MIN = 4096
+
+
+class RepeatIndex:
+    """Which result answered each lease: a repeat of an accepted completion
+    is answered ``repeat`` with that result's id whatever the lease table's
+    slot for the key holds by then (reused by other keys, or the key granted
+    again). Consulted before the lease table, for every completion.
+
+    It holds every accepted result until it is retired (acked or discarded)
+    and for ``window_s`` after that; ``expire`` then drops it, costing what it
+    drops (the sweep calls it). Layout, for memory (figure: docs/delivery.md):
+
+    - ``_rid_of``: lease id -> result id, the lookup;
+    - per result, in id order: parallel arrays of result ids and lease ids
+      and a list of keys (None marks a dropped slot), from ``_head`` on;
+      rebuilt when dropped slots outnumber live ones;
+    - retirements in the order they came: when each may be dropped, and its
+      result id, consumed from ``_next`` on.
+
+    A lease with two results (the at-least-once windows of docs/delivery.md)
+    answers with the later one. Time is passed in, wall seconds: the window
+    counts across restarts (the ledger rebuilds the index from the log)."""
+
+    def __init__(self, window_s: float) -> None:
+        if not window_s >= 0:
+            raise ValueError(f"window_s {window_s} must be 0 or more")
+        self.window_s = window_s
+        self._rid_of: dict[int, int] = {}
+        self._ids = array("Q")
+        self._leases = array("Q")
+        self._keys: list[str | None] = []
+        self._head = 0
+        self._dead = 0  # dropped slots at or after _head
+        self._until = array("d")  # when each retirement may be dropped
+        self._retired = array("Q")  # ... and its result id
+        self._next = 0
+
+    def __len__(self) -> int:
+        """Results held (accepted and not yet dropped)."""
+        return len(self._ids) - self._head - self._dead
+
+    def find(self, lease_id: int, key: str) -> int:
+        """The id of the result that answered ``lease_id`` for ``key``; 0 when
+        there is none here, or it answered another key."""
+        rid = self._rid_of.get(lease_id)
+        if rid is None:
+            return 0
+        i = self._slot(rid)
+        return rid if i >= 0 and self._keys[i] == key else 0
+
+    def add(self, lease_id: int, key: str, rid: int) -> None:
+        """Result ``rid`` (durable) answered ``lease_id`` for ``key``. Ids come
+        in increasing order (the log assigns them so); one out of order is
+        placed by a bisect."""
+        ids = self._ids
+        if not len(ids) or rid > ids[-1]:
+            ids.append(rid)
+            self._leases.append(lease_id)
+            self._keys.append(key)
+        else:
+            i = bisect.bisect_left(ids, rid, self._head)
+            if i < len(ids) and ids[i] == rid:
+                return
+            ids.insert(i, rid)
+            self._leases.insert(i, lease_id)
+            self._keys.insert(i, key)
+        self._rid_of[lease_id] = rid
+
+    def retire(self, rids: Iterable[int], now: float) -> None:
+        """Results acked or discarded at ``now``: dropped once ``window_s``
+        has passed. An id not held here is skipped when its time comes."""
+        before = len(self._retired)
+        self._retired.extend(rids)
+        self._until.extend(repeat(now + self.window_s, len(self._retired) - before))
+
+    def expire(self, now: float) -> int:
+        """Drop the results retired at least ``window_s`` before ``now``; how
+        many. Retirements are consumed in the order they came, so a clock
+        stepped back only delays the ones behind it."""
+        until, retired, keys, leases = self._until, self._retired, self._keys, self._leases
+        rid_of = self._rid_of
+        i, n, dropped = self._next, len(until), 0
+        while i < n and until[i] <= now:
+            rid = retired[i]
+            i += 1
+            j = self._slot(rid)
+            if j < 0:
+                continue
+            lease_id = leases[j]
+            if rid_of.get(lease_id) == rid:
+                del rid_of[lease_id]
+            keys[j] = None
+            dropped += 1
+        self._next = i
+        if i >= _REPEAT_COMPACT_MIN and i * 2 >= n:
+            del until[:i], retired[:i]
+            self._next = 0
+        if dropped:
+            self._dead += dropped
+            self._settle()
+        return dropped
+
+    def _slot(self, rid: int) -> int:
+        i = bisect.bisect_left(self._ids, rid, self._head)
+        if i < len(self._ids) and self._ids[i] == rid and self._keys[i] is not None:
+            return i
+        return -1
+
+    def _settle(self) -> None:
+        keys, n = self._keys, len(self._ids)
+        while self._head < n and keys[self._head] is None:
+            self._head += 1
+            self._dead -= 1
+        floor = _REPEAT_COMPACT_MIN
+        if self._dead > max(floor, len(self)) or self._head > max(floor, n // 2):
+            keep = [i for i in range(self._head, n) if keys[i] is not None]
+            self._ids = array("Q", map(self._ids.__getitem__, keep))
+            self._leases = array("Q", map(self._leases.__getitem__, keep))
+            self._keys = list(map(keys.__getitem__, keep))
+            self._head = self._dead = 0

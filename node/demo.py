@@ -230,7 +230,7 @@ class DemoNode:
                 http = json.loads((self.data_dir / "node.json").read_text())["http"]
             except (OSError, ValueError, KeyError):
                 self._pause(deadline, "the node to start")
-        self.client = Client(f"http://{http}")
+        self.client = Client(http if http.startswith("unix:") else f"http://{http}")
         while True:
             self.check_alive()
             try:

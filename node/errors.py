@@ -64,3 +64,16 @@ class LayoutMismatch(NodeError):
 
 class NodeNotRunning(NodeError):
     """No node of that name runs on this host (no segment, or its writer is dead)."""
+
+
+class NodeRestarted(NodeError):
+    """The tables a process attached belong to a node that has since stopped
+    (sealed at its clean shutdown, or unlinked): nothing may be granted,
+    renewed or released there. The caller reattaches to the new node's tables
+    or answers ``503 node_restarted``."""
+
+
+class NameTaken(ConfigError):
+    """A name the node must own (a segment, a semaphore, a message queue, the
+    ledger's socket) is held by another user or carries another data
+    directory's identity. Refused at start: one line, exit 2."""

@@ -3,7 +3,9 @@
 The ledger process is the single writer of the completion log; workers,
 inference processes and ``LocalClaimer`` send it results (and polls, acks)
 over a UNIX socket in the abstract namespace, ``\0queue-node.<name>.ledger``
-(the ledger accepts only peers of its own uid). Nothing is unpickled: frames
+(the ledger accepts only peers of its own uid, and every client checks that
+the ledger runs as its own uid before it sends anything: the abstract name has
+no owner, so another user could bind it first). Nothing is unpickled: frames
 are msgpack maps.
 
 Frame: u32 big-endian body length, then the msgpack body. A request is
@@ -45,6 +47,30 @@ class RemoteError(NodeError):
         self.code = code
         self.message = message
         super().__init__(f"{code}: {message}")
+
+
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_uid(sock: Any) -> tuple[int, int]:
+    """``(pid, uid)`` of the process at the other end of a UNIX socket."""
+    cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
+    pid, uid, _gid = _CRED.unpack(cred)
+    return pid, uid
+
+
+def check_peer(sock: Any, path: str) -> None:
+    """IpcError unless the server at ``path`` runs as this uid.
+
+    The ledger's name is abstract: anyone on the host can bind it first. A
+    client that sent its results there, or believed its answers, would hand
+    work to another user; so it checks who answered before a byte is sent."""
+    pid, uid = peer_uid(sock)
+    if uid != os.getuid():
+        raise IpcError(
+            f"{path.lstrip(chr(0))} is served by pid {pid} of uid {uid}, not by this "
+            f"node's user (uid {os.getuid()}): refusing it"
+        )
 
 
 def pack(obj: dict[str, Any]) -> bytes:
@@ -147,9 +173,13 @@ class Client:
             sock.settimeout(self.timeout_s)
             try:
                 sock.connect(self.path)
+                check_peer(sock, self.path)
             except OSError as exc:
                 sock.close()
                 raise IpcError(f"ledger not reachable at {self.path}: {exc.strerror}") from None
+            except IpcError:
+                sock.close()
+                raise
             self._sock = sock
             self._pid = os.getpid()
         return self._sock
@@ -221,6 +251,11 @@ class AsyncClient:
                     )
                 except OSError as exc:
                     raise IpcError(f"ledger not reachable at {self.path}: {exc}") from None
+                try:
+                    check_peer(writer.get_extra_info("socket"), self.path)
+                except IpcError:
+                    writer.close()
+                    raise
                 self._writer = writer
                 self._reader_task = asyncio.create_task(self._read_loop(reader))
             return self._writer
@@ -231,7 +266,7 @@ class AsyncClient:
                 reply = await read_frame(reader)
                 if reply is None:
                     break
-                fut = self._waiting.pop(reply.get("id"), None)
+                fut = self._waiting.pop(reply.get("id") or 0, None)  # ids start at 1
                 if fut is not None and not fut.done():
                     fut.set_result(reply)
         except (IpcError, ConnectionError):

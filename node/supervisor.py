@@ -44,6 +44,7 @@ from pathlib import Path
 from node import log, metrics
 from node.config import Config, tls_context
 from node.errors import ConfigError, NodeError
+from node.identity import data_dir_id, new_boot_id
 from node.proc import ENV_CONFIG, ENV_STARTED_AT, ENV_SUPERVISOR, python_argv
 
 BACKOFF_MIN_S = 0.1
@@ -52,6 +53,10 @@ BACKOFF_MAX_S = 5.0
 BACKOFF_RESET_AFTER_S = 30.0
 # How often the loop wakes with nothing to do (children are reaped on SIGCHLD).
 IDLE_WAKE_S = 0.5
+# How long a clean stop waits, after sealing the lease table, for changes in
+# progress (a grant takes microseconds; a process stopped mid-change is waited
+# for until it is killed or this passes, then saved as it stands).
+SEAL_WAIT_S = 5.0
 # Every file, directory, segment and queue the node makes is owner-only.
 NODE_UMASK = 0o077
 
@@ -115,9 +120,12 @@ class Supervisor:
         # Open once here so a bad store (unreadable file, failed migration)
         # is one clear error now instead of a keeper in a restart loop.
         open_store(self.config.store_url).close()
+        # Every host-wide name is ours or absent, checked before anything is
+        # created: a refusal leaves nothing behind (docs/reliability.md).
+        self.identity = (data_dir_id(self.data_dir, create=True), new_boot_id())
+        self._check_names()
         self._sock = self._bind()
-        host, port = self._sock.getsockname()[:2]
-        self.http = f"{host}:{port}"
+        self.http = self._listening_address(self._sock)
         self._write_config()
         self._create_segments()
 
@@ -137,7 +145,17 @@ class Supervisor:
         if pid and pid != os.getpid() and pid_alive(pid):
             raise ConfigError(f"a node named {self.name!r} already runs on this host (pid {pid})")
 
+    def _check_names(self) -> None:
+        from node.names import check_all
+        from shm import leases, ready, state
+
+        layouts = {"ready": ready.LAYOUT_VERSION, "leases": leases.LAYOUT_VERSION,
+                   "state": state.LAYOUT_VERSION}  # fmt: skip
+        check_all(self.name, self.identity[0], layouts)
+
     def _bind(self) -> socket.socket:
+        if self.config.http_unix is not None:
+            return self._bind_unix(self.config.http_unix)
         family = socket.AF_INET6 if ":" in self.config.http_host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -149,6 +167,69 @@ class Supervisor:
         sock.listen(1024)
         sock.set_inheritable(True)
         return sock
+
+    @staticmethod
+    def _bind_unix(path: Path) -> socket.socket:
+        """``--http unix:PATH``: a socket file only its owner can connect to.
+
+        The file is created mode 0600 (the umask is narrowed around ``bind``, so
+        no other user can connect in between) in a directory this user owns:
+        in a directory others may write to, another user could put their own
+        socket there first. A socket file left by a crashed node (nothing
+        accepts on it) is replaced; one something still serves on, or a path
+        that is not a socket, is refused."""
+        import stat
+
+        where = f"cannot listen on unix:{path}"
+        try:
+            parent = os.stat(path.parent)
+        except OSError as exc:
+            raise ConfigError(f"{where}: its directory: {exc.strerror}") from None
+        if parent.st_uid != os.geteuid():
+            raise ConfigError(f"{where}: its directory {path.parent} is not owned by this user")
+        try:
+            existing = os.lstat(path)
+        except FileNotFoundError:
+            existing = None
+        except OSError as exc:
+            raise ConfigError(f"{where}: {exc.strerror}") from None
+        if existing is not None:
+            if not stat.S_ISSOCK(existing.st_mode):
+                raise ConfigError(f"{where}: the path exists and is not a socket")
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            probe.settimeout(1.0)
+            try:
+                probe.connect(str(path))
+            except (ConnectionRefusedError, FileNotFoundError):
+                pass  # stale: nothing accepts on it
+            except OSError as exc:
+                raise ConfigError(f"{where}: {exc.strerror or exc}") from None
+            else:
+                raise ConfigError(f"{where}: another process serves on this socket")
+            finally:
+                probe.close()
+            path.unlink(missing_ok=True)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        umask = os.umask(0o177)
+        try:
+            sock.bind(str(path))
+            os.chmod(path, 0o600)
+        except OSError as exc:
+            sock.close()
+            raise ConfigError(f"{where}: {exc.strerror or exc}") from None
+        finally:
+            os.umask(umask)
+        sock.listen(1024)
+        sock.set_inheritable(True)
+        return sock
+
+    @staticmethod
+    def _listening_address(sock: socket.socket) -> str:
+        """node.json's ``http``: ``host:port``, or ``unix:PATH``."""
+        if sock.family == socket.AF_UNIX:
+            return "unix:" + sock.getsockname()
+        host, port = sock.getsockname()[:2]
+        return f"{host}:{port}"
 
     def _write_config(self) -> None:
         path = self.run_dir / "config.json"
@@ -165,13 +246,19 @@ class Supervisor:
         from shm.state import StateBuffer
         from shm.wake import Wake
 
-        self.ready = ReadySet.create(self.name, self.config.ready_size)
+        self.ready = ReadySet.create(self.name, self.config.ready_size, identity=self.identity)
         self.leases = LeaseTable.create(
-            self.name, capacity=self.config.lease_capacity, max_misses=self.config.max_misses
+            self.name,
+            capacity=self.config.lease_capacity,
+            max_misses=self.config.max_misses,
+            identity=self.identity,
         )
         self._load_saved_leases()
         self.state = StateBuffer.create(
-            self.name, group=self.config.state_group, started_at=self.started_at
+            self.name,
+            group=self.config.state_group,
+            started_at=self.started_at,
+            identity=self.identity,
         )
         self.wake = Wake.create(self.name)
 
@@ -195,6 +282,13 @@ class Supervisor:
             log.log("leases_loaded", placed=placed, path=str(self.leases_file))
 
     def _save_leases(self) -> None:
+        """Seal the table, wait for changes in progress, then save: a process
+        that outlives this node (a LocalClaimer) can change nothing after the
+        seal, so nothing it grants is missing from the file (its grant is
+        refused, and it reattaches to the next node)."""
+        self.leases.seal()
+        if not self.leases.wait_settled(time.monotonic() + SEAL_WAIT_S):
+            log.warn("leases_unsettled", wait_s=SEAL_WAIT_S)
         saved = self.leases.save(self.leases_file, time.time())
         log.log("leases_saved", entries=saved, path=str(self.leases_file))
 
@@ -449,6 +543,8 @@ class Supervisor:
             (self.data_dir / "node.json").unlink()
         except FileNotFoundError:
             pass
+        if self.config.http_unix is not None:
+            self.config.http_unix.unlink(missing_ok=True)
         restarts = sum(c.restarts for c in self.children)
         log.log("node_stop", name=self.name, up_s=round(time.time() - self.started_at, 1),
                 restarts=restarts, forced=killed)
@@ -480,3 +576,4 @@ def run(config: Config, verbose: bool = False) -> int:
     log.setup("supervisor", verbose)
     os.umask(NODE_UMASK)
     return Supervisor(config, verbose).run()
+

@@ -6,7 +6,17 @@
  * it; release() drops the export before mmap.close()).
  *
  * Every read-modify-write is sequentially consistent (on x86_64 a LOCK'd
- * instruction, a full barrier); loads are acquire. Offsets are byte offsets
+ * instruction, a full barrier; on aarch64 LDAXR/STLXR or CASAL); load32 and
+ * load64 are sequentially consistent too (the seal's Dekker check needs its
+ * load ordered after the taker's swap; on x86_64 and aarch64 it costs what an
+ * acquire load does). A successful cas64 is followed by a release fence: the
+ * stores a taker makes after it are not seen before it. The seqlock and
+ * publication functions below (check32, check64, begin32, release32,
+ * read_slot, and the module functions acquire32, acquire64, release32,
+ * seq_copy, seq_write) carry the fences the Python readers and writers of
+ * the lease table, ready set and state buffer need on a weakly ordered CPU
+ * (aarch64): CPython's struct module is plain memcpy, no fences. Why each is
+ * enough: docs/shm.md, "Memory ordering". Offsets are byte offsets
  * into the buffer, checked for bounds and natural alignment on every call: a
  * bad offset is a ValueError, never a stray write into someone's memory.
  *
@@ -16,12 +26,20 @@
  * code_counts is what every GET /queue-state asks of the table. excluded_keys reads
  * and decodes the keeper's excluded keys in one pass (about 1 us a key in
  * Python).
+ *
+ * publish_counted is the lease table's counted publish (a state change and
+ * its lifetime count as one step a kill cannot split; shm/_claim.h, shared
+ * with the C grant). A build with -DQUEUE_NODE_TEST_STOPS honours its test
+ * stop; the production build compiles it out.
  */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/syscall.h>
+
+#include "_claim.h"
 
 typedef struct {
     PyObject_HEAD
@@ -134,7 +152,7 @@ view_load64(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
     uint64_t *p = (uint64_t *)at(self, args[0], 8);
     if (p == NULL)
         return NULL;
-    return PyLong_FromUnsignedLongLong(__atomic_load_n(p, __ATOMIC_ACQUIRE));
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(p, __ATOMIC_SEQ_CST));
 }
 
 static PyObject *
@@ -158,7 +176,11 @@ view_cas64(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
     uint64_t *p = (uint64_t *)at(self, args[0], 8);
     if (p == NULL || as_u64(args[1], &expected) < 0 || as_u64(args[2], &desired) < 0)
         return NULL;
-    __atomic_compare_exchange_n(p, &expected, desired, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    if (__atomic_compare_exchange_n(p, &expected, desired, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+        /* A take (a lease slot to UPDATING): the record the caller writes
+           next must not be seen before the swap (write_seqcount_begin's
+           smp_wmb). Free on x86_64; DMB ISH on aarch64. */
+        __atomic_thread_fence(__ATOMIC_RELEASE);
     return PyLong_FromUnsignedLongLong(expected);
 }
 
@@ -181,7 +203,120 @@ view_load32(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
     uint32_t *p = (uint32_t *)at(self, args[0], 4);
     if (p == NULL)
         return NULL;
-    return PyLong_FromUnsignedLong(__atomic_load_n(p, __ATOMIC_ACQUIRE));
+    return PyLong_FromUnsignedLong(__atomic_load_n(p, __ATOMIC_SEQ_CST));
+}
+
+/* store32(off, value): a sequentially consistent store, then a full fence:
+   no load of the caller's after it is read before the store is seen (the
+   lease table's seal, a Dekker-style flag). */
+static PyObject *
+view_store32(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NARGS(2, "store32");
+    uint64_t v;
+    uint32_t *p = (uint32_t *)at(self, args[0], 4);
+    if (p == NULL || as_u64(args[1], &v) < 0)
+        return NULL;
+    if (v > UINT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "store32 value does not fit in 32 bits");
+        return NULL;
+    }
+    __atomic_store_n(p, (uint32_t)v, __ATOMIC_SEQ_CST);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    Py_RETURN_NONE;
+}
+
+/* publish_counted(states_off, idx, own, new, shard_off, k, stop) -> bool
+ *
+ * Swap slot idx's state word from `own` (held by this process) to `new` and
+ * count it in counter k of the 64-byte counter shard at shard_off, with the
+ * shard's journal around the swap (lease_publish_counted in shm/_claim.h).
+ * False when the word was not `own` (nothing published, nothing counted).
+ * stop: a test stop, honoured by the test build only. */
+static PyObject *
+view_publish_counted(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NARGS(7, "publish_counted");
+    Py_ssize_t idx, k;
+    uint64_t own, new_word;
+    if (as_ssize(args[1], &idx) < 0 || as_u64(args[2], &own) < 0 ||
+        as_u64(args[3], &new_word) < 0 || as_ssize(args[5], &k) < 0)
+        return NULL;
+    int stop = (int)PyLong_AsLong(args[6]);
+    if (stop == -1 && PyErr_Occurred())
+        return NULL;
+    if (k < COUNT_GRANTS || k > COUNT_LATE_RELEASED || idx < 0 || idx >= (1 << 22)) {
+        PyErr_SetString(PyExc_ValueError, "publish_counted(): counter or slot out of range");
+        return NULL;
+    }
+    uint64_t *states = words(self, args[0], idx + 1);
+    uint64_t *shard = states ? words(self, args[4], 8) : NULL;
+    if (shard == NULL)
+        return NULL;
+    if (((char *)shard - (char *)self->view.buf) % 64) {
+        PyErr_SetString(PyExc_ValueError, "publish_counted(): a shard is 64-byte aligned");
+        return NULL;
+    }
+    int done = lease_publish_counted(&states[idx], idx, own, new_word, (char *)shard, (int)k, stop);
+    return PyBool_FromLong(done);
+}
+
+/* shard_counts(off, n) -> ([sum of count 1, ..., sum of count 6], [index of a
+ * shard whose journal is set])
+ *
+ * The lease table's counter shards 0..n-1 from `off` (64 bytes each: owner,
+ * counts 1..6, journal), summed in one pass. A set journal is a publish in
+ * progress, or one a dead process left uncounted: the caller settles those. */
+static PyObject *
+view_shard_counts(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NARGS(2, "shard_counts");
+    Py_ssize_t n;
+    if (as_ssize(args[1], &n) < 0)
+        return NULL;
+    if (n < 0 || n > PY_SSIZE_T_MAX / 8) {
+        PyErr_SetString(PyExc_ValueError, "shard_counts(): bad shard count");
+        return NULL;
+    }
+    uint64_t *w = words(self, args[0], 8 * n);
+    if (w == NULL)
+        return NULL;
+    uint64_t sums[7] = {0};
+    PyObject *pending = PyList_New(0);
+    if (pending == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t *shard = w + 8 * i;
+        /* The journal first: a count it names is then either in the sum or
+           still to be settled. */
+        uint64_t journal = __atomic_load_n(&shard[SHARD_JOURNAL / 8], __ATOMIC_ACQUIRE);
+        for (int k = COUNT_GRANTS; k <= COUNT_LATE_RELEASED; k++)
+            sums[k] += __atomic_load_n(&shard[k], __ATOMIC_ACQUIRE);
+        if (journal) {
+            PyObject *v = PyLong_FromSsize_t(i);
+            if (v == NULL || PyList_Append(pending, v) < 0) {
+                Py_XDECREF(v);
+                Py_DECREF(pending);
+                return NULL;
+            }
+            Py_DECREF(v);
+        }
+    }
+    PyObject *out = PyList_New(COUNT_LATE_RELEASED);
+    if (out == NULL) {
+        Py_DECREF(pending);
+        return NULL;
+    }
+    for (int k = COUNT_GRANTS; k <= COUNT_LATE_RELEASED; k++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(sums[k]);
+        if (v == NULL) {
+            Py_DECREF(out);
+            Py_DECREF(pending);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, k - 1, v);
+    }
+    return Py_BuildValue("(NN)", out, pending);
 }
 
 /* max32(off, value) -> the value before; the word becomes max(before, value). */
@@ -1129,7 +1264,341 @@ view_write_entries(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("(nnO)", i, used, ascii ? Py_True : Py_False);
 }
 
+
+/* -- seqlocks and publication (docs/shm.md, "Memory ordering") --------------
+ *
+ * A seqlock reader: load the counter with acquire, copy, acquire fence, load
+ * the counter again (relaxed) and compare. The fence orders the copy's loads
+ * before the second load; the acquire orders them after the first. A writer:
+ * store the odd counter, release fence, write, store the even counter with
+ * release. Readers whose copy saw any of the writes synchronise with the
+ * writer's fence and so see its odd counter or later: they retry.
+ *
+ * The copies are relaxed atomic loads (whole words where aligned), so the
+ * reader's racy copy is not a data race in the C11 model; the writers here
+ * are CPython's memcpy (struct.pack_into, slice assignment) or the plain
+ * stores of write_entries, ordered by the fences around them. */
+
+/* Copy n bytes from shared memory with relaxed atomic loads. */
+static void
+copy_relaxed(char *dst, const char *src, Py_ssize_t n)
+{
+    while (n > 0 && ((uintptr_t)src & 7)) {
+        *dst++ = (char)__atomic_load_n((const unsigned char *)src, __ATOMIC_RELAXED);
+        src++;
+        n--;
+    }
+    for (; n >= 8; n -= 8, src += 8, dst += 8) {
+        uint64_t w = __atomic_load_n((const uint64_t *)src, __ATOMIC_RELAXED);
+        memcpy(dst, &w, 8);
+    }
+    for (; n > 0; n--)
+        *dst++ = (char)__atomic_load_n((const unsigned char *)src++, __ATOMIC_RELAXED);
+}
+
+/* check32(off, expected) -> bool: a seqlock reader's closing check (acquire
+   fence, then the counter again). */
+static PyObject *
+view_check32(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NARGS(2, "check32");
+    uint64_t expected;
+    uint32_t *p = (uint32_t *)at(self, args[0], 4);
+    if (p == NULL || as_u64(args[1], &expected) < 0)
+        return NULL;
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    return PyBool_FromLong(__atomic_load_n(p, __ATOMIC_RELAXED) == expected);
+}
+
+/* check64(off, expected) -> bool: check32 for a 64-bit word (a lease state word). */
+static PyObject *
+view_check64(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NARGS(2, "check64");
+    uint64_t expected;
+    uint64_t *p = (uint64_t *)at(self, args[0], 8);
+    if (p == NULL || as_u64(args[1], &expected) < 0)
+        return NULL;
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    return PyBool_FromLong(__atomic_load_n(p, __ATOMIC_RELAXED) == expected);
+}
+
+static int
+as_u32(PyObject *obj, uint32_t *out)
+{
+    uint64_t v;
+    if (as_u64(obj, &v) < 0)
+        return -1;
+    if (v > UINT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "value does not fit in 32 bits");
+        return -1;
+    }
+    *out = (uint32_t)v;
+    return 0;
+}
+
+/* begin32(off, odd): a seqlock writer's opening store, then a release fence:
+   no store the caller makes after it is seen before it. */
+static PyObject *
+view_begin32(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NARGS(2, "begin32");
+    uint32_t v;
+    uint32_t *p = (uint32_t *)at(self, args[0], 4);
+    if (p == NULL || as_u32(args[1], &v) < 0)
+        return NULL;
+    __atomic_store_n(p, v, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
+
+/* release32(off, value): a release store: every store the caller made
+   before it is seen by whoever loads this value with acquire. */
+static PyObject *
+view_release32(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NARGS(2, "release32");
+    uint32_t v;
+    uint32_t *p = (uint32_t *)at(self, args[0], 4);
+    if (p == NULL || as_u32(args[1], &v) < 0)
+        return NULL;
+    __atomic_store_n(p, v, __ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
+
+/* read_slot(state_off, slot_off, key_at, inline_key, blocks_off, block_size,
+ *           long_blocks, copy_at, record_size, keyed_mask, retries)
+ *   -> (word, key, record) or None
+ *
+ * The lease table's seqlock read of one slot (LeaseTable._stable): the state
+ * word (acquire), the key (inline, or continued in its overflow block) and
+ * the record copy the word names (copy_at + copy * record_size), then an
+ * acquire fence and the word again; retried while it moved. None when the
+ * slot is not keyed (its code not in keyed_mask), or did not read steadily
+ * in `retries` tries, or its key metadata is out of range. */
+static PyObject *
+view_read_slot(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NARGS(11, "read_slot");
+    Py_ssize_t slot_off, key_at, inline_key, blocks_off, block_size, long_blocks, copy_at,
+        record_size, retries;
+    uint64_t keyed;
+    uint64_t *state = (uint64_t *)at(self, args[0], 8);
+    if (state == NULL || as_ssize(args[1], &slot_off) < 0 || as_ssize(args[2], &key_at) < 0 ||
+        as_ssize(args[3], &inline_key) < 0 || as_ssize(args[4], &blocks_off) < 0 ||
+        as_ssize(args[5], &block_size) < 0 || as_ssize(args[6], &long_blocks) < 0 ||
+        as_ssize(args[7], &copy_at) < 0 || as_ssize(args[8], &record_size) < 0 ||
+        as_u64(args[9], &keyed) < 0 || as_ssize(args[10], &retries) < 0)
+        return NULL;
+    Py_ssize_t len = self->view.len;
+    if (slot_off < 0 || key_at < 8 || inline_key < 0 || copy_at < key_at + inline_key ||
+        record_size <= 0 || slot_off % 8 || slot_off > len - copy_at - 2 * record_size ||
+        block_size < 0 || long_blocks < 0 || blocks_off < 0 ||
+        (long_blocks > 0 && long_blocks > (len - blocks_off) / (block_size ? block_size : 1))) {
+        PyErr_SetString(PyExc_ValueError, "read_slot(): the slot does not fit the buffer");
+        return NULL;
+    }
+    const char *slot = (const char *)self->view.buf + slot_off;
+    const char *blocks = (const char *)self->view.buf + blocks_off;
+    char key[4096], rec[1024];
+    if (inline_key + block_size > (Py_ssize_t)sizeof key || record_size > (Py_ssize_t)sizeof rec) {
+        PyErr_SetString(PyExc_ValueError, "read_slot(): key or record too large");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < retries; i++) {
+        uint64_t w = __atomic_load_n(state, __ATOMIC_ACQUIRE);
+        if (!((keyed >> (w & 15)) & 1))
+            Py_RETURN_NONE;
+        uint16_t key_len = __atomic_load_n((const uint16_t *)slot, __ATOMIC_RELAXED);
+        uint32_t block = __atomic_load_n((const uint32_t *)(slot + 4), __ATOMIC_RELAXED);
+        int ok = key_len > 0 && key_len <= inline_key + block_size;
+        if (ok && key_len > inline_key)
+            ok = block > 0 && (Py_ssize_t)block <= long_blocks;
+        if (ok) {
+            Py_ssize_t head = key_len < inline_key ? key_len : inline_key;
+            copy_relaxed(key, slot + key_at, head);
+            if (key_len > inline_key)
+                copy_relaxed(key + inline_key, blocks + block_size * (Py_ssize_t)(block - 1),
+                             key_len - inline_key);
+        }
+        copy_relaxed(rec, slot + copy_at + record_size * (Py_ssize_t)((w >> 8) & 1), record_size);
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        if (__atomic_load_n(state, __ATOMIC_RELAXED) == w && ok)
+            return Py_BuildValue("(Ky#y#)", (unsigned long long)w, key, (Py_ssize_t)key_len, rec,
+                                 record_size);
+    }
+    Py_RETURN_NONE;
+}
+
+/* -- module functions: on any buffer, read-only ones too (the state buffer a
+ * group member maps read-only). Each takes the buffer for the call. */
+
+/* The address of `width` bytes at `off` in `view` (aligned to width), or NULL. */
+static char *
+buf_at(Py_buffer *view, PyObject *off_obj, Py_ssize_t width, Py_ssize_t n)
+{
+    Py_ssize_t off = PyLong_AsSsize_t(off_obj);
+    if (off == -1 && PyErr_Occurred())
+        return NULL;
+    if (off < 0 || n < 0 || off > view->len - n || (width > 1 && off % width) ||
+        ((uintptr_t)view->buf % 8)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%zd bytes at offset %zd are not aligned to %zd inside the buffer (%zd bytes)",
+                     n, off, width, view->len);
+        return NULL;
+    }
+    return (char *)view->buf + off;
+}
+
+#define WITH_BUFFER(obj, flags)                                               \
+    Py_buffer buffer;                                                         \
+    if (PyObject_GetBuffer((obj), &buffer, (flags)) < 0)                      \
+        return NULL;
+
+/* acquire32(buffer, off) -> int */
+static PyObject *
+mod_acquire32(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
+{
+    NARGS(2, "acquire32");
+    WITH_BUFFER(args[0], PyBUF_SIMPLE);
+    uint32_t *p = (uint32_t *)buf_at(&buffer, args[1], 4, 4);
+    PyObject *out = p ? PyLong_FromUnsignedLong(__atomic_load_n(p, __ATOMIC_ACQUIRE)) : NULL;
+    PyBuffer_Release(&buffer);
+    return out;
+}
+
+/* acquire64(buffer, off) -> int */
+static PyObject *
+mod_acquire64(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
+{
+    NARGS(2, "acquire64");
+    WITH_BUFFER(args[0], PyBUF_SIMPLE);
+    uint64_t *p = (uint64_t *)buf_at(&buffer, args[1], 8, 8);
+    PyObject *out =
+        p ? PyLong_FromUnsignedLongLong(__atomic_load_n(p, __ATOMIC_ACQUIRE)) : NULL;
+    PyBuffer_Release(&buffer);
+    return out;
+}
+
+/* release32(buffer, off, value): a release store. */
+static PyObject *
+mod_release32(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
+{
+    NARGS(3, "release32");
+    uint32_t v;
+    if (as_u32(args[2], &v) < 0)
+        return NULL;
+    WITH_BUFFER(args[0], PyBUF_WRITABLE);
+    uint32_t *p = (uint32_t *)buf_at(&buffer, args[1], 4, 4);
+    if (p != NULL)
+        __atomic_store_n(p, v, __ATOMIC_RELEASE);
+    PyBuffer_Release(&buffer);
+    if (p == NULL)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* seq_copy(buffer, seq_off, off, n) -> (seq, bytes) or None
+ *
+ * One try of a seqlock read: the u32 counter at seq_off (acquire), None if it
+ * is odd; n bytes from off; acquire fence; None if the counter moved. Two
+ * copies under one counter are consistent with each other when both return
+ * the same seq. */
+static PyObject *
+mod_seq_copy(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
+{
+    NARGS(4, "seq_copy");
+    Py_ssize_t n;
+    if (as_ssize(args[3], &n) < 0)
+        return NULL;
+    WITH_BUFFER(args[0], PyBUF_SIMPLE);
+    PyObject *out = NULL;
+    uint32_t *seq_p = (uint32_t *)buf_at(&buffer, args[1], 4, 4);
+    const char *src = seq_p ? buf_at(&buffer, args[2], 1, n) : NULL;
+    if (src == NULL)
+        goto done;
+    uint32_t seq = __atomic_load_n(seq_p, __ATOMIC_ACQUIRE);
+    if (seq & 1) {
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
+    PyObject *data = PyBytes_FromStringAndSize(NULL, n);
+    if (data == NULL)
+        goto done;
+    copy_relaxed(PyBytes_AS_STRING(data), src, n);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    if (__atomic_load_n(seq_p, __ATOMIC_RELAXED) != seq) {
+        Py_DECREF(data);
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
+    out = Py_BuildValue("(kN)", (unsigned long)seq, data);
+done:
+    PyBuffer_Release(&buffer);
+    return out;
+}
+
+/* seq_write(buffer, seq_off, off, data) -> the new (even) seq
+ *
+ * The only writer's seqlock write: the counter to the next odd value
+ * (relaxed), a release fence, data at off, the counter to the next even value
+ * with release. A counter left odd (a writer that died mid-write) goes on to
+ * the next odd one. */
+static PyObject *
+mod_seq_write(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
+{
+    NARGS(4, "seq_write");
+    Py_buffer data;
+    if (PyObject_GetBuffer(args[3], &data, PyBUF_SIMPLE) < 0)
+        return NULL;
+    PyObject *out = NULL;
+    Py_buffer buffer;
+    if (PyObject_GetBuffer(args[0], &buffer, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&data);
+        return NULL;
+    }
+    uint32_t *seq_p = (uint32_t *)buf_at(&buffer, args[1], 4, 4);
+    char *dst = seq_p ? buf_at(&buffer, args[2], 1, data.len) : NULL;
+    if (dst != NULL) {
+        uint32_t seq = __atomic_load_n(seq_p, __ATOMIC_RELAXED);
+        seq += (seq & 1) ? 2 : 1;
+        __atomic_store_n(seq_p, seq, __ATOMIC_RELAXED);
+        __atomic_thread_fence(__ATOMIC_RELEASE);
+        memcpy(dst, data.buf, data.len);
+        __atomic_store_n(seq_p, seq + 1, __ATOMIC_RELEASE);
+        out = PyLong_FromUnsignedLong(seq + 1);
+    }
+    PyBuffer_Release(&buffer);
+    PyBuffer_Release(&data);
+    return out;
+}
+
+static PyMethodDef module_methods[] = {
+    {"acquire32", (PyCFunction)(void (*)(void))mod_acquire32, METH_FASTCALL,
+     "acquire32(buffer, off) -> int: an acquire load"},
+    {"acquire64", (PyCFunction)(void (*)(void))mod_acquire64, METH_FASTCALL,
+     "acquire64(buffer, off) -> int: an acquire load"},
+    {"release32", (PyCFunction)(void (*)(void))mod_release32, METH_FASTCALL,
+     "release32(buffer, off, value): a release store"},
+    {"seq_copy", (PyCFunction)(void (*)(void))mod_seq_copy, METH_FASTCALL,
+     "seq_copy(buffer, seq_off, off, n) -> (seq, bytes) or None: one seqlock read"},
+    {"seq_write", (PyCFunction)(void (*)(void))mod_seq_write, METH_FASTCALL,
+     "seq_write(buffer, seq_off, off, data) -> new seq: one seqlock write"},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyMethodDef view_methods[] = {
+    {"check32", (PyCFunction)(void (*)(void))view_check32, METH_FASTCALL,
+     "check32(off, expected) -> bool: acquire fence, then whether the word is expected"},
+    {"check64", (PyCFunction)(void (*)(void))view_check64, METH_FASTCALL,
+     "check64(off, expected) -> bool: acquire fence, then whether the word is expected"},
+    {"begin32", (PyCFunction)(void (*)(void))view_begin32, METH_FASTCALL,
+     "begin32(off, value): a store, then a release fence (a seqlock writer's opening)"},
+    {"release32", (PyCFunction)(void (*)(void))view_release32, METH_FASTCALL,
+     "release32(off, value): a release store"},
+    {"read_slot", (PyCFunction)(void (*)(void))view_read_slot, METH_FASTCALL,
+     "read_slot(state_off, slot_off, key_at, inline_key, blocks_off, block_size, long_blocks,"
+     " copy_at, record_size, keyed_mask, retries) -> (word, key, record) or None"},
     {"load64", (PyCFunction)(void (*)(void))view_load64, METH_FASTCALL, "load64(off) -> int"},
     {"write_entries", (PyCFunction)(void (*)(void))view_write_entries, METH_FASTCALL,
      "write_entries(entries_off, heap_off, heap_size, n, keys, versions, dues, cids, ranks)"
@@ -1143,6 +1612,12 @@ static PyMethodDef view_methods[] = {
     {"load32", (PyCFunction)(void (*)(void))view_load32, METH_FASTCALL, "load32(off) -> int"},
     {"max32", (PyCFunction)(void (*)(void))view_max32, METH_FASTCALL,
      "max32(off, value) -> the value before; raises the word to at least value"},
+    {"store32", (PyCFunction)(void (*)(void))view_store32, METH_FASTCALL,
+     "store32(off, value): a sequentially consistent store, then a full fence"},
+    {"publish_counted", (PyCFunction)(void (*)(void))view_publish_counted, METH_FASTCALL,
+     "publish_counted(states_off, idx, own, new, shard_off, k, stop) -> bool"},
+    {"shard_counts", (PyCFunction)(void (*)(void))view_shard_counts, METH_FASTCALL,
+     "shard_counts(off, n) -> ([6 sums], [index of a shard with its journal set])"},
     {"find_hash", (PyCFunction)(void (*)(void))view_find_hash, METH_FASTCALL,
      "find_hash(states_off, hashes_off, count, start, n, hash, code_mask) -> [index]"},
     {"find_code", (PyCFunction)(void (*)(void))view_find_code, METH_FASTCALL,
@@ -1181,8 +1656,9 @@ static PyTypeObject ViewType = {
 static struct PyModuleDef atomic_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "shm._atomic",
-    .m_doc = "64-bit atomics on shared memory for the lease table.",
+    .m_doc = "Atomics and fenced seqlock reads and writes on shared memory (shm/).",
     .m_size = -1,
+    .m_methods = module_methods,
 };
 
 PyMODINIT_FUNC
@@ -1193,6 +1669,11 @@ PyInit__atomic(void)
     PyObject *m = PyModule_Create(&atomic_module);
     if (m == NULL)
         return NULL;
+    if (PyModule_AddIntConstant(m, "TEST_STOPS", LEASE_TEST_STOPS) < 0 ||
+        PyModule_AddIntConstant(m, "SYS_futex", SYS_futex) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     Py_INCREF(&ViewType);
     if (PyModule_AddObject(m, "View", (PyObject *)&ViewType) < 0) {
         Py_DECREF(&ViewType);

@@ -15,6 +15,12 @@
  *     (a full barrier), draw the ticket, probe for another slot with the same
  *     key, publish LEASED or back off.
  *
+ * After it takes a slot (the swap to CLAIMING or UPDATING, a full barrier)
+ * it reads the table's seal; sealed, it puts the slot's word back as it
+ * found it and answers SEALED. The grant is counted by the publish itself
+ * (lease_publish_counted in shm/_claim.h: this process's counter shard and
+ * its journal), never by a separate add a kill could split from it.
+ *
  * Everything else answers SLOW and the caller runs the Python grant, which
  * knows every case: a slot another process holds mid-change (alive: BUSY;
  * dead: roll it back), a slot that would not read steadily, a long key, a
@@ -30,10 +36,8 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <signal.h>
 #include <stdint.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "_claim.h"
 
@@ -155,7 +159,6 @@ enum { EMPTY, FREE, CLAIMING, UPDATING, IDLE, LEASED, HELD, PARKED };
 #define SEQ_MASK ((1ULL << 20) - 1)
 
 #define NEXT_LEASE_ID 40
-#define GRANTS 56
 #define BACKOFFS 72
 #define EARLIEST_EXPIRY 120 /* shm/leases.py: a lower bound on every live lease's expiry */
 #define STATES 128
@@ -184,28 +187,6 @@ static const Py_ssize_t COPY_AT[2] = {224, 368};
 #define INSERT_RETRIES 4
 
 
-/* Test stops (QUEUE_NODE_TEST_LEASE_STOP, as shm/leases.py _test_stop):
-   low 4 bits the point, the next 4 how. */
-enum { P_INSERT = 1, P_KEYED = 2, P_UPDATE = 3, P_WRITTEN = 4 };
-enum { H_STOP = 0, H_EXIT = 1, H_PAUSE = 2 };
-
-static void
-test_stop(int stop, int point)
-{
-    if ((stop & 15) != point)
-        return;
-    switch ((stop >> 4) & 15) {
-    case H_EXIT:
-        _exit(17);
-    case H_PAUSE:
-        usleep(500);
-        break;
-    default:
-        kill(getpid(), SIGSTOP);
-    }
-}
-
-
 static inline uint64_t *
 state_at(GranterObject *g, Py_ssize_t idx)
 {
@@ -224,10 +205,26 @@ next_word(uint64_t w, uint64_t code, uint64_t copy, uint64_t prev, uint64_t owne
     return code | prev << 4 | copy << 8 | owner | (((w >> SEQ_SHIFT) + 1) & SEQ_MASK) << SEQ_SHIFT;
 }
 
+/* Whether the table is sealed. Read after the swap that took a slot: that
+   swap is a full barrier, and a seq_cst load is a plain load on x86_64 (and
+   an ordered one on aarch64, where a relaxed load could pass the swap's
+   store). */
+static inline int
+sealed(GranterObject *g)
+{
+    return __atomic_load_n((uint32_t *)(g->buf + SEALED), __ATOMIC_SEQ_CST) != 0;
+}
+
 static inline int
 cas(uint64_t *p, uint64_t old, uint64_t new)
 {
-    return __atomic_compare_exchange_n(p, &old, new, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    if (!__atomic_compare_exchange_n(p, &old, new, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+        return 0;
+    /* A take is followed by the holder's record writes: under C11 they must
+     * not be seen before the take (docs/shm.md, "Memory ordering"). Free on
+     * x86; on ARMv8 it orders the plain stores after the swap. */
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    return 1;
 }
 
 static inline uint64_t
@@ -288,6 +285,8 @@ granter_init(GranterObject *self, PyObject *args, PyObject *kwds)
     self->owners = owners;
     self->slots = slots;
     self->long_blocks = long_blocks;
+    self->shard = NULL;
+    self->shard_owner = 0;
     return 0;
 }
 
@@ -306,6 +305,34 @@ granter_release(GranterObject *self, PyObject *Py_UNUSED(ignored))
         PyBuffer_Release(&self->view);
         self->held = 0;
     }
+    self->shard = NULL;
+    self->shard_owner = 0;
+    Py_RETURN_NONE;
+}
+
+/* set_shard(off, owner): grants by `owner` count in the 64-byte counter
+   shard at `off` (LeaseTable._shard acquired it for that owner). */
+static PyObject *
+granter_set_shard(GranterObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "set_shard() takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    if (!self->held) {
+        PyErr_SetString(PyExc_ValueError, "Granter is released");
+        return NULL;
+    }
+    Py_ssize_t off = PyLong_AsSsize_t(args[0]);
+    unsigned long long owner = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (off < 0 || off % 64 || off > self->view.len - 64 || owner == 0) {
+        PyErr_SetString(PyExc_ValueError, "set_shard(): not a shard inside the buffer");
+        return NULL;
+    }
+    self->shard = self->buf + off;
+    self->shard_owner = owner;
     Py_RETURN_NONE;
 }
 
@@ -417,7 +444,8 @@ write_lease(char *rec, uint64_t lease_id, const GrantArgs *a)
 }
 
 /* The existing slot's grant: G_GRANTED with *lease_id and *misses, a refusal,
-   G_SLOW, G_TAKEN_OVER, or G_AGAIN (the slot changed under us: look again). */
+   G_SLOW, G_SEALED, G_TAKEN_OVER, or G_AGAIN (the slot changed under us: look
+   again). */
 static int
 grant_existing(GranterObject *g, Py_ssize_t idx, uint64_t w, char rec[RECORD_SIZE],
                const GrantArgs *a, uint64_t *lease_id, uint32_t *misses, uint64_t *word)
@@ -439,20 +467,19 @@ grant_existing(GranterObject *g, Py_ssize_t idx, uint64_t w, char rec[RECORD_SIZ
                    (((w >> SEQ_SHIFT) + 1) & SEQ_MASK) << SEQ_SHIFT;
     if (!cas(state, w, own))
         return G_AGAIN;
-    if (a->stop)
-        test_stop(a->stop, P_UPDATE);
+    LEASE_STOP(a->stop, P_UPDATE);
+    if (sealed(g)) /* put back the very word: nothing was written */
+        return cas(state, own, w) ? G_SEALED : G_TAKEN_OVER;
     *lease_id = bump(g, NEXT_LEASE_ID, 1) + 1;
     uint64_t copy = 1 - ((own >> 8) & 1);
     write_lease(rec, *lease_id, a);
     memcpy(slot_at(g, idx) + COPY_AT[copy], rec, RECORD_SIZE);
-    if (a->stop)
-        test_stop(a->stop, P_WRITTEN);
+    LEASE_STOP(a->stop, P_WRITTEN);
     uint64_t leased = LEASED | copy << 8 | (((own >> SEQ_SHIFT) + 1) & SEQ_MASK) << SEQ_SHIFT;
-    if (!cas(state, own, leased))
+    if (!lease_publish_counted(state, idx, own, leased, g->shard, COUNT_GRANTS, a->stop))
         return G_TAKEN_OVER;
     *word = leased;
     lower_expiry(g, a->now + a->lease_s);
-    bump(g, GRANTS, 1);
     memcpy(misses, rec + R_MISSES, 4);
     return G_GRANTED;
 }
@@ -501,7 +528,7 @@ free_blocks(GranterObject *g, Py_ssize_t idx, uint64_t was)
 }
 
 /* The new key's insert: G_GRANTED with *lease_id (the ticket), G_AGAIN when
-   it backed off (look again), G_SLOW or G_TAKEN_OVER. */
+   it backed off (look again), G_SLOW, G_SEALED or G_TAKEN_OVER. */
 static int
 insert(GranterObject *g, uint64_t h64, const GrantArgs *a, uint64_t *lease_id,
        Py_ssize_t *slot_out, uint64_t *word)
@@ -510,9 +537,10 @@ insert(GranterObject *g, uint64_t h64, const GrantArgs *a, uint64_t *lease_id,
     uint64_t was, own;
     if (!claim_free(g, home, a->owner, &idx, &was, &own))
         return G_SLOW; /* reclaim the dead, look again, count a refusal: Python */
-    if (a->stop)
-        test_stop(a->stop, P_INSERT);
     uint64_t *state = state_at(g, idx);
+    LEASE_STOP(a->stop, P_INSERT);
+    if (sealed(g)) /* put back the very word: nothing was written */
+        return cas(state, own, was) ? G_SEALED : G_TAKEN_OVER;
     char *slot = slot_at(g, idx);
     uint64_t copy = 1 - ((own >> 8) & 1);
     free_blocks(g, idx, was);
@@ -544,8 +572,7 @@ insert(GranterObject *g, uint64_t h64, const GrantArgs *a, uint64_t *lease_id,
     write_lease(rec, ticket, a);
     memcpy(slot + COPY_AT[copy], rec, RECORD_SIZE);
     __atomic_store_n((uint64_t *)(slot + TICKET_AT), ticket, __ATOMIC_SEQ_CST);
-    if (a->stop)
-        test_stop(a->stop, P_KEYED);
+    LEASE_STOP(a->stop, P_KEYED);
     if (placed_before(g, a->key, a->key_len, h64, home, idx, ticket)) {
         bump(g, BACKOFFS, 1);
         /* As LeaseTable._rollback: the slot becomes FREE (this key used no block). */
@@ -554,10 +581,9 @@ insert(GranterObject *g, uint64_t h64, const GrantArgs *a, uint64_t *lease_id,
         return G_AGAIN;
     }
     uint64_t leased = next_word(own, LEASED, copy, 0, 0);
-    if (!cas(state, own, leased))
+    if (!lease_publish_counted(state, idx, own, leased, g->shard, COUNT_GRANTS, a->stop))
         return G_TAKEN_OVER;
     lower_expiry(g, a->now + a->lease_s);
-    bump(g, GRANTS, 1);
     *lease_id = ticket;
     *slot_out = idx;
     *word = leased;
@@ -615,6 +641,8 @@ lease_grant(GranterObject *g, const GrantArgs *a, uint64_t *lease_id, uint32_t *
 {
     if (a->key_len > INLINE_KEY)
         return G_SLOW;
+    if (a->owner != g->shard_owner) /* a first grant, or a child of fork */
+        return G_NO_SHARD;
     uint64_t h64 = a->hashed ? a->h64 : blake2b64((const uint8_t *)a->key, (size_t)a->key_len);
     for (int attempt = 0; attempt < INSERT_RETRIES; attempt++) {
         Py_ssize_t idx;
@@ -649,10 +677,12 @@ lease_grant(GranterObject *g, const GrantArgs *a, uint64_t *lease_id, uint32_t *
 
 /* grant(key, holder, lease_s, now, cadence_s, version, owner, stop)
  *     -> (lease_id, misses) | 1 LEASED | 2 HELD | 3 PARKED | -1 SLOW | -2 TAKEN_OVER
+ *        | -3 SEALED | -4 NO_SHARD
  *
  * key: the key's UTF-8 (1..1024 bytes; over 208 is SLOW); holder: the
  * consumer's UTF-8, at most 32 bytes; owner: this process's pid and tag as a
- * state word holds them; stop: a test stop point (0: none). */
+ * state word holds them; stop: a test stop (honoured by the test build only;
+ * 0: none). */
 static PyObject *
 granter_grant(GranterObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -702,7 +732,9 @@ granter_grant(GranterObject *self, PyObject *const *args, Py_ssize_t nargs)
 static PyMethodDef granter_methods[] = {
     {"grant", (PyCFunction)(void (*)(void))granter_grant, METH_FASTCALL,
      "grant(key, holder, lease_s, now, cadence_s, version, owner, stop) -> (lease_id, misses)"
-     " | 1 leased | 2 held | 3 parked | -1 slow | -2 taken over"},
+     " | 1 leased | 2 held | 3 parked | -1 slow | -2 taken over | -3 sealed | -4 no shard"},
+    {"set_shard", (PyCFunction)(void (*)(void))granter_set_shard, METH_FASTCALL,
+     "set_shard(off, owner): grants by owner count in the counter shard at off"},
     {"release", (PyCFunction)granter_release, METH_NOARGS,
      "release(): drop the buffer export (before closing the mmap)"},
     {NULL, NULL, 0, NULL},
@@ -743,6 +775,7 @@ PyInit__claim(void)
     if (m == NULL)
         return NULL;
     if (PyModule_AddObjectRef(m, "Granter", (PyObject *)&GranterType) < 0 ||
+        PyModule_AddIntConstant(m, "TEST_STOPS", LEASE_TEST_STOPS) < 0 ||
         claim_path_add(m) < 0) {
         Py_DECREF(m);
         return NULL;

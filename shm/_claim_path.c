@@ -499,6 +499,17 @@ take(ClaimPathObject *self, Py_ssize_t n, Taken *out, Py_ssize_t *retries)
                     }
                     else
                         sane = 0;
+                    /* Every entry's key must lie inside what was copied: the
+                     * keys are read from self->heap by these offsets, and a
+                     * torn or foreign set must never make them read past it. */
+                    for (Py_ssize_t i = 0; sane && i < got; i++) {
+                        uint32_t off;
+                        uint16_t len;
+                        memcpy(&off, self->entries + R_ENTRY_SIZE * i, 4);
+                        memcpy(&len, self->entries + R_ENTRY_SIZE * i + 4, 2);
+                        if (off < lo || (uint64_t)off + len > hi)
+                            sane = 0;
+                    }
                 }
                 __atomic_thread_fence(__ATOMIC_ACQUIRE);
                 if (sane && ld32(base) == seq) {
@@ -863,6 +874,15 @@ grant_row(ClaimPathObject *self, const Taken *t, GrantArgs *a, Py_ssize_t i, Row
                          (uint64_t)(slot + 1) | ((word >> 8) & 1) << 23 |
                              ((word >> LEASE_SEQ_SHIFT) & 0xFFFFF) << 24 | t->tag << 44,
                          __ATOMIC_RELEASE);
+    if (got == G_SEALED) {
+        /* The node stopped granting from this table: end the claim here
+           (workers/claim.py answers NodeRestarted; what was granted before
+           is handed back with the error, as for any error). */
+        PyErr_SetString(PyExc_RuntimeError, "sealed");
+        return -1;
+    }
+    if (got == G_NO_SHARD)
+        got = G_SLOW; /* the Python grant gives this process its counter shard */
     if (got == G_GRANTED || got == G_SLOW) {
         PyObject *key_str = entry_key(t, self->heap, entry);
         if (key_str == NULL)
@@ -1063,9 +1083,10 @@ grant_taken(ClaimPathObject *self, const Taken *t, GrantArgs *a, PyObject *grant
  * grant what is still due. counters: see K_* (taken, gone, moved, not_due,
  * leased, held, parked, drained, low_water raised, last_count, last_left,
  * retries, switches to a pending set). Raises RowError (sqlite code,
- * message) on a store error and RuntimeError when the set would not read
- * steadily; leases granted before an error are in the exception's `grants`
- * attribute, so none is lost. */
+ * message) on a store error, RuntimeError("unstable") when the set would not
+ * read steadily and RuntimeError("sealed") when the lease table is sealed;
+ * leases granted before an error are in the exception's `grants` attribute,
+ * so none is lost. */
 static PyObject *
 path_claim(ClaimPathObject *self, PyObject *const *args, Py_ssize_t nargs)
 {

@@ -26,6 +26,26 @@ with that home was ever placed. So a probe is short at any occupancy, and a
 new key may take any free slot in the whole table: a grant is refused only
 when every slot is taken.
 
+Sealed: at a clean shutdown the supervisor seals the table (``seal``, then
+``wait_settled``) before it saves it, so that a process that outlives the
+node's restart never grants from (or changes) the old table. Every change a
+process makes on behalf of a caller (grant, renew, release, complete,
+unhold) reads the seal right after its swap took the slot, and if sealed puts
+the word back as it found it and raises NodeRestarted. The swap is a full
+barrier, and so is the sealer's store: either the change sees the seal, or
+``wait_settled`` sees its slot mid-change and waits for it. The keeper's
+sweep (``expire``) and the rollback of dead holders still run on a sealed
+table; reads (``save`` too) always do.
+
+Counting: the lifetime counters (grants, completed, released, expired and
+the late results) are the header's base plus a counter shard per process (a
+64-byte line only its process writes). A change that counts is published and
+counted in one call into C (``lease_publish_counted`` in shm/_claim.h): the
+shard's journal names the publish before the swap and is cleared after the
+count, so a kill between the two leaves the journal saying what is missing,
+and whoever reads the counters, or takes the dead process's shard over,
+applies it (``_settle``). Why and every kill point: docs/leases.md.
+
 One key, one slot. Two processes may insert the same new key at once. Each
 writes its key into its CLAIMING slot, raises ``maxdist`` to cover it, makes
 the slot keyed (UPDATING, a full barrier), draws a ticket from the lease-id
@@ -43,26 +63,45 @@ Layout (little-endian, every field naturally aligned)::
     24      4     capacity        I    slots, a power of two
     28      4     long_blocks     I    overflow blocks for keys over 208 bytes
     32      4     max_misses      I    misses in a row before a key is parked
-    36      4     reserved
+    36      4     sealed          I    1: the node stopped granting from this
+                                       table (``seal``); 0 at create and reattach
     40      8     next_lease_id   Q    fetch-add (lease ids, insert tickets);
                                        seeded with wall microseconds
     48      8     refused_full    Q    grants refused because every slot was taken
-    56      8     grants          Q
+    56      8     grants          Q    base: counted before this table (a saved
+                                       table's, put back by ``load``); the
+                                       counts since are in the shards
     64      8     reclaimed       Q    slots taken back from dead processes
     72      8     backoffs        Q    concurrent inserts of one key resolved
-    80      8     released        Q    leases handed back without a result
-    88      8     expired         Q    leases the sweep found past their expiry
-    96      8     completed       Q    results that ended a live lease
-    104     8     late_expired    Q    results accepted for an expired lease
-                                       (it moves from expired to finished)
-    112     8     late_released   Q    results accepted for a released lease
-    120     8     reserved
+    80      8     released        Q    base of: leases handed back without a result
+    88      8     expired         Q    base of: leases the sweep found past their expiry
+    96      8     completed       Q    base of: results that ended a live lease
+    104     8     late_expired    Q    base of: results accepted for an expired
+                                       lease (it moves from expired to finished)
+    112     8     late_released   Q    base of: results accepted for a released lease
+    120     8     earliest_expiry Q    the next-expiry hint (EARLIEST_EXPIRY)
     128           states:  capacity x Q   state words (below)
     ...           hashes:  capacity x Q   key hash, valid while the slot is keyed
     ...           maxdist: capacity x I   per home slot, padded to 64
     ...           owners:  long_blocks x Q  block owner: slot index + 1, 0 free
     ...           slots:   capacity x 512 bytes (below), from a multiple of 64
     ...           blocks:  long_blocks x 816 bytes: a long key's bytes 208..1023
+    ...           shards:  from a multiple of 64: a 64-byte header (+0 used, I:
+                           shards ever handed out), then MAX_SHARDS x 64 bytes
+
+    counter shard (64 bytes; one per process that counts, written by it alone)
+    +0      8     owner           Q    the process's pid and tag, as a state word
+                                       holds them (bits 9-43); 0 never used
+    +8      8     grants          Q    counts since the table was made
+    +16     8     completed       Q
+    +24     8     released        Q
+    +32     8     expired         Q
+    +40     8     late_expired    Q
+    +48     8     late_released   Q
+    +56     8     journal         Q    0, or the counted publish in progress:
+                                       counter k (bits 0-2), slot (3-24), the
+                                       published word's seq (25-44), the low 19
+                                       bits of the count it brings k to (45-63)
 
     state word (Q)
     bits   0-3   code    0 EMPTY, 1 FREE, 2 CLAIMING, 3 UPDATING, 4 IDLE,
@@ -113,9 +152,13 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import importlib
+import importlib.machinery
+import importlib.util
 import os
 import signal
 import struct
+import sys
 import time
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
@@ -125,12 +168,36 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from node.errors import NodeError
+from node.errors import NodeError, NodeRestarted
 from shm import segment
 from shm.segment import HEADER_SIZE, Segment, pid_alive, segment_name
 
+# Tests only: a directory holding the test build of shm's extensions (setup.py
+# with QUEUE_NODE_TEST_STOPS=1), loaded instead of the installed ones.
+_TEST_BUILD = os.environ.get("QUEUE_NODE_TEST_BUILD", "")
+
+
+def _extension(name: str) -> Any:
+    """``shm.<name>``, or its test build from QUEUE_NODE_TEST_BUILD."""
+    if not _TEST_BUILD:
+        return importlib.import_module(f"shm.{name}")
+    import shm
+
+    path = os.path.join(_TEST_BUILD, "shm", name + importlib.machinery.EXTENSION_SUFFIXES[0])
+    spec = importlib.util.spec_from_file_location(f"shm.{name}", path)
+    if spec is None or spec.loader is None or not os.path.exists(path):
+        raise ImportError(f"QUEUE_NODE_TEST_BUILD={_TEST_BUILD}: no {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # workers/claim.py's ``from shm import _claim`` must find this one: its
+    # ClaimPath takes this module's Granter.
+    sys.modules[spec.name] = module
+    setattr(shm, name, module)
+    return module
+
+
 try:
-    from shm import _atomic
+    _atomic = _extension("_atomic")
 except ImportError as _exc:  # reported when a table is opened, with what to do
     _atomic = None  # type: ignore[assignment]
     _ATOMIC_IMPORT_ERROR: ImportError | None = _exc
@@ -139,11 +206,11 @@ else:
 try:
     # The grant's common cases and the key hash in C (shm/_claim.c); without
     # it every grant takes the Python path below, the same protocol.
-    from shm import _claim
+    _claim = _extension("_claim")
 except ImportError:
     _claim = None  # type: ignore[assignment]
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3  # 3: the seal and the counter shards
 KIND = "leases"
 FILE_FORMAT = "queue-node.leases"
 FILE_VERSION = 2
@@ -165,6 +232,11 @@ ERROR_BYTES = 48
 BUSY_WAIT_S = 0.5
 # Attempts of a grant that loses an insert race, before it answers BUSY.
 INSERT_RETRIES = 4
+# How often wait_settled looks again for slots held mid-change.
+SETTLE_POLL_S = 0.001
+# Counter shards: one per process that counts (the processes of a node are a
+# few dozen; each test process of a table takes one too).
+MAX_SHARDS = 1024
 # Torn reads of one slot in a row before a reader treats it as busy.
 READ_RETRIES = 100
 # Reads of a changing slot in the C scan of excluded_keys before it leaves
@@ -175,6 +247,7 @@ SCAN_RETRIES = 4
 
 TABLE_FIELDS = struct.Struct("<III")  # capacity, long_blocks, max_misses at 24
 TABLE_FIELDS_OFFSET = HEADER_SIZE
+SEALED = 36
 NEXT_LEASE_ID = 40
 REFUSED_FULL = 48
 GRANTS = 56
@@ -197,7 +270,8 @@ FULL_SCAN_S = 1.0
 _F64 = struct.Struct("<d")
 _U64 = struct.Struct("<Q")
 _INF_BITS = _U64.unpack(_F64.pack(float("inf")))[0]
-# The lifetime counters of the ledger that live in this table, by name.
+# The lifetime counters of the ledger that live in this table, by name: the
+# base's offset in the header (all but refused_full also count in the shards).
 COUNTERS = {
     "grants": GRANTS,
     "released": RELEASED,
@@ -208,6 +282,23 @@ COUNTERS = {
     "refused_full": REFUSED_FULL,
 }
 STATES = 128
+# Counter shards (offset table above): the counters that count in them, by
+# their index k in a shard (8 * k is the offset, as shm/_claim.h COUNT_*).
+SHARDS_HEADER = 64
+SHARD_SIZE = 64
+SHARD_JOURNAL = 56
+SHARD_COUNTS = ("grants", "completed", "released", "expired", "late_expired", "late_released")
+(
+    COUNT_GRANTS,
+    COUNT_COMPLETED,
+    COUNT_RELEASED,
+    COUNT_EXPIRED,
+    COUNT_LATE_EXPIRED,
+    COUNT_LATE_RELEASED,
+) = range(1, 7)
+_TARGET_MASK = (1 << 19) - 1
+_SLOT_MASK = (1 << 22) - 1
+OWNER_MASK = ((1 << 35) - 1) << 9  # a state word's pid and tag
 
 SLOT_SIZE = 512
 KEY_META = struct.Struct("<HHI")  # key_len, reserved, block
@@ -256,6 +347,7 @@ class _Layout(NamedTuple):
     owners: int
     slots: int
     blocks: int
+    shards: int
     size: int
 
 
@@ -265,6 +357,7 @@ def _layout(capacity: int, long_blocks: int) -> _Layout:
     owners = (maxdist + 4 * capacity + 63) // 64 * 64
     slots = (owners + 8 * long_blocks + 63) // 64 * 64
     blocks = slots + SLOT_SIZE * capacity
+    shards = (blocks + BLOCK_SIZE * long_blocks + 63) // 64 * 64
     return _Layout(
         capacity,
         long_blocks,
@@ -273,7 +366,8 @@ def _layout(capacity: int, long_blocks: int) -> _Layout:
         owners,
         slots,
         blocks,
-        blocks + BLOCK_SIZE * long_blocks,
+        shards,
+        shards + SHARDS_HEADER + SHARD_SIZE * MAX_SHARDS,
     )
 
 
@@ -399,7 +493,6 @@ def truncated(text: str | None, limit: int) -> bytes:
     return raw[:limit].decode("utf-8", "ignore").encode()  # never half a character
 
 
-
 _blake2b = hashlib.blake2b
 
 
@@ -425,18 +518,43 @@ def hold_s(misses: int, lease_s: float, cadence_s: float) -> float:
 
 # -- who holds a slot ------------------------------------------------------------
 
-_TEST_STOP = os.environ.get("QUEUE_NODE_TEST_LEASE_STOP", "")  # "<point>:<stop|exit>"
+# Tests only: "<point>:<stop|exit|pause>". The Python paths check it at each
+# point; the C paths only in the test build (QUEUE_NODE_TEST_BUILD), the
+# production build has no stop compiled in. The points of a counted publish
+# (below) are in C only, for the Python paths too.
+_TEST_STOP = os.environ.get("QUEUE_NODE_TEST_LEASE_STOP", "")
+
+
+# shm/_claim.h P_*: journaled, published and counted are the three kill
+# points of a counted publish (before its swap, between its swap and its
+# count, before its journal is cleared), in C for every path.
+_C_POINTS = {
+    "insert": 1,
+    "keyed": 2,
+    "update": 3,
+    "written": 4,
+    "published": 5,
+    "journaled": 6,
+    "counted": 7,
+}
 
 
 def _c_stop(spec: str) -> int:
-    """The test stop as shm/_claim.c takes it: point | how << 4; 0 for none
-    (a point the C grant does not pass through stops only the Python path)."""
+    """The test stop as shm/_claim.h takes it: point | how << 4; 0 for none."""
     where, _, how = spec.partition(":")
-    point = {"insert": 1, "keyed": 2, "update": 3, "written": 4}.get(where, 0)
+    point = _C_POINTS.get(where, 0)
     return point and point | {"exit": 1, "pause": 2}.get(how, 0) << 4
 
 
 C_STOP = _c_stop(_TEST_STOP)  # also the claim path's in C (workers/claim.py)
+if _TEST_STOP and not all(
+    getattr(module, "TEST_STOPS", 1) for module in (_atomic, _claim) if module is not None
+):
+    # A stop asked for and compiled out would let the test pass without it.
+    raise RuntimeError(
+        "QUEUE_NODE_TEST_LEASE_STOP needs the test build of shm's extensions "
+        "(QUEUE_NODE_TEST_BUILD; see setup.py)"
+    )
 
 
 def _test_stop(point: str) -> None:
@@ -504,7 +622,6 @@ def owner_bits() -> int:
     return _me
 
 
-
 def _require_atomics() -> None:
     if _atomic is None:
         raise AtomicsMissing(
@@ -547,6 +664,8 @@ _C_REFUSED = {
 }
 _C_SLOW = -1
 _C_TAKEN_OVER = -2
+_C_SEALED = -3
+_C_NO_SHARD = -4
 
 
 # -- the table ---------------------------------------------------------------------
@@ -574,6 +693,10 @@ class LeaseTable:
         self._key_extra: dict[str, int] = {}
         self._full_scan_due = 0.0  # expire: scan at this monotonic time whatever the hint
         self._on_close: list = []  # callables that release what holds this mapping
+        # This process's counter shard (its offset) and the owner bits it was
+        # taken for: a child of fork takes one of its own (_shard).
+        self._shard_at = 0
+        self._shard_owner = 0
         lay = self._lay
         self._granter = (
             None
@@ -601,8 +724,10 @@ class LeaseTable:
         long_blocks: int | None = None,
         max_misses: int = DEFAULT_MAX_MISSES,
         now: float | None = None,
+        identity: tuple[bytes, bytes] | None = None,
     ) -> LeaseTable:
-        """Supervisor: create the table, or reattach the one a crash left.
+        """Supervisor: create the table, or reattach the one a crash left
+        (``identity``: see ``segment.create_or_reattach``).
 
         ``capacity`` is rounded up to a power of two. A table a crash left is
         reattached whatever capacity is asked for now: its leases are evidence
@@ -628,13 +753,17 @@ class LeaseTable:
             struct.pack_into("<Q", mm, NEXT_LEASE_ID, seed)
 
         seg = segment.create_or_reattach(
-            name, segment_size_for(capacity, blocks), LAYOUT_VERSION, init=init
+            name, segment_size_for(capacity, blocks), LAYOUT_VERSION, init=init, identity=identity
         )
         struct.pack_into("<I", seg.mm, TABLE_FIELDS_OFFSET + 8, max_misses)
         # Slots are spread by hash: without this nearly every new key's first
         # grant faults in a fresh page of shared memory.
         segment.populate(seg.mm)
-        return cls(seg)
+        table = cls(seg)
+        # A table a crash left sealed (stopped after seal, before unlink) is
+        # this node's again: its processes reattach to it.
+        table._view.store32(SEALED, 0)
+        return table
 
     @classmethod
     def attach(cls, node: str) -> LeaseTable:
@@ -682,6 +811,145 @@ class LeaseTable:
     def max_misses(self) -> int:
         return TABLE_FIELDS.unpack_from(self.mm, TABLE_FIELDS_OFFSET)[2]
 
+    # -- the seal (the supervisor, at a clean shutdown) ---------------------------
+
+    @property
+    def sealed(self) -> bool:
+        return bool(self._view.load32(SEALED))
+
+    def seal(self) -> None:
+        """Supervisor: no process may change this table on anyone's behalf
+        from now on: grants, renewals, releases, completions and unholds
+        raise NodeRestarted (the C claim path ends its claim with
+        RuntimeError("sealed")). The sweep still runs; reads always do.
+        Call ``wait_settled`` next: a change that took its slot before the
+        seal may still be publishing."""
+        self._view.store32(SEALED, 1)  # a full fence after it (Dekker, with _take)
+
+    def wait_settled(self, deadline_s: float) -> bool:
+        """After ``seal``: wait until no slot is held mid-change by a live
+        process (a dead holder's slot is rolled back, as everywhere), until
+        ``deadline_s`` (a ``time.monotonic()`` value, as the supervisor's
+        shared drain deadline). True when settled: from then on nothing but
+        the sweep changes the table. False when a live holder (a stopped
+        process, say) still held a slot at the deadline."""
+        if not self.sealed:
+            raise NodeError(f"{self.segment.name}: wait_settled before seal waits for nothing")
+        busy = _mask(*BUSY_CODES)
+        while True:
+            held = False
+            for idx, w in self._view.scan_codes(STATES, self.capacity, busy):
+                if _owner_alive(w):
+                    held = True
+                else:
+                    self._reclaim(idx, w)
+            if not held:
+                return True
+            if time.monotonic() >= deadline_s:
+                return False
+            time.sleep(SETTLE_POLL_S)  # a holder takes microseconds, or is stopped
+
+    def _refuse_sealed(self, idx: int, own: int, w: int) -> None:
+        """The table is sealed: put back the word a change found in slot
+        ``idx`` (it wrote nothing yet; -1: it holds none) and say so."""
+        if idx >= 0 and self._view.cas64(STATES + 8 * idx, own, w) != own:
+            raise SlotTakenOver(f"{self.segment.name}: slot {idx} was taken while held")
+        raise NodeRestarted(
+            f"{self.segment.name} is sealed: the node that owns it stopped granting from "
+            "it; reattach to the running node's tables"
+        )
+
+    # -- counter shards -------------------------------------------------------------
+
+    def _shard(self, sweep: bool = False) -> int:
+        """This process's counter shard: the offset of its line, taken at the
+        first change it counts (again in a child of fork). On a sealed table
+        only the ``sweep`` takes one (anything else is refused anyway)."""
+        me = owner_bits()
+        if self._shard_owner != me:
+            if not sweep and self.sealed:
+                self._refuse_sealed(-1, 0, 0)
+            self._shard_at = self._take_shard(me)
+            self._shard_owner = me
+            if self._granter is not None:
+                self._granter.set_shard(self._shard_at, me)
+        return self._shard_at
+
+    def _take_shard(self, me: int) -> int:
+        """A shard for ``me``: the one it has already (another table object
+        of this process), a free one, or a dead process's, settled first."""
+        view, header = self._view, self._lay.shards
+        first = header + SHARDS_HEADER
+        used = view.load32(header)
+        for i in range(used):
+            if view.load64(first + SHARD_SIZE * i) == me:
+                return first + SHARD_SIZE * i
+        for i in range(MAX_SHARDS):
+            at = first + SHARD_SIZE * i
+            owner = view.load64(at)
+            if owner and _owner_alive(owner):
+                continue
+            if owner:
+                self._settle(at, owner)  # its counts stay; they go on from there
+            if view.cas64(at, owner, me) == owner:
+                view.max32(header, i + 1)
+                return at
+        raise NodeError(
+            f"{self.segment.name}: all {MAX_SHARDS} counter shards belong to live processes"
+        )
+
+    def _settle(self, at: int, owner: int) -> None:
+        """Count what the dead ``owner`` published and did not count: its
+        shard's journal names the publish; the slot tells whether it happened.
+
+        Not counted and the slot still held by ``owner`` one seq before the
+        journal's: it died before its swap (nothing to count; the slot is
+        rolled back as any). Otherwise the swap happened: a rollback of the
+        slot would have cleared the journal first (``_drop_journal``). Every
+        step is a compare-and-swap that only one settler wins, and the count
+        is compared with the journal's target, so settling twice counts once.
+
+        A process takes a dead one's shard over only after settling it, and
+        writes a journal only after it took it: so a journal read before the
+        owner is still ``owner``'s, and a settler that finds another owner
+        stops (its stale swaps of the count and journal can no longer match)."""
+        view = self._view
+        while True:
+            journal = view.load64(at + SHARD_JOURNAL)
+            if not journal or view.load64(at) != owner:
+                return
+            k, idx = journal & 7, (journal >> 3) & _SLOT_MASK
+            seq, target = (journal >> 25) & SEQ_MASK, journal >> 45
+            count_at = at + 8 * k
+            count = view.load64(count_at)
+            if count & _TARGET_MASK != target and idx < self.capacity:
+                w = self._state(idx)
+                before_swap = (
+                    w & 15 == UPDATING
+                    and w & OWNER_MASK == owner
+                    and ((w >> SEQ_SHIFT) + 1) & SEQ_MASK == seq
+                )
+                if view.load64(at + SHARD_JOURNAL) != journal:
+                    continue  # a rollback cleared it under us: look again
+                if not before_swap:
+                    view.cas64(count_at, count, count + 1)
+            view.cas64(at + SHARD_JOURNAL, journal, 0)
+
+    def _drop_journal(self, idx: int, w: int) -> None:
+        """Before rolling back slot ``idx``, left UPDATING (``w``) by a dead
+        process: clear that process's journal if it names this change, so
+        that ``_settle`` never counts a publish that did not happen."""
+        owner, seq = w & OWNER_MASK, ((w >> SEQ_SHIFT) + 1) & SEQ_MASK
+        view, header = self._view, self._lay.shards
+        first = header + SHARDS_HEADER
+        for i in range(view.load32(header)):
+            at = first + SHARD_SIZE * i
+            if view.load64(at) != owner:
+                continue
+            journal = view.load64(at + SHARD_JOURNAL)
+            if journal and (journal >> 3) & _SLOT_MASK == idx and (journal >> 25) & SEQ_MASK == seq:
+                view.cas64(at + SHARD_JOURNAL, journal, 0)
+
     # -- slots --------------------------------------------------------------------
 
     def _state(self, idx: int) -> int:
@@ -716,24 +984,27 @@ class LeaseTable:
     def _stable(self, idx: int) -> tuple[int, bytes, _Record] | None:
         """(word, key, current record) of a keyed slot, read consistently;
         None when it is not keyed, or kept changing under the reader."""
-        # _state, _read_key and _read_record, inlined: this runs in every
-        # grant and completion.
-        load, mm = self._view.load64, self.mm
-        state = STATES + 8 * idx
-        at = self._lay.slots + SLOT_SIZE * idx
-        for _ in range(READ_RETRIES):
-            w = load(state)
-            if not (KEYED >> (w & 15)) & 1:
-                return None
-            key_len = KEY_META.unpack_from(mm, at)[0]
-            if key_len <= INLINE_KEY:
-                key = mm[at + KEY_AT : at + KEY_AT + key_len] if key_len else None
-            else:
-                key = self._read_key(idx)
-            rec = _new_record(_Record, RECORD.unpack_from(mm, at + COPY_AT[(w >> 8) & 1]))
-            if load(state) == w and key is not None:
-                return w, key, rec
-        return None
+        # One call into C: the word with acquire, the key and the record the
+        # word names, an acquire fence, the word again (a seqlock read that
+        # holds on aarch64 too; docs/shm.md, "Memory ordering").
+        lay = self._lay
+        got = self._view.read_slot(
+            STATES + 8 * idx,
+            lay.slots + SLOT_SIZE * idx,
+            KEY_AT,
+            INLINE_KEY,
+            lay.blocks,
+            BLOCK_SIZE,
+            lay.long_blocks,
+            COPY_AT[0],
+            RECORD.size,
+            KEYED,
+            READ_RETRIES,
+        )
+        if got is None:
+            return None
+        w, key, raw = got
+        return w, key, _new_record(_Record, RECORD.unpack(raw))
 
     def _lookup(self, key: bytes, h64: int) -> tuple[int, int, _Record] | None:
         """The slot keyed to ``key``: (index, word, record), or None.
@@ -757,8 +1028,10 @@ class LeaseTable:
             else:
                 return None
 
-    def _take(self, idx: int, w: int, point: str = "update") -> int | None:
-        """Hold a keyed slot (UPDATING, this process); the held word, or None."""
+    def _take(self, idx: int, w: int, sweep: bool = False) -> int | None:
+        """Hold a keyed slot (UPDATING, this process); the held word, or None.
+        NodeRestarted when the table is sealed (the slot as it was), unless
+        for the ``sweep``, which runs on a sealed table too."""
         # _next(w, UPDATING, _copy(w), prev=w & 15, owner=owner_bits()), inlined
         own = (
             UPDATING
@@ -770,7 +1043,11 @@ class LeaseTable:
         if self._view.cas64(STATES + 8 * idx, w, own) != w:
             return None
         if _TEST_STOP:
-            _test_stop(point)
+            _test_stop("update")
+        # After the swap (a full barrier): the seal is seen, or the sealer's
+        # wait_settled sees this slot held.
+        if self._view.load32(SEALED) and not sweep:
+            self._refuse_sealed(idx, own, w)
         return own
 
     def _publish(self, idx: int, own: int, code: int, copy: int) -> None:
@@ -788,19 +1065,31 @@ class LeaseTable:
 
     def _reclaim(self, idx: int, w: int) -> None:
         """Undo what a dead process left half done: the old record is intact."""
+        if w & 15 == UPDATING:
+            self._drop_journal(idx, w)
         back = FREE if w & 15 == CLAIMING else (w >> 4) & 15
         if self._cas(idx, w, _next(w, back, _copy(w))):
             _bump(self._view, RECLAIMED)
 
-    def _update(self, idx: int, own: int, rec: _Record, code: int) -> None:
-        """Write the inactive copy and publish it with ``code``."""
+    def _update(self, idx: int, own: int, rec: _Record, code: int, count: int = 0) -> None:
+        """Write the inactive copy and publish it with ``code``; with
+        ``count`` (a COUNT_*), counted by the publish (the caller took its
+        shard, ``_shard``, before it took the slot)."""
         copy = 1 - _copy(own)
         self._write_record(idx, copy, rec)
         if _TEST_STOP:
             _test_stop("written")
-        self._publish(idx, own, code, copy)
+        if count:
+            self._publish_counted(idx, own, code, copy, count)
+        else:
+            self._publish(idx, own, code, copy)
         if code == LEASED:
             _lower_expiry(self._view, rec.expires_at)
+
+    def _publish_counted(self, idx: int, own: int, code: int, copy: int, count: int) -> None:
+        new = code | copy << 8 | (((own >> SEQ_SHIFT) + 1) & SEQ_MASK) << SEQ_SHIFT  # _next
+        if not self._view.publish_counted(STATES, idx, own, new, self._shard(), count, C_STOP):
+            raise SlotTakenOver(f"{self.segment.name}: slot {idx} was taken while held")
 
     def _hold_key(self, key: bytes, h64: int) -> tuple[int, int, _Record] | Outcome:
         """Hold the key's slot, waiting out a live holder up to BUSY_WAIT_S:
@@ -856,7 +1145,8 @@ class LeaseTable:
         ``cadence_s`` (the row's) caps the hold after a miss; ``version`` (the
         row's, as the claimer read it) is kept for the write-back of the next
         due time. An expired lease not yet swept by ``expire`` still refuses
-        (LEASED).
+        (LEASED). NodeRestarted when the table is sealed (and the key would
+        have been granted).
         """
         if not (lease_s > 0 and cadence_s > 0):
             raise ValueError(f"lease_s {lease_s} and cadence_s {cadence_s} must be positive")
@@ -872,6 +1162,14 @@ class LeaseTable:
                 return Lease(key, lease_id, consumer, now, expires_at, misses, version, cadence_s)
             if got > 0:
                 return _C_REFUSED[got]
+            if got == _C_NO_SHARD:  # this process's first grant: it needs a shard
+                self._shard()
+                return self.grant(key, consumer, lease_s, now, cadence_s, version)
+            if got == _C_SEALED:
+                raise NodeRestarted(
+                    f"{self.segment.name} is sealed: the node that owns it stopped granting "
+                    "from it; reattach to the running node's tables"
+                )
             if got == _C_TAKEN_OVER:
                 raise SlotTakenOver(f"{self.segment.name}: a slot was taken while held")
             # _C_SLOW: a case only the Python path knows (see shm/_claim.c)
@@ -890,6 +1188,7 @@ class LeaseTable:
     ) -> Lease | Refused:
         """``grant`` in Python: every case, the C grant's slow path."""
         h64 = _hash(kb)
+        self._shard()
         for _ in range(INSERT_RETRIES):
             found = self._lookup(kb, h64)
             if found is not None:
@@ -919,11 +1218,10 @@ class LeaseTable:
                     version,
                 )
                 try:
-                    self._update(idx, own, rec, LEASED)
+                    self._update(idx, own, rec, LEASED, COUNT_GRANTS)
                 except BaseException:
                     self._rollback(idx, own)
                     raise
-                _bump(self._view, GRANTS)
                 return Lease(
                     key, lease_id, consumer, now, now + lease_s, rec.misses, version, cadence_s
                 )
@@ -948,7 +1246,6 @@ class LeaseTable:
             if isinstance(placed, Refused):
                 return placed
             if placed:
-                _bump(self._view, GRANTS)
                 return Lease(key, placed, consumer, now, now + lease_s, 0, version, cadence_s)
         return Refused(Refuse.BUSY)
 
@@ -978,9 +1275,10 @@ class LeaseTable:
     ) -> int | Refused:
         """Give ``key`` a slot with ``rec`` published as ``code``.
 
-        The insert's ticket when placed (with ``fresh_id``, also the record's
-        lease id); 0 when another process was placing the same key first (look
-        it up again); Refused(FULL) when no slot (or overflow block) is free.
+        The insert's ticket when placed (with ``fresh_id``, a grant: also the
+        record's lease id, and the publish counts it); 0 when another process
+        was placing the same key first (look it up again); Refused(FULL) when
+        no slot (or overflow block) is free.
         """
         home = h64 & self._cap_mask
         got = self._claim_free(home)
@@ -1013,7 +1311,10 @@ class LeaseTable:
                 _bump(self._view, BACKOFFS)
                 self._rollback(idx, own)
                 return 0
-            self._publish(idx, own, code, copy)
+            if fresh_id:
+                self._publish_counted(idx, own, code, copy, COUNT_GRANTS)
+            else:
+                self._publish(idx, own, code, copy)
             if code == LEASED:
                 _lower_expiry(self._view, rec.expires_at)
         except BaseException:
@@ -1044,6 +1345,8 @@ class LeaseTable:
                 if self._cas(idx, w, own):
                     if _TEST_STOP:
                         _test_stop("insert")
+                    if self._view.load32(SEALED):  # after the swap, as in _take
+                        self._refuse_sealed(idx, own, w)
                     return idx, w, own
             passed = (idx - start) % self.capacity + 1
             start, left = (idx + 1) & self._cap_mask, left - passed
@@ -1092,7 +1395,7 @@ class LeaseTable:
                 return False
             same = self._read_key(idx) == key
             theirs = self._view.load64(self._slot(idx) + TICKET_AT)
-            if self._state(idx) == w:
+            if self._view.check64(STATES + 8 * idx, w):  # an acquire fence, the word again
                 if not same:
                     return False
                 if w & 15 != UPDATING or (w >> 4) & 15 != FREE:
@@ -1119,8 +1422,10 @@ class LeaseTable:
 
     def complete(self, key: str, lease_id: int, now: float) -> Outcome:
         """A result for ``lease_id``: ends it and clears the key's misses,
-        hold and parking. See Outcome for the answers."""
+        hold and parking. See Outcome for the answers; NodeRestarted when
+        the table is sealed."""
         kb = _key_bytes(key)
+        self._shard()
         held = self._hold_key(kb, _hash(kb))
         if isinstance(held, Outcome):
             return held
@@ -1132,14 +1437,14 @@ class LeaseTable:
         if code == IDLE and rec.ended == Ended.RESULT:
             self._rollback(idx, own)
             return Outcome.REPEAT
-        outcome = Outcome.COMPLETED if code == LEASED else Outcome.LATE
-        self._update(idx, own, rec._replace(misses=0, held_until=0.0, ended=Ended.RESULT), IDLE)
-        if outcome is Outcome.COMPLETED:
-            _bump(self._view, COMPLETED)
+        if code == LEASED:
+            outcome, count = Outcome.COMPLETED, COUNT_COMPLETED
         elif rec.ended == Ended.RELEASED:
-            _bump(self._view, LATE_RELEASED)
+            outcome, count = Outcome.LATE, COUNT_LATE_RELEASED
         else:
-            _bump(self._view, LATE_EXPIRED)
+            outcome, count = Outcome.LATE, COUNT_LATE_EXPIRED
+        ended = rec._replace(misses=0, held_until=0.0, ended=Ended.RESULT)
+        self._update(idx, own, ended, IDLE, count)
         return outcome
 
     def peek(self, key: str, lease_id: int) -> tuple[Outcome, Lease | None]:
@@ -1174,9 +1479,11 @@ class LeaseTable:
     def release(self, key: str, lease_id: int, now: float, error: str | None = None) -> Outcome:
         """The holder hands the lease back without a result: a miss.
 
-        misses + 1; held until ``now + hold_s(misses, ...)``; parked at max_misses.
+        misses + 1; held until ``now + hold_s(misses, ...)``; parked at
+        max_misses. NodeRestarted when the table is sealed.
         """
         kb = _key_bytes(key)
+        self._shard()
         held = self._hold_key(kb, _hash(kb))
         if isinstance(held, Outcome):
             return held
@@ -1188,8 +1495,9 @@ class LeaseTable:
             return Outcome.SUPERSEDED if lease_id < rec.lease_id else Outcome.UNKNOWN
         rec, code = self._missed(rec, now, Ended.RELEASED)
         message = truncated(error, ERROR_BYTES)
-        self._update(idx, own, rec._replace(error_len=len(message), error=message), code)
-        _bump(self._view, RELEASED)
+        self._update(
+            idx, own, rec._replace(error_len=len(message), error=message), code, COUNT_RELEASED
+        )
         return Outcome.RELEASED
 
     def _missed(self, rec: _Record, now: float, how: Ended) -> tuple[_Record, int]:
@@ -1200,7 +1508,8 @@ class LeaseTable:
 
     def renew(self, key: str, lease_id: int, lease_s: float, now: float) -> Outcome:
         """Extend a live lease to ``now + lease_s``. A lease past its expiry is
-        over (ENDED) even before the sweep has seen it."""
+        over (ENDED) even before the sweep has seen it. NodeRestarted when the
+        table is sealed."""
         if not lease_s > 0:
             raise ValueError(f"lease_s {lease_s} must be positive")
         kb = _key_bytes(key)
@@ -1221,6 +1530,7 @@ class LeaseTable:
 
         Each expiry is returned by exactly one sweep, whoever runs it: the
         state swap decides. Also rolls back slots that dead processes hold.
+        Runs on a sealed table too (the keeper's sweep outlives the seal).
 
         The scan of the leases is skipped while ``now`` is below the table's
         next-expiry hint (EARLIEST_EXPIRY), for at most FULL_SCAN_S: a sweep
@@ -1245,21 +1555,22 @@ class LeaseTable:
         )
         if rest != float("inf"):
             _lower_expiry(view, rest)
+        if candidates:
+            self._shard(sweep=True)  # before any slot is taken: each expiry is counted
         for idx, w in candidates:
             rec = self._read_record(idx, _copy(w))
             if rec.expires_at > now:
                 _lower_expiry(view, rec.expires_at)  # renewed since the scan
                 continue
             key = self._read_key(idx)
-            own = self._take(idx, w)
+            own = self._take(idx, w, sweep=True)
             if own is None or key is None:  # changed since the scan: next sweep
                 if own is not None:
                     self._rollback(idx, own)
                 _lower_expiry(view, now)
                 continue
             rec, code = self._missed(rec, now, Ended.EXPIRED)
-            self._update(idx, own, rec, code)
-            _bump(self._view, EXPIRED)
+            self._update(idx, own, rec, code, COUNT_EXPIRED)
             out.append(
                 Expired(
                     key.decode(),
@@ -1276,11 +1587,13 @@ class LeaseTable:
     # -- clearing misses ------------------------------------------------------------
 
     def unhold(self, keys) -> int:
-        """An operator clears the hold and parking of ``keys``; how many changed."""
+        """An operator clears the hold and parking of ``keys``; how many
+        changed. NodeRestarted when the table is sealed."""
         return sum(self._clear(_key_bytes(key)) for key in keys)
 
     def clear_on_write(self, key: str) -> bool:
-        """A new write of the row clears its misses, hold and parking."""
+        """A new write of the row clears its misses, hold and parking.
+        NodeRestarted when the table is sealed (and the key has a slot)."""
         return self._clear(_key_bytes(key))
 
     def _clear(self, kb: bytes) -> bool:
@@ -1441,7 +1754,7 @@ class LeaseTable:
         candidates += self._scan_field(_mask(HELD), HELD_UNTIL, now, above=True)
         for idx, w in candidates:
             key = self._read_key(idx)
-            if key is None or self._state(idx) != w:  # changed since the scan
+            if key is None or not self._view.check64(STATES + 8 * idx, w):  # changed since
                 got = self._stable(idx)
                 if got is None or not _excluded(got[0], got[2], now):
                     continue
@@ -1527,7 +1840,7 @@ class LeaseTable:
             with memoryview(self.mm)[self._lay.owners : self._lay.slots] as ow:
                 with ow.cast("Q") as owners:
                     blocks_used = sum(1 for o in owners.tolist()[: self._lay.long_blocks] if o)
-        header = struct.unpack_from("<QQQQQ", self.mm, NEXT_LEASE_ID)
+        view = self._view
         return {
             "capacity": self.capacity,
             "slots": counts,
@@ -1535,17 +1848,36 @@ class LeaseTable:
             "long_blocks_used": blocks_used,
             "max_probe": max_probe,
             "max_misses": self.max_misses,
-            "next_lease_id": header[0] + 1,
-            "refused_full": header[1],
-            "grants": header[2],
-            "reclaimed": header[3],
-            "backoffs": header[4],
+            "next_lease_id": view.load64(NEXT_LEASE_ID) + 1,
+            "reclaimed": view.load64(RECLAIMED),
+            "backoffs": view.load64(BACKOFFS),
+            "shards": view.load32(self._lay.shards),
+            "sealed": self.sealed,
             **self.counters(),
         }
 
     def counters(self) -> dict[str, int]:
-        """The lifetime counters this table keeps (see COUNTERS)."""
-        return {name: self._view.load64(offset) for name, offset in COUNTERS.items()}
+        """The lifetime counters this table keeps (see COUNTERS): the
+        header's base plus every counter shard, after counting what a dead
+        process published and did not count (``_settle``)."""
+        view = self._view
+        first, used = self._lay.shards + SHARDS_HEADER, view.load32(self._lay.shards)
+        sums, pending = view.shard_counts(first, used)
+        settled = False
+        for i in pending:  # a publish in progress, or one a dead process left
+            at = first + SHARD_SIZE * i
+            owner = view.load64(at)
+            if owner and not _owner_alive(owner):
+                self._settle(at, owner)
+                settled = True
+        if settled:
+            sums, _ = view.shard_counts(first, used)
+        out = {
+            name: view.load64(COUNTERS[name]) + n
+            for name, n in zip(SHARD_COUNTS, sums, strict=True)
+        }
+        out["refused_full"] = view.load64(REFUSED_FULL)
+        return out
 
     def live_count(self) -> int:
         """Leases live now (expired ones not yet swept included): in flight."""

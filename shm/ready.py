@@ -109,6 +109,14 @@ skipped; they wait for the next publish, never a double grant (every grant is
 checked against its row and the lease table anyway). An add that lands while
 the keeper is still writing the slot is wiped by the publish's reset, and the
 claimer retries.
+
+Memory ordering (docs/shm.md, "Memory ordering"): every load and store that
+publishes or checks a seqlock or the switch word goes through ``shm._atomic``
+with the fence it needs on a weakly ordered CPU (aarch64); the bulk copies in
+between stay Python slices, ordered by those fences. The keeper opens a slot
+with ``begin32`` (odd seq, release fence) and ends it with ``release32``;
+readers load the seq with acquire and close with ``check32`` (acquire fence,
+seq again).
 """
 
 from __future__ import annotations
@@ -229,6 +237,12 @@ def segment_size_for(capacity: int) -> int:
 
 class ReadySet:
     def __init__(self, seg: Segment) -> None:
+        if _atomic is None:
+            raise NodeError(
+                "the C extension shm._atomic is not built (the ready set's fences and "
+                "atomics); run `pip install -e .` with gcc and the Python headers "
+                f"installed ({_ATOMIC_IMPORT_ERROR})"
+            )
         self.segment = seg
         self.capacity, self.heap_size = READY_FIELDS.unpack_from(seg.mm, READY_FIELDS_OFFSET)
         self._stride = _slot_stride(self.capacity, self.heap_size)
@@ -260,8 +274,11 @@ class ReadySet:
     # -- lifecycle (the supervisor creates and unlinks; everyone else attaches) --
 
     @classmethod
-    def create(cls, node: str, capacity: int) -> ReadySet:
-        """Supervisor: create the segment, or reattach the one a crash left."""
+    def create(
+        cls, node: str, capacity: int, identity: tuple[bytes, bytes] | None = None
+    ) -> ReadySet:
+        """Supervisor: create the segment, or reattach the one a crash left
+        (``identity``: see ``segment.create_or_reattach``)."""
         if not 1 <= capacity <= 1 << 20:
             raise ValueError(f"ready set capacity {capacity} is not between 1 and {1 << 20}")
 
@@ -269,7 +286,11 @@ class ReadySet:
             READY_FIELDS.pack_into(mm, READY_FIELDS_OFFSET, capacity, heap_size_for(capacity))
 
         seg = segment.create_or_reattach(
-            segment_name(node, KIND), segment_size_for(capacity), LAYOUT_VERSION, init=init
+            segment_name(node, KIND),
+            segment_size_for(capacity),
+            LAYOUT_VERSION,
+            init=init,
+            identity=identity,
         )
         return cls(seg)
 
@@ -383,7 +404,7 @@ class ReadySet:
         # Entries are encoded straight into this slot: should one fail, the
         # slot stays odd and is never flipped to.
         seq = (seq + 1 if seq % 2 == 0 else seq + 2) & 0xFFFFFFFF
-        U32.pack_into(mm, base, seq)
+        view.begin32(base, seq)  # then a release fence: no write below is seen before it
         # No grant record survives from an older set (a late one a lapped
         # claimer writes from now on names an older tag, and is ignored).
         at = base + self._records_at
@@ -400,11 +421,13 @@ class ReadySet:
         # The cursor starts over at 0, tagged with the seq this publish ends on.
         done = (seq + 1) & 0xFFFFFFFF
         SLOT.pack_into(mm, base, seq, count, generation, now, done << 32, heap_used, flags)
-        U32.pack_into(mm, base, done)
+        # Release: a claimer that reads this seq with acquire sees every
+        # entry, key and header field written above.
+        view.release32(base, done)
         # A new set answers any pending request for one. Cleared before the
         # switch: a claimer still on the old set may set it again, which costs
         # one spare publish, never a lost request about the new set.
-        LOW_WATER.pack_into(mm, LOW_WATER_OFFSET, 0)
+        view.store64(LOW_WATER_OFFSET, 0)
         self._slot_publish[slot] = (count, record_tag(done))
         self.last_slot = slot
         if not ahead:
@@ -426,12 +449,14 @@ class ReadySet:
         the next set (pending: finished, and one generation newer than the
         active slot's), else None."""
         mm = self.segment.mm
+        view = self._view if self._view is not None else self._atomics()
         other = self._slot_base(1 - active)
-        seq, _count, generation, _at, cursor, _used, _flags = SLOT.unpack_from(mm, other)
+        seq = view.load32(other)
+        _seq, _count, generation, _at, cursor, _used, _flags = SLOT.unpack_from(mm, other)
         current = U64.unpack_from(mm, self._slot_base(active) + SLOT_GENERATION)[0]
         if seq & 1 or cursor >> 32 != seq or generation != current + 1:
             return None
-        if U32.unpack_from(mm, other)[0] != seq:
+        if not view.check32(other, seq):
             return None  # rewritten under us: not that set
         return generation
 
@@ -457,7 +482,7 @@ class ReadySet:
     @property
     def active_slot(self) -> int:
         """The slot claimers take from now (0 or 1)."""
-        return U32.unpack_from(self.segment.mm, ACTIVE_OFFSET)[0] & 1
+        return _atomic.acquire32(self.segment.mm, ACTIVE_OFFSET) & 1
 
     def grant_records(self, slot: int) -> tuple[memoryview, int, int] | None:
         """Writer: ``(records, count, tag)`` of this handle's last publish
@@ -527,8 +552,8 @@ class ReadySet:
     def generation(self) -> int:
         """The newest published generation (0 before the first publish)."""
         mm = self.segment.mm
-        active = U32.unpack_from(mm, ACTIVE_OFFSET)[0] & 1
-        return U64.unpack_from(mm, self._slot_base(active) + SLOT_GENERATION)[0]
+        active = _atomic.acquire64(mm, ACTIVE_OFFSET) & 1
+        return _atomic.acquire64(mm, self._slot_base(active) + SLOT_GENERATION)
 
     def _atomics(self) -> Any:
         if self._view is None:
@@ -564,14 +589,15 @@ class ReadySet:
         for _ in range(READ_RETRIES):
             word = view.load64(ACTIVE_OFFSET)
             base = FIRST_SLOT + (word & 1) * self._stride
-            seq, count, generation, _at, cursor, _used, flags = SLOT.unpack_from(mm, base)
+            seq = view.load32(base)  # the header and entries are read after it
+            _seq, count, generation, _at, cursor, _used, flags = SLOT.unpack_from(mm, base)
             count = min(count, self.capacity)
             if seq & 1 or cursor >> 32 != seq:
                 pass  # mid-publish, or a header torn by one
             elif cursor & CURSOR_INDEX >= count:
                 # Drained: no add, so claimers polling an empty set neither
                 # bounce the cursor's cache line nor push the index on.
-                if U32.unpack_from(mm, base)[0] == seq:
+                if view.check32(base, seq):
                     if self._switch(view, word):
                         continue  # the next set is active now: take from it
                     self.last_count, self.last_left = count, 0
@@ -581,14 +607,14 @@ class ReadySet:
                 if old >> 32 != seq:
                     # The slot was republished between the read and the add:
                     # the entries taken are the new set's (its tag says so).
-                    header = self._settled(mm, base, old >> 32)
+                    header = self._settled(view, mm, base, old >> 32)
                     if header is None:
                         continue  # lapped twice: those entries wait for the next set
                     seq, count, generation, flags = header
                 start = old & CURSOR_INDEX
                 end = min(start + n, count)
                 entries = self._copy_entries(mm, base, start, end, flags) if start < end else []
-                if U32.unpack_from(mm, base)[0] == seq and entries is not None:
+                if view.check32(base, seq) and entries is not None:
                     self.last_count, self.last_left = count, max(0, count - start - n)
                     return generation, entries
             self.retries += 1
@@ -598,12 +624,14 @@ class ReadySet:
             f"the keeper (pid {self.segment.writer_pid}) rewrites faster than it can be read"
         )
 
-    def _settled(self, mm: Any, base: int, tag: int) -> tuple[int, int, int, int] | None:
+    def _settled(self, view: Any, mm: Any, base: int, tag: int) -> tuple[int, int, int, int] | None:
         """(seq, count, generation, flags) of the slot once its publish tagged
         ``tag`` has finished (it is one store away when a claimer's add finds
-        its cursor); None if the slot has moved past that publish."""
+        its cursor); None if the slot has moved past that publish. The caller
+        checks the seq again (``check32``) after it copied the entries."""
         for _ in range(READ_RETRIES):
-            seq, count, generation, _at, _cursor, _used, flags = SLOT.unpack_from(mm, base)
+            seq = view.load32(base)
+            _seq, count, generation, _at, _cursor, _used, flags = SLOT.unpack_from(mm, base)
             if seq == tag:
                 return seq, min(count, self.capacity), generation, flags
             if seq != (tag - 1) & 0xFFFFFFFF:
@@ -684,7 +712,7 @@ class ReadySet:
         while True:
             # Read the futex word before the generation: a publish between the
             # two makes the wait return at once instead of being missed.
-            word = U32.unpack_from(mm, GENERATION_OFFSET)[0]
+            word = _atomic.acquire32(mm, GENERATION_OFFSET)
             current = self.generation
             if current != after_generation:
                 return current
@@ -698,20 +726,25 @@ class ReadySet:
         (whether pending, retired or active). Raises SnapshotUnstable if the
         keeper laps this reader ``READ_RETRIES`` times in a row."""
         mm = self.segment.mm
+        seq_copy = _atomic.seq_copy
         for _ in range(READ_RETRIES):
-            active = U32.unpack_from(mm, ACTIVE_OFFSET)[0] if slot is None else slot
+            active = _atomic.acquire32(mm, ACTIVE_OFFSET) if slot is None else slot
             base = self._slot_base(active & 1)
-            seq, count, generation, published_at, _cursor, heap_used, flags = SLOT.unpack_from(
-                mm, base
-            )
-            if seq % 2 == 0:
-                # Bounds clamp what a torn header could claim; the seqlock
-                # check below throws such a copy away.
+            # Three copies under the slot's seqlock, each fenced in C: they
+            # belong to one publish when all three read the same even seq.
+            header = seq_copy(mm, base, base, SLOT.size)
+            if header is not None:
+                seq, fields = header
+                _seq, count, generation, published_at, _cursor, heap_used, flags = SLOT.unpack(
+                    fields
+                )
+                # Bounds clamp what a torn header could claim.
                 at = base + SLOT_HEADER_SIZE
-                raw = mm[at : at + ENTRY_SIZE * min(count, self.capacity)]
+                entries = seq_copy(mm, base, at, ENTRY_SIZE * min(count, self.capacity))
                 at = base + self._heap_at
-                heap = mm[at : at + min(heap_used, self.heap_size)]
-                if U32.unpack_from(mm, base)[0] == seq:
+                keys = seq_copy(mm, base, at, min(heap_used, self.heap_size))
+                if entries is not None and keys is not None and entries[0] == keys[0] == seq:
+                    raw, heap = entries[1], keys[1]
                     break
             self.retries += 1
             os.sched_yield()

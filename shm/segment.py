@@ -18,14 +18,37 @@ it (see ``shm/ready.py`` and ``shm/state.py`` for their offset tables)::
     4       4     layout_version   I    per kind; a mismatch is LayoutMismatch
     8       4     writer_pid       I    the process that writes the contents
     12      4     owner_pid        I    the supervisor that created the segment
-    16      8     total_size       Q    bytes, as created
+    16      8     total_size       Q    bytes, as created, the identity included
     24      ...   per-kind fields
 
-All multi-byte fields are little-endian and naturally aligned. This module and
-its users assume x86_64 Linux: aligned 4- and 8-byte loads and stores are
-single instructions (CPython's ``struct`` uses ``memcpy`` for ``<I``/``<Q`` on a
-little-endian host), and stores become visible to other CPUs in program order
-(TSO), which is all the seqlocks in this package rely on.
+and ends with the same 64-byte identity block, at ``total_size - 64``, past
+the per-kind fields (whose offsets, compiled into the C modules, it leaves
+where they were)::
+
+    offset  size  field            format
+    0       4     magic            4s   b"QNID"
+    4       4     version          I    1
+    8       16    data_dir_id      16s  the data directory's identity (node/identity.py)
+    24      16    boot_id          16s  random, new at every start of the supervisor
+    40      24    reserved
+
+Trust (docs/reliability.md): the supervisor creates every name exclusively
+(O_EXCL) and reattaches an existing segment only when it is owned by the
+node's uid, carries this data directory's identity and has the layout this
+build writes; anything else is refused at start (``NameTaken``,
+``StaleLayout``), never unlinked behind the operator's back. Other processes
+attach only segments their own uid owns (a group reader of the state buffer
+excepted: it maps it read-only and writes nothing).
+
+All multi-byte fields are little-endian and naturally aligned, on a
+little-endian Linux host (x86_64 or aarch64). CPython's ``struct`` is plain
+``memcpy``, with no fences, so no seqlock or publishing word is read or written
+with it where another CPU may see the order wrong: those loads and stores go
+through ``shm._atomic`` (and the C claim path) with explicit C11 acquire and
+release orders, correct on a weakly ordered CPU as on x86's TSO. Each
+protocol's orders and why they suffice: docs/shm.md, "Memory ordering". What
+Python still reads with ``struct`` is a writer's own fields or a hint (an
+aligned 4- or 8-byte ``memcpy`` is one load on both architectures).
 """
 
 from __future__ import annotations
@@ -35,6 +58,7 @@ import errno
 import grp
 import mmap
 import os
+import platform
 import struct
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -42,9 +66,18 @@ from typing import Any
 
 import posix_ipc
 
-from node.errors import LayoutMismatch, NodeError, NodeNotRunning
+from node.errors import LayoutMismatch, NameTaken, NodeError, NodeNotRunning
 
 MAGIC = b"QNSH"
+IDENTITY_MAGIC = b"QNID"
+IDENTITY_VERSION = 1
+# offset table above; the block sits at total_size - IDENTITY_SIZE
+IDENTITY = struct.Struct("<4sI16s16s24x")
+IDENTITY_SIZE = IDENTITY.size  # 64
+ID_BYTES = 16
+# The identity of segments made without one (tests, tools): it matches only
+# segments made the same way, never a node's.
+ANONYMOUS = (bytes(ID_BYTES), bytes(ID_BYTES))
 
 # offset table above
 HEADER = struct.Struct("<4sIIIQ")
@@ -55,9 +88,37 @@ U32 = struct.Struct("<I")
 
 INT_MAX = 0x7FFFFFFF
 
-# x86_64 syscall number and futex ops. No FUTEX_PRIVATE_FLAG: the words are
-# shared between processes, and private futexes only match within one process.
-SYS_FUTEX = 202
+# The futex syscall's number differs by architecture (x86_64 202; aarch64 and
+# the other asm-generic ones 98). The C extension has it from <sys/syscall.h>;
+# this table stands in where the extension is not built.
+_SYS_FUTEX_BY_MACHINE = {
+    "x86_64": 202,
+    "aarch64": 98,
+    "arm64": 98,
+    "riscv64": 98,
+    "ppc64le": 221,
+    "s390x": 238,
+}
+
+
+def _sys_futex() -> int:
+    try:
+        from shm import _atomic
+    except ImportError:
+        machine = platform.machine()
+        if machine not in _SYS_FUTEX_BY_MACHINE:
+            raise ImportError(
+                f"the futex syscall number on {machine} is not known: build the C "
+                "extension shm._atomic (`pip install -e .`), which reads it from "
+                "<sys/syscall.h>"
+            ) from None
+        return _SYS_FUTEX_BY_MACHINE[machine]
+    return _atomic.SYS_futex
+
+
+# Futex ops. No FUTEX_PRIVATE_FLAG: the words are shared between processes,
+# and private futexes only match within one process.
+SYS_FUTEX = _sys_futex()
 FUTEX_WAIT = 0
 FUTEX_WAKE = 1
 
@@ -222,6 +283,16 @@ class Segment:
         return HEADER.unpack_from(self.mm, 0)[1]
 
     @property
+    def identity(self) -> tuple[bytes, bytes] | None:
+        """``(data_dir_id, boot_id)`` from the identity block; None when the
+        segment has none (made by a build before it, or not ours)."""
+        return read_identity(self.mm, self.size)
+
+    def stamp(self, data_dir_id: bytes, boot_id: bytes) -> None:
+        """Supervisor: mark the segment as this data directory's, for this boot."""
+        _write_identity(self.mm, self.size, data_dir_id, boot_id)
+
+    @property
     def writer_pid(self) -> int:
         return U32.unpack_from(self.mm, WRITER_PID_OFFSET)[0]
 
@@ -288,6 +359,43 @@ def populate(mm: mmap.mmap) -> bool:
     return True
 
 
+def read_identity(mm: Any, size: int) -> tuple[bytes, bytes] | None:
+    if size < HEADER_SIZE + IDENTITY_SIZE:
+        return None
+    magic, version, data_dir_id, boot_id = IDENTITY.unpack_from(mm, size - IDENTITY_SIZE)
+    if magic != IDENTITY_MAGIC or version != IDENTITY_VERSION:
+        return None
+    return data_dir_id, boot_id
+
+
+def _write_identity(mm: Any, size: int, data_dir_id: bytes, boot_id: bytes) -> None:
+    if len(data_dir_id) != ID_BYTES or len(boot_id) != ID_BYTES:
+        raise ValueError(f"identities are {ID_BYTES} bytes")
+    IDENTITY.pack_into(
+        mm, size - IDENTITY_SIZE, IDENTITY_MAGIC, IDENTITY_VERSION, data_dir_id, boot_id
+    )
+
+
+def owner_name(uid: int) -> str:
+    """``uid 1000 (alice)``, for refusals."""
+    import pwd
+
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def check_owner(name: str, uid: int) -> None:
+    """NameTaken unless ``name`` (a segment, semaphore or queue) belongs to this uid."""
+    if uid != os.getuid():
+        raise NameTaken(
+            f"{name} is owned by {owner_name(uid)}, not by this node's user "
+            f"({owner_name(os.getuid())}): refusing to use it; remove it "
+            f"(python -m node clear NAME, as its owner or root) or pick another --name"
+        )
+
+
 def _resolve_gid(group: str | int) -> int:
     if isinstance(group, int):
         return group
@@ -312,8 +420,12 @@ def create(
     mode: int = 0o600,
     group: str | int | None = None,
     init: Callable[[mmap.mmap], None] | None = None,
+    identity: tuple[bytes, bytes] | None = None,
 ) -> Segment:
-    """Create ``name`` (it must not exist), map it and write the header.
+    """Create ``name`` (it must not exist), map it and write the header (and
+    the identity block, ``(data_dir_id, boot_id)``, when given).
+
+    ``size`` is the per-kind size; the segment is ``IDENTITY_SIZE`` larger.
 
     ``init`` fills the per-kind fields before the magic is written, so a
     process attaching meanwhile sees "not initialised yet", never half a header.
@@ -324,37 +436,69 @@ def create(
     try:
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
     except posix_ipc.ExistentialError:
-        raise NodeError(
-            f"{name} already exists; only the supervisor creates it (create_or_reattach)"
+        raise NameTaken(
+            f"{name} already exists: it appeared while the node was creating it, and only "
+            "the node's supervisor creates it; is another process racing this start?"
         ) from None
+    total = size + IDENTITY_SIZE
     try:
         _set_access(shm.fd, mode, group)
-        os.ftruncate(shm.fd, size)
-        mm = mmap.mmap(shm.fd, size)
+        os.ftruncate(shm.fd, total)
+        mm = mmap.mmap(shm.fd, total)
     except BaseException:
         shm.close_fd()
         unlink(name)
         raise
     shm.close_fd()  # the mapping keeps the memory; the fd is not needed
     pid = os.getpid()
-    HEADER.pack_into(mm, 0, b"\0\0\0\0", layout_version, pid, pid, size)
+    HEADER.pack_into(mm, 0, b"\0\0\0\0", layout_version, pid, pid, total)
     if init is not None:
         init(mm)
+    _write_identity(mm, total, *(identity or ANONYMOUS))
     mm[0:4] = MAGIC
     return Segment(name, mm, read_only=False)
 
 
-def attach(name: str, expected_layout: int, read_only: bool = False) -> Segment:
-    """Map an existing segment; NodeNotRunning if absent, LayoutMismatch if foreign."""
+class StaleLayout(LayoutMismatch):
+    """A segment of this node's, from a build with another layout, is still
+    there after a crash: it may hold live leases, so it is neither reused nor
+    silently replaced. Refused at start with what to do."""
+
+
+def _open_existing(name: str, read_only: bool = False) -> posix_ipc.SharedMemory | None:
     try:
-        shm = posix_ipc.SharedMemory(name, read_only=read_only)
+        return posix_ipc.SharedMemory(name, read_only=read_only)
     except posix_ipc.ExistentialError:
-        raise NodeNotRunning(
-            f"{name} does not exist: no node of that name runs on this host"
-        ) from None
+        return None
     except posix_ipc.PermissionsError as exc:
         raise NodeError(f"{name}: permission denied ({exc}); is this user in its group?") from exc
+
+
+def _check_attach_owner(name: str, fd: int, read_only: bool) -> None:
+    st = os.fstat(fd)
+    if st.st_uid == os.getuid():
+        return
+    # A member of the state buffer's group maps it read-only; a segment that
+    # others than its owner could write is nobody's evidence.
+    if read_only and not st.st_mode & 0o022:
+        return
+    check_owner(name, st.st_uid)
+
+
+def attach(
+    name: str,
+    expected_layout: int,
+    read_only: bool = False,
+    data_dir_id: bytes | None = None,
+) -> Segment:
+    """Map an existing segment; NodeNotRunning if absent, LayoutMismatch if
+    foreign, NameTaken when another user owns it (or, with ``data_dir_id``,
+    when it is not that data directory's)."""
+    shm = _open_existing(name, read_only)
+    if shm is None:
+        raise NodeNotRunning(f"{name} does not exist: no node of that name runs on this host")
     try:
+        _check_attach_owner(name, shm.fd, read_only)
         size = shm.size
         if size < HEADER_SIZE:
             raise NodeNotRunning(f"{name} is not initialised yet (the node is starting)")
@@ -376,7 +520,64 @@ def attach(name: str, expected_layout: int, read_only: bool = False) -> Segment:
     if problem is not None:
         mm.close()
         raise LayoutMismatch(f"{name}: {problem}; restart the node with a matching build")
+    if data_dir_id is not None:
+        found = read_identity(mm, size)
+        if found is None or found[0] != data_dir_id:
+            mm.close()
+            raise NameTaken(
+                f"{name} carries {'no' if found is None else 'another'} data directory's "
+                "identity: it is not this node's"
+            )
     return Segment(name, mm, read_only=read_only)
+
+
+def vet(name: str, layout_version: int, data_dir_id: bytes) -> str | None:
+    """What is under ``name`` and whether this node may take it over, changing
+    nothing: None when absent, ``"blank"`` for a segment of this uid's that was
+    never initialised (a crash mid-create), ``"ours"`` for one this node may
+    reattach. Raises NameTaken for another owner, no identity or another data
+    directory's identity, StaleLayout for this node's segment of another layout.
+    """
+    shm = _open_existing(name)
+    if shm is None:
+        return None
+    try:
+        check_owner(name, os.fstat(shm.fd).st_uid)
+        found = shm.size
+        if found < HEADER_SIZE:
+            return "blank"
+        mm = mmap.mmap(shm.fd, found, access=mmap.ACCESS_READ)
+    finally:
+        shm.close_fd()
+    try:
+        magic, layout, _writer, _owner, total = HEADER.unpack_from(mm, 0)
+        if magic == b"\0\0\0\0":
+            return "blank"
+        theirs = read_identity(mm, found) if total == found else None
+    finally:
+        mm.close()
+    if magic != MAGIC or theirs is None or theirs[0] != data_dir_id:
+        what = "is not a queue-node segment" if magic != MAGIC else (
+            "carries no data directory identity (made by an older build?)" if theirs is None
+            else "carries another data directory's identity"
+        )
+        raise NameTaken(
+            f"{name} {what}: refusing to reuse it; if no node uses it, remove it with "
+            f"'python -m node clear {_node_of(name)}'"
+        )
+    if layout != layout_version:
+        raise StaleLayout(
+            f"{name} has layout {layout} but this build writes {layout_version}: a crash left "
+            "it with what it held (live leases). Start the build that made it and stop it "
+            "cleanly (its leases are saved and carried across), or run "
+            f"'python -m node clear {_node_of(name)}' and accept that its leased keys may be "
+            "granted again"
+        )
+    return "ours"
+
+
+def _node_of(name: str) -> str:
+    return name.removeprefix("/queue-node.").rsplit(".", 1)[0]
 
 
 def create_or_reattach(
@@ -386,31 +587,39 @@ def create_or_reattach(
     mode: int = 0o600,
     group: str | int | None = None,
     init: Callable[[mmap.mmap], None] | None = None,
+    identity: tuple[bytes, bytes] | None = None,
 ) -> Segment:
     """For the supervisor at start: reuse what a crash left, else start fresh.
 
-    A segment with the same layout and size is reattached (``.reattached`` is
-    True; its contents are kept, its owner and writer become this process);
-    anything else under the name is unlinked and created anew.
+    ``identity`` is ``(data_dir_id, boot_id)``. A segment already under the
+    name is reattached (``.reattached`` is True; its contents are kept, its
+    owner and writer become this process, its boot id becomes ours) only when
+    ``vet`` says it is ours: refused otherwise, never unlinked. Only two
+    things are replaced: a segment of ours never initialised, and one of ours
+    whose size no longer fits the configuration (the ready set and the state
+    buffer hold nothing a restart needs; the lease table asks for the size it
+    finds).
     """
+    identity = identity or ANONYMOUS
+    found = vet(name, layout_version, identity[0])
+    if found is None:
+        return create(name, size, layout_version, mode, group, init, identity)
+    seg = attach(name, layout_version) if found == "ours" else None
+    if seg is None or seg.size != size + IDENTITY_SIZE:
+        if seg is not None:
+            seg.close()
+        unlink(name)
+        return create(name, size, layout_version, mode, group, init, identity)
+    shm = posix_ipc.SharedMemory(name)
     try:
-        seg = attach(name, layout_version)
-    except (NodeNotRunning, LayoutMismatch):
-        seg = None
-    if seg is not None and seg.size == size:
-        shm = posix_ipc.SharedMemory(name)
-        try:
-            _set_access(shm.fd, mode, group)
-        finally:
-            shm.close_fd()
-        seg.set_owner_pid()
-        seg.set_writer_pid()
-        seg.reattached = True
-        return seg
-    if seg is not None:
-        seg.close()
-    unlink(name)
-    return create(name, size, layout_version, mode=mode, group=group, init=init)
+        _set_access(shm.fd, mode, group)
+    finally:
+        shm.close_fd()
+    seg.reattached = True
+    seg.set_owner_pid()
+    seg.set_writer_pid()
+    seg.stamp(*identity)
+    return seg
 
 
 def unlink(name: str) -> bool:

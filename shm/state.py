@@ -38,6 +38,12 @@ Layout (little-endian, every field naturally aligned)::
     +4      4     length             I    bytes of msgpack that follow
     +8      8     counts_at          d    wall time the counts were taken
     +16           msgpack document
+
+Memory ordering (docs/shm.md, "Memory ordering"): both seqlocks are written
+and read in C (``shm._atomic.seq_write``, ``seq_copy``), with the release and
+acquire fences a weakly ordered CPU (aarch64) needs; ``active_doc`` and
+``status_gen`` are stored with release and loaded with acquire. Those work on
+a read-only mapping too.
 """
 
 from __future__ import annotations
@@ -51,6 +57,14 @@ import msgpack
 
 from node.errors import NodeError, NodeNotRunning
 from shm import segment
+
+try:
+    from shm import _atomic
+except ImportError as _exc:  # reported when a buffer is opened, with what to do
+    _atomic = None  # type: ignore[assignment]
+    _ATOMIC_IMPORT_ERROR: ImportError | None = _exc
+else:
+    _ATOMIC_IMPORT_ERROR = None
 from shm.segment import HEADER_SIZE, U32, Segment, SnapshotUnstable, pid_alive, segment_name
 
 LAYOUT_VERSION = 1
@@ -66,6 +80,7 @@ DOC_INFO_OFFSET = 112
 DOC_INFO = struct.Struct("<II")  # active_doc, doc_capacity
 FIRST_DOC = 128
 DOC_HEADER = struct.Struct("<IId")  # seq, length, counts_at
+DOC_FIELDS = struct.Struct("<Id")  # length, counts_at: what the seqlock covers at +4
 PHASE_BYTES = 32
 
 STATUSES = ("none", "loading", "live", "verifying", "stopped")
@@ -84,6 +99,12 @@ READ_RETRIES = 1000
 
 class StateBuffer:
     def __init__(self, seg: Segment) -> None:
+        if _atomic is None:
+            raise NodeError(
+                "the C extension shm._atomic is not built (the state buffer's seqlocks); "
+                "run `pip install -e .` with gcc and the Python headers installed "
+                f"({_ATOMIC_IMPORT_ERROR})"
+            )
         self.segment = seg
         self.doc_capacity = DOC_INFO.unpack_from(seg.mm, DOC_INFO_OFFSET)[1]
         self._doc_stride = DOC_HEADER.size + self.doc_capacity
@@ -99,6 +120,7 @@ class StateBuffer:
         group: str | int | None = None,
         *,
         started_at: float,
+        identity: tuple[bytes, bytes] | None = None,
     ) -> StateBuffer:
         """Supervisor: create the buffer, or reattach the one a crash left.
 
@@ -117,7 +139,12 @@ class StateBuffer:
             DOC_INFO.pack_into(mm, DOC_INFO_OFFSET, 0, doc_capacity)
 
         seg = segment.create_or_reattach(
-            segment_name(node, KIND), size, LAYOUT_VERSION, group=group, init=init
+            segment_name(node, KIND),
+            size,
+            LAYOUT_VERSION,
+            group=group,
+            init=init,
+            identity=identity,
         )
         buf = cls(seg)
         if seg.reattached:
@@ -154,17 +181,13 @@ class StateBuffer:
             self._stamped_pid = pid
 
     def _write_fields(self, *fields: Any) -> None:
-        mm = self.segment.mm
-        seq = U32.unpack_from(mm, HEADER_SEQ_OFFSET)[0]
-        seq = (seq + 1 if seq % 2 == 0 else seq + 2) & 0xFFFFFFFF
-        U32.pack_into(mm, HEADER_SEQ_OFFSET, seq)
-        FIELDS.pack_into(mm, FIELDS_OFFSET, *fields)
-        U32.pack_into(mm, HEADER_SEQ_OFFSET, (seq + 1) & 0xFFFFFFFF)
+        _atomic.seq_write(self.segment.mm, HEADER_SEQ_OFFSET, FIELDS_OFFSET, FIELDS.pack(*fields))
 
     def _bump_status_gen(self) -> None:
         mm = self.segment.mm
         gen = (U32.unpack_from(mm, STATUS_GEN_OFFSET)[0] + 1) & 0xFFFFFFFF
-        U32.pack_into(mm, STATUS_GEN_OFFSET, gen)
+        # Release: a reader woken by it reads the header written before it.
+        _atomic.release32(mm, STATUS_GEN_OFFSET, gen)
         self.segment.futex_wake(STATUS_GEN_OFFSET)
 
     def heartbeat(
@@ -205,27 +228,22 @@ class StateBuffer:
         if len(blob) > self.doc_capacity:
             raise ValueError(
                 f"state document is {len(blob)} bytes; a slot of this "
-                f"{self.segment.size}-byte buffer holds {self.doc_capacity}"
+                f"{self.segment.size - segment.IDENTITY_SIZE}-byte buffer holds "
+                f"{self.doc_capacity}"
             )
         self._stamp()
         mm = self.segment.mm
         active = DOC_INFO.unpack_from(mm, DOC_INFO_OFFSET)[0]
         slot = 1 - active
         base = FIRST_DOC + slot * self._doc_stride
-        seq = U32.unpack_from(mm, base)[0]
-        seq = (seq + 1 if seq % 2 == 0 else seq + 2) & 0xFFFFFFFF
-        U32.pack_into(mm, base, seq)
-        at = base + DOC_HEADER.size
-        mm[at : at + len(blob)] = blob
-        DOC_HEADER.pack_into(mm, base, seq, len(blob), now)
-        U32.pack_into(mm, base, (seq + 1) & 0xFFFFFFFF)
-        U32.pack_into(mm, DOC_INFO_OFFSET, slot)
+        _atomic.seq_write(mm, base, base + 4, DOC_FIELDS.pack(len(blob), now) + blob)
+        _atomic.release32(mm, DOC_INFO_OFFSET, slot)  # after the slot's seq is even
 
     # -- readers ----------------------------------------------------------------
 
     @property
     def status_gen(self) -> int:
-        return U32.unpack_from(self.segment.mm, STATUS_GEN_OFFSET)[0]
+        return _atomic.acquire32(self.segment.mm, STATUS_GEN_OFFSET)
 
     def wait_status_change(self, after_gen: int, timeout_s: float | None) -> int:
         """Block until ``status_gen`` differs from ``after_gen``; return it
@@ -243,11 +261,9 @@ class StateBuffer:
     def _read_fields(self) -> tuple:
         mm = self.segment.mm
         for _ in range(READ_RETRIES):
-            seq = U32.unpack_from(mm, HEADER_SEQ_OFFSET)[0]
-            if seq % 2 == 0:
-                fields = FIELDS.unpack_from(mm, FIELDS_OFFSET)
-                if U32.unpack_from(mm, HEADER_SEQ_OFFSET)[0] == seq:
-                    return fields
+            got = _atomic.seq_copy(mm, HEADER_SEQ_OFFSET, FIELDS_OFFSET, FIELDS.size)
+            if got is not None:
+                return FIELDS.unpack(got[1])
             os.sched_yield()
         raise SnapshotUnstable(
             f"{self.segment.name}: header kept changing for {READ_RETRIES} tries"
@@ -256,13 +272,17 @@ class StateBuffer:
     def _read_doc(self) -> tuple[float, dict]:
         mm = self.segment.mm
         for _ in range(READ_RETRIES):
-            active = DOC_INFO.unpack_from(mm, DOC_INFO_OFFSET)[0] & 1
+            active = _atomic.acquire32(mm, DOC_INFO_OFFSET) & 1
             base = FIRST_DOC + active * self._doc_stride
-            seq, length, counts_at = DOC_HEADER.unpack_from(mm, base)
-            if seq % 2 == 0:
+            # Two copies under the slot's seqlock: one document when both
+            # read the same even seq.
+            header = _atomic.seq_copy(mm, base, base, DOC_HEADER.size)
+            if header is not None:
+                seq, length, counts_at = DOC_HEADER.unpack(header[1])
                 at = base + DOC_HEADER.size
-                blob = mm[at : at + min(length, self.doc_capacity)]
-                if U32.unpack_from(mm, base)[0] == seq:
+                got = _atomic.seq_copy(mm, base, at, min(length, self.doc_capacity))
+                if got is not None and got[0] == seq:
+                    blob = got[1]
                     break
             os.sched_yield()
         else:
@@ -291,8 +311,15 @@ class StateBuffer:
             "generation": generation,
             "writer_pid": seg.writer_pid,
             "owner_pid": seg.owner_pid,
+            "boot_id": boot_id(seg),
             "doc": doc,
         }
+
+
+def boot_id(seg: Segment) -> str | None:
+    """The boot id the supervisor stamped, as hex; None on a segment with none."""
+    ident = seg.identity
+    return ident[1].hex() if ident is not None else None
 
 
 def _age(now: float, at: float) -> float | None:
@@ -477,4 +504,8 @@ def read_state(node: str, now: float | None = None) -> dict:
             f"and left {segment_name(node, KIND)} behind"
         )
     counts = lease_counts(node)
-    return queue_state(state, time.time() if now is None else now, counts)
+    answer = queue_state(state, time.time() if now is None else now, counts)
+    # Which start of the node this is: a reader that keeps a node's
+    # segments tells by it that the node restarted.
+    answer["trust"]["boot_id"] = state["boot_id"]
+    return answer

@@ -10,14 +10,25 @@ Only the supervisor creates and unlinks it; everyone else closes.
 
 from __future__ import annotations
 
+import os
+
 import posix_ipc
 
 from node.errors import NodeNotRunning
-from shm.segment import segment_name
+from shm.segment import check_owner, segment_name
 
 # A post while the value is already this high is dropped: the keeper will wake
 # anyway, and the value must not grow without bound while nobody waits.
 WAKE_CAP = 2
+
+
+def semaphore_owner(name: str) -> int:
+    """The uid that owns named semaphore ``name``: glibc keeps it as the file
+    ``/dev/shm/sem.<name>``. -1 when it cannot be seen (refused)."""
+    try:
+        return os.stat(f"/dev/shm/sem.{name.lstrip('/')}").st_uid
+    except OSError:
+        return -1
 
 
 class Wake:
@@ -35,6 +46,11 @@ class Wake:
             sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
         except posix_ipc.ExistentialError:
             sem = posix_ipc.Semaphore(name)
+            try:
+                check_owner(name, semaphore_owner(name))
+            except BaseException:
+                sem.close()
+                raise
         wake = cls(node, sem)
         wake.drain()
         return wake
@@ -48,6 +64,11 @@ class Wake:
             raise NodeNotRunning(
                 f"{name} does not exist: no node named {node!r} runs on this host"
             ) from None
+        try:
+            check_owner(name, semaphore_owner(name))
+        except BaseException:
+            sem.close()
+            raise
         return cls(node, sem)
 
     def post(self) -> None:

@@ -380,3 +380,30 @@ def test_a_sqlite_store_on_the_python_path_says_so_once(names, tmp_path, monkeyp
         logging.getLogger("queue-node").removeHandler(handler)
     warned = [line for line in lines if "action=claim_python_path" in line]
     assert len(warned) == 1 and "shm._claim is not built" in warned[0]
+
+
+def test_an_entry_whose_key_lies_outside_the_copied_keys_is_never_read(names, tmp_path):
+    """The C take checks every entry's key offset, not only the first and
+    last: a take whose middle entry points past the keys it copied (torn, or
+    written by something that is not the keeper) is dropped whole, as a torn
+    take is, and the claim goes on with the entries after it; nothing is
+    granted from it."""
+    from shm.ready import ENTRY, SLOT_HEADER_SIZE
+
+    db = tmp_path / "schedule.db"
+    keys = _schedule(db)
+    with _claimer_on(names[0], db, 100) as (claimer, ready, leases):
+        assert claimer.on_c_path
+        ready.publish(_entries(db, keys), NOW)
+        base = ready._slot_base(ready.active_slot) + SLOT_HEADER_SIZE
+        last = ENTRY.unpack_from(ready.segment.mm, base + ENTRY.size * 4)
+        middle_at = base + ENTRY.size * 2
+        middle = list(ENTRY.unpack_from(ready.segment.mm, middle_at))
+        middle[0] = last[0] + last[1]  # starts where the fifth entry's key ends
+        ENTRY.pack_into(ready.segment.mm, middle_at, *middle)
+        first_five = {e.key for e in ready.snapshot().entries[:5]}
+        grants = claimer.claim(5, 30.0, "consumer", NOW)
+        granted = {g.key for g in grants}
+        assert granted and not granted & first_five, (granted, first_five)
+        assert granted <= set(keys)
+        assert {lease.key for lease in leases.live(limit=100)} == granted

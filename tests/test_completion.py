@@ -423,7 +423,7 @@ def seg(tmp_path):
     store.recover()
     ids = store.append_results(results(10))
     store.flush()
-    store.ack(ids[:2])
+    store.ack(ids[:2], NOW + 20)
     store.flush()
     ids += store.append_results(results(5, start=10))
     store.flush()
@@ -444,7 +444,7 @@ def test_segment_file_layout(seg):
     records = read_segment_records(seg_path(path))
     kinds = [r[0] for r in records]
     assert kinds == [1] * 10 + [2] + [1] * 5
-    assert records[10] == (2, (1, 2))
+    assert records[10] == (2, (1, 2), NOW + 20)  # format 3: the ACK says when
     assert records[0][:8] == (1, 1, "j", "k0", 1000, 7, NOW, 3600)
 
 

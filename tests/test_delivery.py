@@ -142,16 +142,31 @@ def test_out_of_order_and_repeated_adds():
 def test_waiters_are_set_by_an_add_for_their_job_or_any_job():
     async def body():
         d = Delivery(30)
-        for_a, for_b, for_any = d.waiter("a"), d.waiter("b"), d.waiter(None)
-        d.add(1, "a")
-        assert for_a.is_set() and for_any.is_set() and not for_b.is_set()
-        assert not d.waiter("a").is_set()  # a fresh one after each add
-        waiting = asyncio.ensure_future(d.waiter("b").wait())
-        await asyncio.sleep(0)
-        d.add(2, "b")
-        await asyncio.wait_for(waiting, 1)
-        d.wake_all()
-        assert for_b.is_set()
+        with d.waiting("a") as for_a, d.waiting("b") as for_b, d.waiting(None) as for_any:
+            d.add(1, "a")
+            assert for_a.is_set() and for_any.is_set() and not for_b.is_set()
+            with d.waiting("a") as again:
+                assert not again.is_set()  # a fresh one after each add
+            with d.waiting("b") as event:
+                waiting = asyncio.ensure_future(event.wait())
+                await asyncio.sleep(0)
+                d.add(2, "b")
+                await asyncio.wait_for(waiting, 1)
+            d.wake_all()
+            assert for_b.is_set()
+
+    asyncio.run(body())
+
+
+def test_a_job_name_is_forgotten_when_its_last_waiter_leaves():
+    """A caller long-polling made-up job names cannot grow the table."""
+
+    async def body():
+        d = Delivery(30)
+        for i in range(1000):
+            with d.waiting(f"made-up-{i}"), d.waiting(f"made-up-{i}"):
+                assert d.waiters()[1] >= 1
+        assert d.waiters() == (0, 0)
 
     asyncio.run(body())
 

@@ -725,7 +725,7 @@ async def test_fuzzed_bodies_are_never_5xx() -> None:
 
 
 @async_test
-async def test_token_guards_every_post() -> None:
+async def test_token_guards_every_post_and_read() -> None:
     ctx = make_ctx(Config(name="t", workers=1, token="s3cret"))
     async with serve(ctx) as client:
         rows = [{"key": "a", "route": "r"}]
@@ -754,27 +754,32 @@ async def test_token_guards_every_post() -> None:
         assert await resp.json() == {"upserted": 1}
         resp = await client.post("/rows", json=rows, headers={"Authorization": "bearer  s3cret "})
         assert resp.status == 200
-        # reads stay open
+        # reads need it too, but for liveness and readiness (and a HEAD of them)
+        await error_of(await client.get("/rows?key=a"), 401, "unauthorized")
+        await error_of(await client.get("/openapi.json"), 401, "unauthorized")
+        await error_of(await client.get("/nope"), 401, "unauthorized")
+        await error_of(await client.post("/healthz"), 401, "unauthorized")
+        assert (await client.get("/rows?key=a", headers=ok)).status == 200
         assert (await client.get("/healthz")).status == 200
-        assert (await client.get("/rows?key=a")).status == 200
+        assert (await client.head("/healthz")).status == 200
+        assert (await client.get("/readyz")).status in (200, 503)
     assert ctx.store.count() == 1
 
 
 @async_test
-async def test_extra_routes_and_needs_token() -> None:
+async def test_extra_routes_need_the_token_unless_named_open() -> None:
     from aiohttp import web
 
-    from workers.http_errors import needs_token, reply
+    from workers.http_errors import reply
 
     extra = web.RouteTableDef()
 
     @extra.get("/jobs/{job}/results")
-    @needs_token
     async def poll(request: web.Request) -> web.Response:
         return reply(request, {"results": []})
 
-    @extra.get("/open")
-    async def open_(request: web.Request) -> web.Response:
+    @extra.get("/metrics")
+    async def scrape(request: web.Request) -> web.Response:
         return reply(request, {"ok": True})
 
     ctx = make_ctx(Config(name="t", workers=1, token="s3cret"))
@@ -782,7 +787,7 @@ async def test_extra_routes_and_needs_token() -> None:
         await error_of(await client.get("/jobs/j/results"), 401, "unauthorized")
         resp = await client.get("/jobs/j/results", headers={"Authorization": "Bearer s3cret"})
         assert await resp.json() == {"results": []}
-        assert (await client.get("/open")).status == 200
+        assert (await client.get("/metrics")).status == 200  # in OPEN_ROUTES
 
 
 @async_test

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from test_lease_counters import build_with_stops
 
 from node.errors import NodeError
 from shm import leases, segment
@@ -53,6 +54,12 @@ def node():
     name = f"t{uuid.uuid4().hex[:12]}"
     yield name
     segment.unlink(segment_name(name, "leases"))
+
+
+@pytest.fixture(scope="session")
+def stops_build(tmp_path_factory) -> Path:
+    """The extensions with the test stops compiled in (QUEUE_NODE_TEST_BUILD)."""
+    return build_with_stops(tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture
@@ -995,10 +1002,13 @@ def _racer(node: str, keys: int, out_path: str, go) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_racing_inserts_of_new_keys_have_exactly_one_winner(node, tmp_path, monkeypatch):
+def test_racing_inserts_of_new_keys_have_exactly_one_winner(
+    node, tmp_path, monkeypatch, stops_build
+):
     # Every insert pauses between claiming a free slot and writing its key, so
     # racers walking the same keys meet inside each other's insert often.
     monkeypatch.setenv("QUEUE_NODE_TEST_LEASE_STOP", "insert:pause")
+    monkeypatch.setenv("QUEUE_NODE_TEST_BUILD", str(stops_build))
     keys = 1500
     with LeaseTable.create(node, capacity=4096) as table:
         go = SPAWN.Event()
@@ -1032,8 +1042,13 @@ _STOPPED_GRANT = textwrap.dedent(
 )
 
 
-def _stopped_child(node: str, key: str, point: str) -> subprocess.Popen:
-    env = dict(os.environ, QUEUE_NODE_TEST_LEASE_STOP=f"{point}:stop", PYTHONPATH=str(ROOT))
+def _stopped_child(node: str, key: str, point: str, stops: Path) -> subprocess.Popen:
+    env = dict(
+        os.environ,
+        QUEUE_NODE_TEST_LEASE_STOP=f"{point}:stop",
+        QUEUE_NODE_TEST_BUILD=str(stops),
+        PYTHONPATH=str(ROOT),
+    )
     child = subprocess.Popen(
         [sys.executable, "-c", _STOPPED_GRANT, node, key, repr(LATER)],
         env=env,
@@ -1051,13 +1066,13 @@ def _stopped_child(node: str, key: str, point: str) -> subprocess.Popen:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("point", ["update", "written", "keyed"])
-def test_a_grant_killed_while_it_holds_the_slot_does_not_wedge_the_key(node, point):
+def test_a_grant_killed_while_it_holds_the_slot_does_not_wedge_the_key(node, point, stops_build):
     with LeaseTable.create(node, capacity=64) as table:
         missed = None
         if point != "keyed":  # the key has a slot already: the child updates it
             missed = _grant(table, "k", T0)
             table.release("k", missed.lease_id, T0, error="first miss")
-        child = _stopped_child(node, "k", point)
+        child = _stopped_child(node, "k", point, stops_build)
         try:
             # Stopped, not dead: its slot is left alone, whatever the wait.
             assert _grant(table, "k", LATER) == Refused(Refuse.BUSY)
@@ -1082,9 +1097,11 @@ def test_a_grant_killed_while_it_holds_the_slot_does_not_wedge_the_key(node, poi
 
 
 @pytest.mark.timeout(60)
-def test_a_grant_killed_while_claiming_a_free_slot_loses_only_that_slot_until_a_sweep(node):
+def test_a_grant_killed_while_claiming_a_free_slot_loses_only_that_slot_until_a_sweep(
+    node, stops_build
+):
     with LeaseTable.create(node, capacity=16) as table:
-        child = _stopped_child(node, "k", "insert")
+        child = _stopped_child(node, "k", "insert", stops_build)
         try:
             assert _grant(table, "k", T0), "a claim without a key blocks nothing"
         finally:
@@ -1097,12 +1114,12 @@ def test_a_grant_killed_while_claiming_a_free_slot_loses_only_that_slot_until_a_
 
 
 @pytest.mark.timeout(60)
-def test_insert_resumed_after_losing_the_race_backs_off(node):
+def test_insert_resumed_after_losing_the_race_backs_off(node, stops_build):
     """Regression shape of the insert race: one process claims a free slot and
     stops; another inserts the same key; the first resumes and must not lease
     it too."""
     with LeaseTable.create(node, capacity=64) as table:
-        child = _stopped_child(node, "k", "insert")
+        child = _stopped_child(node, "k", "insert", stops_build)
         lease = _grant(table, "k", LATER)
         assert lease
         os.kill(child.pid, signal.SIGCONT)
@@ -1115,7 +1132,9 @@ def test_insert_resumed_after_losing_the_race_backs_off(node):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("point", ["written", "keyed"])
-def test_a_slot_a_killed_grant_left_updating_is_excluded_until_rolled_back(node, point):
+def test_a_slot_a_killed_grant_left_updating_is_excluded_until_rolled_back(
+    node, point, stops_build
+):
     with LeaseTable.create(node, capacity=64) as table:
         key = "k"
         if point == "written":  # the child updates the slot of a held key
@@ -1123,7 +1142,7 @@ def test_a_slot_a_killed_grant_left_updating_is_excluded_until_rolled_back(node,
             table.release(key, missed.lease_id, T0)  # held until T0 + 20
         else:  # the child inserts a long key
             key = "l" * 300 + "ü" * 200
-        child = _stopped_child(node, key, point)
+        child = _stopped_child(node, key, point, stops_build)
         child.kill()
         child.communicate(timeout=DEADLINE_S)
         assert table.stats()["slots"]["updating"] == 1

@@ -175,7 +175,8 @@ def test_complete_is_durable_ends_the_lease_writes_back_and_round_trips(world):
             assert row.due_at == pytest.approx(r["finished_at"] + CADENCE_S)
             assert row.version > before[r["key"]]
         assert poll_all(c, "j") == []  # offered, not yet due again
-        assert c.call("complete", items=[item(leases[0])])["outcomes"] == [{"status": "repeat"}]
+        again = c.call("complete", items=[item(leases[0])])["outcomes"]
+        assert again == [{"status": "repeat", "id": ids[0]}]  # the id it was accepted as
         assert c.call("ack", job="j", ids=ids)["acked"] == 5
         assert c.call("ack", job="j", ids=ids)["acked"] == 0  # idempotent
         with pytest.raises(RemoteError) as exc:
@@ -282,9 +283,11 @@ def test_a_result_made_durable_by_a_ledger_that_died_before_ending_its_lease(wor
         assert c.call("stats")["recovery"]["leases_ended"] == 1
         assert world.table.peek("a", lease.lease_id)[0] is Outcome.REPEAT
         assert world.store.get("a").due_at == pytest.approx(finished_at + CADENCE_S)
-        assert c.call("complete", items=[item(lease)])["outcomes"] == [{"status": "repeat"}]
         (r,) = poll_all(c, "j")
         assert (r["key"], json.loads(r["result"])) == ("a", "done")
+        assert c.call("complete", items=[item(lease)])["outcomes"] == [
+            {"status": "repeat", "id": r["id"]}
+        ]
         acct = c.call("accounting")
         assert acct["balanced"] is True and acct["in_flight"] == 1
         assert c.call("complete", items=[item(other)])["outcomes"][0]["status"] == "ok"

@@ -9,6 +9,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import msgpack
 import psutil
@@ -44,10 +45,10 @@ def _dump(node: NodeProcess) -> dict[str, int]:
     """The keeper's buckets as key -> version, through the ask channel."""
     from keeper.ask import ask
 
-    path = node.data_dir / "dump.msgpack"
-    reply = wait_for(lambda: ask(node.name, {"op": "dump", "path": str(path)}, timeout_s=2),
-                     30, "keeper dump")
+    reply = wait_for(lambda: ask(node.name, {"op": "dump"}, timeout_s=2), 30, "keeper dump")
     assert reply["ok"], reply
+    path = Path(reply["path"])
+    assert path.parent == (node.data_dir / "run").resolve()
     doc = msgpack.unpackb(path.read_bytes())
     return {key: version for key, _minute, _cid, version in doc["rows"]}
 

@@ -2,9 +2,10 @@
 
 1. The node binds 127.0.0.1 by default; another address needs a token (file
    or environment).
-2. With a token, every POST and every result poll needs ``Authorization:
-   Bearer <token>``, compared in constant time; anything else is 401 and
-   changes nothing.
+2. With a token, every request but ``GET /healthz``, ``/readyz``,
+   ``/metrics`` and the console's files needs ``Authorization: Bearer
+   <token>``, compared in constant time; anything else is 401 and changes
+   nothing.
 3. ``--tls-cert`` / ``--tls-key`` serve HTTPS; bad files are exit 2, one line.
 4. Segments, queues and data files are owner-only, whatever the umask; the
    ledger's abstract socket refuses peers of another uid.
@@ -228,37 +229,43 @@ def test_another_address_with_a_token_starts(
     assert node.stop() == 0
 
 
-# -- 2. the token guards every POST and every result poll ----------------------------------
+# -- 2. the token guards every route but health, readiness, metrics, the console ---------
+
+OPEN = {("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics"), ("GET", "/"),
+        ("GET", "/console/{name}")}  # fmt: skip
 
 
 def _fill(path: str) -> str:
     return path.replace("{job}", "j").replace("{name}", "x")
 
 
-def test_every_post_and_result_poll_of_a_real_node_needs_the_token(secured: NodeProcess) -> None:
+def test_every_route_of_a_real_node_but_the_open_ones_needs_the_token(
+    secured: NodeProcess,
+) -> None:
     base = secured.base_url
-    status, _, spec = call(base, "GET", "/openapi.json")
+    status, _, spec = call(base, "GET", "/openapi.json", headers=GOOD)
     assert status == 200
-    guarded = sorted(
-        (method.upper(), path)
-        for path, ops in spec["paths"].items()
-        for method in ops
-        if method == "post" or path in ("/jobs/{job}/results", "/results")
+    operations = sorted(
+        (method.upper(), path) for path, ops in spec["paths"].items() for method in ops
     )
+    guarded = [op for op in operations if op not in OPEN]
+    assert OPEN <= set(operations)
     posts = [p for m, p in guarded if m == "POST"]
     assert {"/rows", "/rows/delete", "/claim", "/complete", "/jobs/{job}/ack"} <= set(posts)
-    assert ("GET", "/results") in guarded and ("GET", "/jobs/{job}/results") in guarded
+    reads = {p for m, p in guarded if m == "GET"}
+    assert {"/results", "/jobs/{job}/results", "/rows", "/leases", "/held", "/queue-state",
+            "/accounting", "/openapi.json"} <= reads  # fmt: skip
     # The description agrees: every guarded operation says so, and no other.
     described = sorted(
         (method.upper(), path)
         for path, ops in spec["paths"].items()
         for method, op in ops.items()
-        if op.get("security")
+        if {"bearer": []} in op.get("security", [])
     )
     assert described == guarded
 
-    # Something for an unauthorised request to change, if it could.
-    seeded = [{"key": "seeded", "route": "r"}]
+    # Something for an unauthorised request to change, or to show, if it could.
+    seeded = [{"key": "seeded", "route": "r", "payload": {"secret": "payload"}}]
     assert call(base, "POST", "/rows", seeded, GOOD)[0] == 200
     bodies = {
         "/rows": [{"key": "intruder", "route": "r"}],
@@ -269,18 +276,25 @@ def test_every_post_and_result_poll_of_a_real_node_needs_the_token(secured: Node
         "/jobs/{job}/ack": {"ids": [1]},
     }
     for method, path in guarded:
+        target = _fill(path) + ("?key=seeded" if path == "/rows" and method == "GET" else "")
         for headers in BAD_AUTHORIZATIONS:
             body = bodies.get(path, {}) if method == "POST" else None
-            answer = call(base, method, _fill(path), body, headers)
+            answer = call(base, method, target, body, headers)
             assert_error(answer, 401, "unauthorized")
             assert answer[1]["WWW-Authenticate"] == "Bearer", (path, headers)
-    # An unknown path is 401 too: no probing of paths without the token.
+            assert "payload" not in json.dumps(answer[2]) and "seeded" not in json.dumps(answer[2])
+    # An unknown path is 401 too, GET or POST: no probing of paths without the token.
     assert_error(call(base, "POST", "/no-such-path", {}), 401, "unauthorized")
+    assert_error(call(base, "GET", "/no-such-path"), 401, "unauthorized")
+    # The open ones answer without it.
+    for method, path in sorted(OPEN):
+        status = call(base, method, path.replace("{name}", "console.js"))[0]
+        assert status == 200, path
 
     # Nothing changed: no row written or deleted, nothing leased, not paused.
-    assert call(base, "GET", "/rows?key=intruder")[0] == 404
-    assert call(base, "GET", "/rows?key=seeded")[0] == 200
-    assert call(base, "GET", "/accounting")[2]["routed"] == 0
+    assert call(base, "GET", "/rows?key=intruder", headers=GOOD)[0] == 404
+    assert call(base, "GET", "/rows?key=seeded", headers=GOOD)[0] == 200
+    assert call(base, "GET", "/accounting", headers=GOOD)[2]["routed"] == 0
 
     def claimed() -> list[str]:
         status, _, doc = call(base, "POST", "/claim", {"max": 10, "consumer": "owner"}, GOOD)
@@ -288,28 +302,31 @@ def test_every_post_and_result_poll_of_a_real_node_needs_the_token(secured: Node
 
     assert wait_for(claimed, 30, "the seeded row to be claimable") == ["seeded"]
 
-    # The token is never shown: not by an open route, not in the log.
+    # The token is never shown: not by any route, not in the log.
     for path in ("/healthz", "/readyz", "/openapi.json", "/queue-state", "/accounting",
                  "/metrics", "/", "/leases", "/held", "/rows?key=seeded"):  # fmt: skip
-        status, _, doc = call(base, "GET", path)
-        assert status < 500 and TOKEN not in json.dumps(doc), path
+        for headers in ({}, GOOD):
+            status, _, doc = call(base, "GET", path, headers=headers)
+            assert status < 500 and TOKEN not in json.dumps(doc), path
     assert TOKEN not in Path(secured.log_path).read_text()
 
 
-def test_every_post_route_in_the_route_table_needs_the_token() -> None:
+def test_every_route_in_the_route_table_but_the_open_ones_needs_the_token() -> None:
     """The app as a worker builds it (workers.__main__.serve), walked route by
-    route: a POST route added anywhere is guarded, and the only GETs that
-    need the token are the result polls."""
+    route: a route added anywhere is guarded unless it is one of the open
+    ones (CONTRACT.md, "Access"), whatever its method."""
     from aiohttp.test_utils import TestClient, TestServer
 
     from node.config import Config
     from node.store import open_store
     from workers.console_http import routes as console_routes
     from workers.http import WorkerContext, make_app
+    from workers.http_errors import OPEN_ROUTES
     from workers.metrics_http import routes as metrics_routes
     from workers.state_http import routes as state_routes
     from workers.work_http import routes as work_routes
 
+    assert OPEN_ROUTES == OPEN
     ctx = WorkerContext(
         config=Config(name="t", workers=1, token=TOKEN),
         store=open_store("memory://"),
@@ -317,29 +334,28 @@ def test_every_post_route_in_the_route_table_needs_the_token() -> None:
         started_at=0.0,
     )
     app = make_app(ctx, [*work_routes, *state_routes, *metrics_routes, *console_routes])
-    table = [
-        (r.method, r.resource.canonical, r.handler)
-        for r in app.router.routes()
-        if r.resource is not None and r.method not in ("HEAD", "*")
-    ]
-    assert {m for m, _, _ in table} <= {"GET", "POST"}, "a new method needs a token rule"
-    needs = sorted(p for m, p, h in table if m == "GET" and getattr(h, "needs_token", False))
-    assert needs == ["/jobs/{job}/results", "/results"]
-    posts = [p for m, p, _ in table if m == "POST"]
-    assert len(posts) >= 10
+    table = sorted(
+        {
+            (r.method, r.resource.canonical)
+            for r in app.router.routes()
+            if r.resource is not None and r.method != "*"
+        }
+    )
+    guarded = [(m, p) for m, p in table if ("GET" if m == "HEAD" else m, p) not in OPEN]
+    assert len(guarded) >= 25, guarded
 
-    async def walk() -> list[tuple[str, int]]:
+    async def walk() -> list[tuple[str, str, int, str | None]]:
         out = []
         async with TestClient(TestServer(app)) as client:
-            for path in posts + needs:
-                method = "GET" if path in needs else "POST"
+            for method, path in guarded:
                 resp = await client.request(method, _fill(path), json={})
-                doc = await resp.json()
-                out.append((path, resp.status, doc["error"]["code"]))
+                doc = None if method == "HEAD" else (await resp.json())["error"]["code"]
+                out.append((method, path, resp.status, doc))
         return out
 
     answers = asyncio.run(walk())
-    assert answers == [(p, 401, "unauthorized") for p in posts + needs]
+    expected = [(m, p, 401, None if m == "HEAD" else "unauthorized") for m, p in guarded]
+    assert answers == expected
 
 
 def test_the_token_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -690,7 +706,7 @@ def test_request_sizes_and_waits_are_bounded(secured: NodeProcess) -> None:
     assert call(base, "POST", "/rows", headers=GOOD, raw=exact)[0::2] == (200, {"upserted": 0})
     many = [{"key": f"many{i}", "route": "r"} for i in range(10_001)]
     assert_error(call(base, "POST", "/rows", many, GOOD), 400, "too_many_rows")
-    assert call(base, "GET", "/rows?key=many0")[0] == 404
+    assert call(base, "GET", "/rows?key=many0", headers=GOOD)[0] == 404
     for body, code in [
         ({"max": 0, "consumer": "c"}, "invalid_max"),
         ({"max": 10_001, "consumer": "c"}, "invalid_max"),

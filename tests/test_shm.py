@@ -31,7 +31,7 @@ from shm.wake import WAKE_CAP, Wake
 
 SPAWN = multiprocessing.get_context("spawn")
 ROOT = Path(__file__).resolve().parent.parent
-SYS_FUTEX = "202"
+SYS_FUTEX = str(segment.SYS_FUTEX)  # this machine's (202 on x86_64, 98 on aarch64)
 DEADLINE_S = 10.0
 
 
@@ -477,12 +477,20 @@ def test_attach_to_a_missing_node_is_node_not_running(node):
         read_state(node)
 
 
-def test_another_layout_is_layout_mismatch_and_create_replaces_it(node):
+def test_another_layout_is_layout_mismatch_and_create_refuses_it(node):
+    """A segment of this node's with another layout may hold what a crash
+    left (live leases, in the lease table): refused with how to recover,
+    never replaced behind the operator's back."""
+    from shm.segment import StaleLayout
+
     name = segment_name(node, "ready")
     segment.create(name, 4096, layout_version=99).close()
     with pytest.raises(LayoutMismatch, match="layout version 99"):
         ReadySet.attach(node)
-    with ReadySet.create(node, capacity=10) as ready:  # the supervisor starts over
+    with pytest.raises(StaleLayout, match=f"stop it cleanly.*python -m node clear {node}"):
+        ReadySet.create(node, capacity=10)
+    assert segment.unlink(name)  # what clear does
+    with ReadySet.create(node, capacity=10) as ready:
         assert not ready.segment.reattached
         ready.publish([("k", 1, 1, 1, 1.0)], 1.0)
     with ReadySet.attach(node) as ready:

@@ -13,6 +13,13 @@ finish (up to ``drain_timeout_s``), logs one summary line and exits 0.
 Store thread: the store is opened on one thread and used only from it
 (``WorkerContext.store_executor``), so a slow write never blocks the event
 loop and no connection is shared between threads.
+
+Connections (``_Connections``): at most ``max_connections`` open at once (one
+more is answered 503 ``too_many_connections`` and closed, never queued), an
+idle keep-alive connection is closed after ``keepalive_s`` (aiohttp's own
+default keeps it an hour), and a request's headers must arrive within
+``header_timeout_s`` (aiohttp has no such limit: a client trickling header
+bytes would hold its connection for as long as it likes).
 """
 
 from __future__ import annotations
@@ -25,8 +32,11 @@ import socket
 import ssl
 import sys
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from aiohttp import web
 
 from node import log
 from node.config import Config, load_run_config, tls_context
@@ -42,6 +52,7 @@ from node.proc import (
     die_with_parent,
     set_title,
 )
+from workers.http_errors import raw_error
 
 # How long a read of the keeper's class list is reused: every POST /rows needs
 # it, and the keeper rewrites it only every state_interval_s (5 s).
@@ -49,6 +60,12 @@ CLASSES_TTL_S = 0.5
 EXPLAIN_TIMEOUT_S = 0.5
 # How often a stopping worker looks whether its requests in flight are done.
 DRAIN_POLL_S = 0.01
+# A connection past max_connections is answered once its request's headers
+# are in (closing with them unread could reset the connection before the
+# client reads the answer), or after this long, whichever comes first.
+REFUSE_WAIT_S = 1.0
+# What a client refused for too many connections is told to wait.
+CONNECTIONS_RETRY_AFTER_S = 1
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
@@ -181,6 +198,194 @@ class _WorkSide:
                 seg.close()
 
 
+class _Connections:
+    """This worker's open connections, and the bounds on them.
+
+    Every accepted connection gets a ``_Guard`` around aiohttp's protocol,
+    which sees the connection open and close and every byte arrive; the
+    app's outermost middleware (``track``) tells it when a request starts
+    and ends. The header clock runs from the connection's start (for its
+    first request) or from the first byte after a request ended (for the
+    next one on a keep-alive connection) until a request starts; it never
+    runs while a request is handled, so a long poll is never cut."""
+
+    def __init__(self, limit: int, header_timeout_s: float) -> None:
+        self.limit = limit
+        self.header_timeout_s = header_timeout_s
+        self.open: dict[asyncio.BaseTransport, _Guard] = {}
+        # Accepted, not connected yet: asyncio accepts a burst of connections
+        # before any of them is connected (a TLS one after its handshake), so
+        # counting only ``open`` would let a burst past the limit. Weak: a
+        # connection whose TLS handshake fails is never connected, and
+        # leaves this set when asyncio drops it.
+        self.pending: weakref.WeakSet[_Guard] = weakref.WeakSet()
+        self.refused = 0
+        self.header_timeouts = 0
+
+    def factory(self, make_protocol: Any) -> Any:
+        """The protocol factory for ``loop.create_server``."""
+
+        def protocol() -> asyncio.Protocol:
+            if len(self.open) + len(self.pending) >= self.limit:
+                return _Refuse(self)
+            guard = _Guard(self, make_protocol())
+            self.pending.add(guard)
+            return guard
+
+        return protocol
+
+    @web.middleware
+    async def track(self, request: web.Request, handler: Any) -> Any:
+        guard = self.open.get(request.transport)  # type: ignore[arg-type]
+        if guard is not None:
+            guard.request_started()
+        try:
+            return await handler(request)
+        finally:
+            if guard is not None:
+                guard.request_ended()
+
+
+class _Guard(asyncio.Protocol):
+    """aiohttp's protocol for one connection, with the header clock."""
+
+    def __init__(self, connections: _Connections, inner: asyncio.Protocol) -> None:
+        self.connections = connections
+        self.inner = inner
+        self.transport: asyncio.Transport | None = None
+        self.clock: asyncio.TimerHandle | None = None
+        self.in_request = False
+        self.between = False  # a request ended; the next byte starts the clock
+        self.bytes_since_clock = 0
+
+    def _start_clock(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.bytes_since_clock = 0
+        self.clock = loop.call_later(self.connections.header_timeout_s, self._headers_too_slow)
+
+    def _stop_clock(self) -> None:
+        if self.clock is not None:
+            self.clock.cancel()
+            self.clock = None
+
+    def _headers_too_slow(self) -> None:
+        self.clock = None
+        if self.in_request or self.transport is None or self.transport.is_closing():
+            return
+        self.connections.header_timeouts += 1
+        if self.bytes_since_clock:  # a request was begun: say why it ends
+            limit = self.connections.header_timeout_s
+            self.transport.write(
+                raw_error(408, "header_timeout", f"the request's headers took over {limit:g} s")
+            )
+        self.transport.close()
+
+    def request_started(self) -> None:
+        self._stop_clock()
+        self.in_request = True
+        self.between = False
+
+    def request_ended(self) -> None:
+        self.in_request = False
+        self.between = True
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.connections.pending.discard(self)
+        self.connections.open[transport] = self
+        self._start_clock()
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.between and not self.in_request:
+            self.between = False
+            self._start_clock()
+        self.bytes_since_clock += len(data)
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_clock()
+        if self.transport is not None:
+            self.connections.open.pop(self.transport, None)
+        self.inner.connection_lost(exc)
+
+
+class _Refuse(asyncio.Protocol):
+    """A connection past ``max_connections``: answered 503 and closed."""
+
+    def __init__(self, connections: _Connections) -> None:
+        self.connections = connections
+        self.transport: asyncio.Transport | None = None
+        self.seen = b""  # the last bytes received, for an end of headers across reads
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.connections.refused += 1
+        self.timer = asyncio.get_running_loop().call_later(REFUSE_WAIT_S, self._answer)
+
+    def data_received(self, data: bytes) -> None:
+        window = self.seen + data
+        if b"\r\n\r\n" in window or b"\n\n" in window:  # the request's headers are in
+            self._answer()
+        self.seen = window[-3:]
+
+    def _answer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.transport is None or self.transport.is_closing():
+            return
+        limit = self.connections.limit
+        self.transport.write(
+            raw_error(
+                503,
+                "too_many_connections",
+                f"this worker has {limit} connections open (max_connections); retry",
+                {"Retry-After": str(CONNECTIONS_RETRY_AFTER_S)},
+            )
+        )
+        self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+
+class _BoundedSite(web.SockSite):
+    """aiohttp's SockSite, with every connection going through ``_Connections``."""
+
+    def __init__(
+        self,
+        runner: web.AppRunner,
+        sock: socket.socket,
+        connections: _Connections,
+        ssl_context: ssl.SSLContext | None,
+    ) -> None:
+        super().__init__(runner, sock, ssl_context=ssl_context)
+        self.connections = connections
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with its runner
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            self.connections.factory(self._runner.server),
+            sock=self._sock,
+            ssl=self._ssl_context,
+            backlog=self._backlog,
+        )
+
+
 class _Drain:
     """Counts requests in flight, and ends keep-alive once the worker stops."""
 
@@ -209,8 +414,6 @@ async def serve(
     index: int, sock: socket.socket, config: Config, started_at: float, stop: asyncio.Event
 ) -> dict[str, Any]:
     """Serve until ``stop`` is set; returns what was served."""
-    from aiohttp import web
-
     from node.store import open_store
     from workers.console_http import routes as console_routes
     from workers.http import WorkerContext, make_app
@@ -252,13 +455,19 @@ async def serve(
             return await drain.track(request, handler)
 
         app.middlewares.append(count_in_flight)
+        connections = _Connections(config.max_connections, config.header_timeout_s)
+        app.middlewares.insert(0, connections.track)
         app.on_response_prepare.append(drain.on_response_prepare)
         quiet_client_parse_errors()
         runner = web.AppRunner(
-            app, handle_signals=False, access_log=None, shutdown_timeout=config.drain_timeout_s
+            app,
+            handle_signals=False,
+            access_log=None,
+            shutdown_timeout=config.drain_timeout_s,
+            keepalive_timeout=config.keepalive_s,
         )
         await runner.setup()
-        site = web.SockSite(runner, sock, ssl_context=ssl_context)
+        site = _BoundedSite(runner, sock, connections, ssl_context)
         await site.start()
         log.log("worker_start", index=index, node=config.name, tls=ssl_context is not None)
         t0 = time.monotonic()
@@ -285,6 +494,8 @@ async def serve(
         "requests": served.requests,
         "client_errors": served.client_errors,
         "internal_errors": served.internal_errors,
+        "connections_refused": connections.refused,
+        "header_timeouts": connections.header_timeouts,
         "up_s": round(time.monotonic() - t0, 3),
     }
     if ctx.work is not None:

@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from node.config import Config
-from node.errors import NodeError, ValidationError
+from node.errors import NodeError, NodeRestarted, ValidationError
 from node.log import warn
+from node.names import ledger_address  # noqa: F401 - re-exported: where callers find it
 from node.rows import MAX_CADENCE_S, MAX_DUE_AT, MIN_CADENCE_S, MIN_DUE_AT
 from node.store.base import BadRow, Store
 from shm.leases import (
@@ -49,10 +50,10 @@ from shm.leases import (
     owner_bits,
     truncated,
 )
-from shm.segment import SnapshotUnstable, segment_name
+from shm.segment import SnapshotUnstable
 
 try:
-    from shm import _claim
+    from shm import _claim  # type: ignore[attr-defined]  # C, built by setup.py
 except ImportError:  # every claim takes the Python path
     _claim = None  # type: ignore[assignment]
 
@@ -267,11 +268,6 @@ def decode_result(result: bytes, encoding: str) -> Any:
     return bytes(result)
 
 
-def ledger_address(name: str) -> str:
-    """The ledger's UNIX socket in the abstract namespace: ``\\0queue-node.<name>.ledger``."""
-    return "\0" + segment_name(name, "ledger")[1:]
-
-
 # Bumped in every child of os.fork: a claim path (its SQLite connection)
 # opened before a fork is never used after it.
 _forks = [0]
@@ -402,7 +398,7 @@ class Claimer:
                 decode_payload,
                 self._route_cadence,
                 self._cadence_of,
-                json.decoder.JSONDecoder().scan_once,
+                json.decoder.JSONDecoder().scan_once,  # type: ignore[attr-defined]
             )
         except (ImportError, BufferError, ValueError, _claim.RowError) as exc:
             return _python_path(f"{type(exc).__name__}: {exc}")  # the Python path serves
@@ -475,6 +471,11 @@ class Claimer:
                 raise SnapshotUnstable(
                     f"{self.ready.segment.name}: no consistent take; the keeper "
                     f"(pid {self.ready.segment.writer_pid}) rewrites faster than it can be read"
+                ) from None
+            if str(exc) == "sealed":
+                raise NodeRestarted(
+                    f"{self.leases.segment.name} is sealed: the node that owns it stopped "
+                    "granting from it; reattach to the running node's tables"
                 ) from None
             raise SlotTakenOver(f"{self.leases.segment.name}: {exc}") from None
         stats.taken += k[_TAKEN]

@@ -119,9 +119,9 @@ routes = web.RouteTableDef()
 def make_app(
     ctx: WorkerContext, extra_routes: Iterable[web.AbstractRouteDef] = ()
 ) -> web.Application:
-    """The API app. ``extra_routes`` (a RouteTableDef) adds endpoints: every
-    POST among them needs the token, and a GET that should needs
-    ``workers.http_errors.needs_token``."""
+    """The API app. ``extra_routes`` (a RouteTableDef) adds endpoints; with
+    a token configured every one of them needs it, unless it is named in
+    ``workers.http_errors.OPEN_ROUTES``."""
     app = web.Application(
         client_max_size=MAX_BODY_BYTES,
         middlewares=[error_middleware, auth_middleware],
@@ -367,7 +367,7 @@ async def get_row(request: web.Request) -> web.Response:
 @routes.get("/openapi.json")
 async def openapi_json(request: web.Request) -> web.Response:
     # Describe what this app serves: the work path's routes only when mounted.
-    spec = openapi.spec(token=bool(request.app.get(TOKEN)))
+    spec = openapi.spec(token=bool(request.app.get(TOKEN)))  # type: ignore[arg-type]
     served = {
         (r.resource.canonical, r.method.lower())
         for r in request.app.router.routes()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -107,11 +108,16 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     ),
     "not_found": (404, "no such path, or no such row"),
     "method_not_allowed": (405, "the path exists but not with this method"),
+    "header_timeout": (408, "the request's headers did not arrive within header_timeout_s"),
     "lease_conflict": (409, "the key was granted to another lease since this one"),
     "lease_unknown": (409, "no such lease for this key"),
     "lease_ended": (409, "release or renew of a lease that has ended (expired, released, done)"),
     "never_offered": (409, "an ack names result ids never offered; nothing was acked"),
     "body_too_large": (413, "the request body is over 16 MiB"),
+    "too_many_waiters": (
+        429,
+        "max_poll_waiters long polls already wait in this worker; retry after Retry-After",
+    ),
     "unsupported_media_type": (415, "aiohttp refused the content encoding"),
     "internal_error": (500, "a bug: the traceback is in the worker's log"),
     "store_unavailable": (503, "the durable store failed; retry later"),
@@ -119,6 +125,10 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "lease_busy": (503, "another process held the key's lease slot for over 0.5 s; retry"),
     "log_unavailable": (503, "the completion log cannot take results (full disk); retry later"),
     "ledger_unavailable": (503, "the ledger process cannot be reached, or failed; retry later"),
+    "too_many_connections": (
+        503,
+        "the worker has max_connections open connections; the new one is closed",
+    ),
 }
 
 # What an aiohttp HTTPException of a given status becomes.
@@ -173,6 +183,25 @@ class Served:
 
 SERVED = web.AppKey("served", Served)
 TOKEN = web.AppKey("token", str)
+
+
+_REASONS = {408: "Request Timeout", 503: "Service Unavailable"}
+
+
+def raw_error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> bytes:
+    """A whole HTTP/1.1 error answer, for a connection the app never sees
+    (refused at accept, or closed before its headers came): the usual JSON
+    shape, then the connection is closed."""
+    assert ERROR_CODES[code][0] == status, code
+    body = json.dumps({"error": {"code": code, "message": message, "field": None}}).encode()
+    lines = [
+        f"HTTP/1.1 {status} {_REASONS[status]}",
+        f"Content-Type: {JSON_TYPE}",
+        f"Content-Length: {len(body)}",
+        "Connection: close",
+        *(f"{name}: {value}" for name, value in (headers or {}).items()),
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii") + body
 
 
 def wants_msgpack(request: web.Request) -> bool:
@@ -260,11 +289,29 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     return response
 
 
-def needs_token(handler: Handler) -> Handler:
-    """Mark a GET handler as needing the token (result polls); every POST
-    needs it anyway."""
-    handler.needs_token = True  # type: ignore[attr-defined]
-    return handler
+# What a node with a token serves without it (CONTRACT.md, "Access"): its
+# liveness, readiness and metrics, and the console's static files, none of
+# which shows a key, a payload, a lease or an error. Every other route, and
+# any path no route matches, needs the token: a route added anywhere is
+# guarded unless it is named here.
+OPEN_ROUTES: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("GET", "/healthz"),
+        ("GET", "/readyz"),
+        ("GET", "/metrics"),
+        ("GET", "/"),
+        ("GET", "/console/{name}"),
+    }
+)
+
+
+def is_open(request: web.Request) -> bool:
+    """Whether this request may go without the token (a HEAD is a GET)."""
+    resource = request.match_info.route.resource
+    if resource is None:  # no route matched: a 404 or 405 to come
+        return False
+    method = "GET" if request.method == "HEAD" else request.method
+    return (method, resource.canonical) in OPEN_ROUTES
 
 
 def token_matches(header: str, token: str) -> bool:
@@ -280,18 +327,17 @@ def token_matches(header: str, token: str) -> bool:
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """With a token configured, every POST (and every handler marked with
-    ``needs_token``) needs ``Authorization: Bearer <token>``. Checked before
-    the body is read, so an unauthorised caller cannot make us read 16 MiB."""
+    """With a token configured, every request but the OPEN_ROUTES needs
+    ``Authorization: Bearer <token>``. Checked before the body is read, so an
+    unauthorised caller cannot make us read 16 MiB, and before the path is
+    answered 404, so paths cannot be probed without it."""
     token = request.app.get(TOKEN)
-    if token:
-        route_handler = request.match_info.handler
-        if request.method == "POST" or getattr(route_handler, "needs_token", False):
-            if not token_matches(request.headers.get("Authorization", ""), token):
-                raise ApiError(
-                    401,
-                    "unauthorized",
-                    "this node needs Authorization: Bearer <token>",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
+    if token and not is_open(request):
+        if not token_matches(request.headers.get("Authorization", ""), token):
+            raise ApiError(
+                401,
+                "unauthorized",
+                "this node needs Authorization: Bearer <token>",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
     return await handler(request)

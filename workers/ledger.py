@@ -28,6 +28,7 @@ import struct
 import sys
 import time
 from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from node import log
 from node.config import Config, load_run_config
 from node.errors import NodeError
 from node.ipc import MAX_FRAME, IpcError, RemoteError, pack, read_frame
+from node.names import ledger_address
 from node.proc import RET_ERROR, RET_OK, child_signals, die_with_parent, set_title
 
 # Segments of the completion log live in <data-dir>/LOG_DIR.
@@ -74,13 +76,13 @@ MAX_WAIT_S = 60.0
 REPLY_BYTES = 24 << 20
 # On SIGTERM, how long requests in flight get to finish.
 STOP_GRACE_S = 5.0
+# A repeat of an accepted completion is answered `repeat` with its result id
+# until the result is retired (acked or discarded) and for this long after:
+# the contract's "at least an hour". The log keeps the evidence as long
+# (keep_retired_s), so a restart answers the same (docs/delivery.md).
+REPEAT_WINDOW_S = 3600.0
 ENCODINGS = ("json", "bytes")
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
-
-
-def ledger_address(name: str) -> str:
-    """The ledger's socket: abstract namespace, no file (Linux)."""
-    return f"\0queue-node.{name}.ledger"
 
 
 def _bad(message: str) -> RemoteError:
@@ -130,13 +132,14 @@ class Ledger:
 
     def __init__(self, config: Config, leases: Any, store: Any, completion: Any) -> None:
         from node.accounting import AccountingFile
-        from node.delivery import Delivery
+        from node.delivery import Delivery, RepeatIndex
 
         self.config = config
         self.leases = leases
         self.store = store
         self.log = completion
         self.delivery = Delivery(config.offer_timeout_s)
+        self.repeats = RepeatIndex(REPEAT_WINDOW_S)
         self.acct = AccountingFile.open(config.data_dir)
         self.stats = _Stats()
         self._inflight: dict[tuple[str, int], asyncio.Future] = {}
@@ -168,7 +171,8 @@ class Ledger:
         A pending result whose lease the table still shows live or ended
         without a result (COMPLETED / LATE from peek) was made durable by a
         ledger that died before ending its lease: end it now, after the
-        write-back. Every pending result joins its job's ready queue."""
+        write-back. Every pending result joins its job's ready queue, and
+        the repeat index, with the results retired within REPEAT_WINDOW_S."""
         from node.completion import CompletionError
         from shm.leases import Outcome
 
@@ -177,6 +181,7 @@ class Ledger:
         if restored:
             log.warn("accounting_restored", added=restored, checkpoint_at=self.acct.checkpoint_at)
         fixed = 0
+        answered: list[tuple[int, Any, str]] = []  # (id, lease id, key) for the repeat index
         # Every pending result is read once (its lease id is not in the
         # index): about 10 µs each, 1 s per 100,000 pending (docs/delivery.md).
         for p in self.log.pending():
@@ -186,6 +191,7 @@ class Ledger:
                 log.error("result_unreadable", id=p.id, error=str(exc))
                 self.delivery.add(p.id, p.job)
                 continue
+            answered.append((p.id, result.lease_id, p.key))  # the log's index holds p.key
             outcome, _ = self.leases.peek(result.key, int(result.lease_id))
             due_at = result.finished_at + result.cadence_s
             if outcome in (Outcome.COMPLETED, Outcome.LATE):
@@ -200,6 +206,7 @@ class Ledger:
                 self._write_back(result.key, due_at, result.version)
             self.delivery.add(p.id, p.job)
         self.delivery.assume_offered_through(report.next_id - 1)
+        self._load_repeats(answered, now)
         gap = 0
         if restored:
             # The events between the last checkpoint and the crash are lost
@@ -220,8 +227,30 @@ class Ledger:
             "leases_ended": fixed,
             "accounting_restored": restored or {},
             "accounting_gap": gap,
+            "summaries": report.summaries,
+            "repeats": len(self.repeats),
         }
         return self.stats.recovery
+
+    def _load_repeats(self, pending: list[tuple[int, Any, str]], now: float) -> None:
+        """The repeat index from evidence: the pending results (read above)
+        and the results retired within the window, from the log's segments
+        and the lease summaries of removed ones. A retired result counts as
+        retired when its segment last was (never earlier than it was)."""
+        retired = self.log.retired_leases(now - REPEAT_WINDOW_S)
+        answered = pending + [(r.id, r.lease_id, r.key) for r in retired]
+        answered.sort(key=itemgetter(0))
+        add = self.repeats.add
+        for rid, lease_id, key in answered:
+            # Every lease id the ledger writes is one; a record from elsewhere
+            # (a test, a tool) may hold anything, and answers no completion.
+            if type(lease_id) is int and 0 < lease_id < 1 << 64:
+                add(lease_id, key, rid)
+        by_time: dict[float, list[int]] = {}
+        for r in retired:
+            by_time.setdefault(r.retired_at, []).append(r.id)
+        for at in sorted(by_time):
+            self.repeats.retire(by_time[at], at)
 
     # -- complete -----------------------------------------------------------------
 
@@ -238,7 +267,14 @@ class Ledger:
         }
         outcomes: list[dict | None] = [None] * len(items)
         peeked = []
+        repeat_of = self.repeats.find
         for i, item in enumerate(items):
+            # Ours first: the table's slot may hold another key by now, or a
+            # newer lease of this one (then it would say unknown or conflict).
+            rid = repeat_of(item["lease_id"], item["key"])
+            if rid:
+                outcomes[i] = {"status": "repeat", "id": rid}
+                continue
             outcome, lease = self.leases.peek(item["key"], item["lease_id"])
             if outcome in refused:
                 outcomes[i] = {"status": refused[outcome]}
@@ -294,7 +330,9 @@ class Ledger:
         self.stats.group_items_max = max(self.stats.group_items_max, len(items))
         self.stats.flush_s += flush_s
         self.stats.flush_s_max = max(self.stats.flush_s_max, flush_s)
+        answered = self.repeats.add
         for it, rid in zip(items, ids, strict=True):
+            answered(it.lease_id, it.key, rid)  # durable: a repeat gets this id from now on
             try:
                 self._write_back(it.key, now + it.cadence_s, it.version)
                 self._end_lease(it.key, it.lease_id, rid, it.job, now)
@@ -395,14 +433,14 @@ class Ledger:
             left = deadline - loop.time()
             if results or left <= 0 or self._stopping.is_set():
                 return {"results": results}
-            event = self.delivery.waiter(job)
             due = self.delivery.next_deadline(job)
             if due is not None:
                 left = min(left, max(0.001, due - time.time()))
-            try:
-                await asyncio.wait_for(event.wait(), left)
-            except TimeoutError:
-                pass
+            with self.delivery.waiting(job) as event:
+                try:
+                    await asyncio.wait_for(event.wait(), left)
+                except TimeoutError:
+                    pass
 
     def offer(self, job: str | None, max_n: int, now: float) -> list[dict]:
         from node.completion import CompletionError
@@ -440,13 +478,15 @@ class Ledger:
         if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
             raise _bad("ids must be non-negative integers")
         elsewhere = [i for i in ids if (p := self.log.get_pending(i)) is not None and p.job != job]
+        now = time.time()
         try:
             if elsewhere:
                 raise NeverOffered(job, elsewhere)
-            retired = self.delivery.retire(job, ids, time.time())
+            retired = self.delivery.retire(job, ids, now)
         except NeverOffered as exc:
             raise _NeverOfferedReply(exc) from None
-        self.log.ack(retired)
+        self.log.ack(retired, now)
+        self.repeats.retire(retired, now)
         self.stats.acks += 1
         self.stats.acked += len(retired)
         await self.flushed()
@@ -516,8 +556,11 @@ class Ledger:
     def stats_reply(self) -> dict:
         c = self.log.counters()
         s = self.stats
+        poll_waiters, poll_waiter_jobs = self.delivery.waiters()
         return {
             "pid": os.getpid(),
+            "poll_waiters": poll_waiters,
+            "poll_waiter_jobs": poll_waiter_jobs,
             "up_s": round(time.time() - s.started_at, 3),
             "statuses": dict(s.statuses),
             "groups": s.groups,
@@ -541,6 +584,7 @@ class Ledger:
             "unreadable": s.unreadable,
             "pending": self.delivery.pending(),
             "offered_now": self.delivery.offered(),
+            "repeats": len(self.repeats),
             "jobs": len(self.delivery.jobs()),
             "log": dataclasses.asdict(c),
             "recovery": s.recovery,
@@ -553,6 +597,7 @@ class Ledger:
         could not be done at commit, checkpoint the counters."""
         self.stats.sweeps += 1
         self.stats.expired += len(self.leases.expire(now))
+        self.repeats.expire(now)
         if self._unended:
             todo, self._unended = self._unended, []
             for key, lease_id, rid, job in todo:
@@ -579,8 +624,9 @@ class Ledger:
             ids = self.log.expired(job, now - keep_s, RETENTION_MAX_PER_SWEEP)
             if not ids:
                 continue
-            dropped[job] = self.log.discard(ids, RETENTION_REASON)
+            dropped[job] = self.log.discard(ids, RETENTION_REASON, now)
             self.delivery.remove(ids, job)  # an offer out now: its ack counts 0
+            self.repeats.retire(ids, now)
         if dropped:
             total = sum(dropped.values())
             self.stats.discarded += total
@@ -589,21 +635,23 @@ class Ledger:
 
     def compact(self, now: float) -> int:
         """Remove the segments whose every result is retired (acknowledged
-        or discarded): the log's disk use follows what awaits delivery. One
-        log line when any went; a log that cannot write now tries again at
-        the next interval."""
+        or discarded): the log's disk use follows what awaits delivery (plus
+        a lease summary of each for REPEAT_WINDOW_S: about 16 bytes and the
+        key a result). One log line when any went; a log that cannot write
+        now tries again at the next interval."""
         from node.completion import LogUnavailable
 
         self._compact_due = now + COMPACT_INTERVAL_S
-        if not self.log.removable_segments():
+        if not self.log.removable_segments() and not self.log.expired_summaries(now):
             return 0
         try:
-            removed = self.log.compact()
+            removed = self.log.compact(now)
         except LogUnavailable as exc:
             log.warn("compact_failed", error=str(exc))
             return 0
-        self.stats.segments_removed += removed
-        log.log("segments_removed", count=removed)
+        if removed:
+            self.stats.segments_removed += removed
+            log.log("segments_removed", count=removed)
         return removed
 
     def checkpoint(self, now: float) -> None:
@@ -840,7 +888,11 @@ def open_ledger(config: Config) -> Ledger:
         log.warn("test_hook_log_faults", control=faults)
     completion = open_completion_store(
         f"segments:///{log_dir}",
-        CompletionConfig(fsync=config.log_fsync, segment_bytes=config.log_segment_bytes),
+        CompletionConfig(
+            fsync=config.log_fsync,
+            segment_bytes=config.log_segment_bytes,
+            keep_retired_s=REPEAT_WINDOW_S,
+        ),
         file_ops=file_ops,
     )
     return Ledger(config, leases, store, completion)

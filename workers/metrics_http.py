@@ -183,9 +183,9 @@ def state_families(
     )
     gauge.add_metric([], 1 if vouched else 0)
     out: list[Metric] = [gauge]
-    if not vouched:
+    if state is None or not vouched:
         return out
-    doc = state["doc"]
+    doc = state["doc"] or {}
     due = (doc.get("now") or {}).get("due") or {}
     due_gauge = GaugeMetricFamily(
         "queue_node_due", "Rows due now (as of the keeper's last counts).", labels=["kind"]

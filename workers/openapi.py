@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.http_errors import ERROR_CODES
+from workers.http_errors import ERROR_CODES, OPEN_ROUTES
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -46,17 +46,21 @@ _BAD = _error_response("validation error; nothing changed")
 
 
 def spec(token: bool = True) -> dict[str, Any]:
-    """The document. ``token``: the node has one, so every POST and the result
-    polls need ``Authorization: Bearer``; without one nothing does, and the
-    document says so (a client, or a fuzzer, then sends no credentials)."""
+    """The document. ``token``: the node has one, so every operation but
+    ``OPEN_ROUTES`` (health, readiness, metrics, the console's files) needs
+    ``Authorization: Bearer``; without one nothing does, and the document
+    says so (a client, or a fuzzer, then sends no credentials)."""
     doc = _document()
     if not token:
         doc["security"] = [{}]
-        for ops in doc["paths"].values():
-            for op in ops.values():
-                if "security" in op:
-                    op["security"] = [{}]
-                    op["responses"].pop("401", None)
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            if token and (method.upper(), path) not in OPEN_ROUTES:
+                op["security"] = [{"bearer": []}]
+                op["responses"].setdefault("401", _UNAUTHORIZED)
+            else:
+                op["security"] = [{}]
+                op["responses"].pop("401", None)
     return doc
 
 
@@ -316,7 +320,6 @@ def _get(
     params: dict[str, dict[str, Any]],
     answer: dict[str, Any],
     errors: dict[str, str],
-    token: bool = False,
     path_params: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     parameters = [
@@ -324,16 +327,12 @@ def _get(
         for name in path_params
     ] + [{"name": name, "in": "query", "schema": schema} for name, schema in params.items()]
     responses = {"200": _json(answer), "400": _BAD}
-    if token:
-        responses["401"] = _UNAUTHORIZED
     responses.update({status: _error_response(text) for status, text in errors.items()})
-    op: dict[str, Any] = {"summary": summary, "parameters": parameters, "responses": responses}
-    if token:
-        op["security"] = [{"bearer": []}]
-    return {"get": op}
+    return {"get": {"summary": summary, "parameters": parameters, "responses": responses}}
 
 
 _LEDGER_DOWN = "ledger_unavailable: the ledger cannot be reached; retry"
+_WAITERS = "too_many_waiters: max_poll_waiters long polls wait already (wait_s > 0); retry"
 _LEASE_409 = "lease_conflict, lease_unknown or lease_ended"
 
 
@@ -370,7 +369,7 @@ def _work_paths() -> dict[str, Any]:
     limit = {"limit": {"type": "integer", "minimum": 1, "maximum": 10_000, "default": 1000}}
     return {
         "/claim": _post(
-            "lease up to max due keys, most overdue first",
+            "lease up to max due keys, most overdue first; the answer stops at claim_answer_bytes",
             _obj(
                 {
                     "max": {"type": "integer", "minimum": 1, "maximum": 10_000},
@@ -437,16 +436,14 @@ def _work_paths() -> dict[str, Any]:
             "offer up to max ready results of the job (long poll up to wait_s)",
             poll_params,
             _results_answer(),
-            {"503": _LEDGER_DOWN},
-            token=True,
+            {"429": _WAITERS, "503": _LEDGER_DOWN},
             path_params=("job",),
         ),
         "/results": _get(
             "offer ready results across all jobs",
             poll_params,
             _results_answer(),
-            {"503": _LEDGER_DOWN},
-            token=True,
+            {"429": _WAITERS, "503": _LEDGER_DOWN},
         ),
         "/jobs/{job}/ack": _post(
             "retire offered results (idempotent)",

@@ -30,6 +30,7 @@ from node.completion.base import (
     Pending,
     RecoveryReport,
     Result,
+    RetiredLease,
     TailCut,
     UnknownResult,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "Pending",
     "RecoveryReport",
     "Result",
+    "RetiredLease",
     "TailCut",
     "UnknownResult",
     "check_completion_url",

@@ -18,6 +18,10 @@ Rules every backend keeps (``docs/completion-log.md`` says why):
   a crash before it re-offers them, which is at-least-once, never loss.
 - Counters count records that are durable, so after ``flush()`` they equal
   what ``recover()`` rebuilds from the disk, exactly.
+- Which lease each result answered stays on disk for ``keep_retired_s``
+  after the result is retired (``retired_leases``): in its segment, or, once
+  compaction removed that, in the segment's lease summary. The ledger answers
+  a repeated completion from it after a restart (``docs/delivery.md``).
 - Not thread-safe: the ledger process is the single writer, on one thread.
 """
 
@@ -32,7 +36,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
-from operator import not_, rshift
+from operator import itemgetter, not_, rshift
 from typing import Any, NamedTuple
 
 from node.errors import NodeError, ValidationError
@@ -146,6 +150,20 @@ class Result:
         return json.loads(self.data) if self.encoding == ENCODING_JSON else self.data
 
 
+# (result id, lease id, key): what a result's lease evidence is.
+LeaseEntry = tuple[int, int | str, str]
+
+
+class RetiredLease(NamedTuple):
+    """A retired result as ``retired_leases`` gives it back: which lease it
+    answered, for which key, and (at the latest) when it was retired."""
+
+    id: int
+    lease_id: int | str
+    key: str
+    retired_at: float
+
+
 class Pending(NamedTuple):
     """A durable, unretired result as the index holds it: no payload, no
     lease. ``read_result(id)`` reads the rest back from the log."""
@@ -216,6 +234,7 @@ class RecoveryReport:
     # checkpoint and the unlink), or created but torn before its first record.
     removed_segments: list[int] = field(default_factory=list)
     counters: Counters = field(default_factory=Counters)
+    summaries: int = 0  # lease summaries of removed segments, still within keep_retired_s
 
     @property
     def exact(self) -> bool:
@@ -227,6 +246,10 @@ class RecoveryReport:
 class CompletionConfig:
     fsync: str = FSYNC_BATCH
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
+    # How long after a result is retired the log keeps the evidence of which
+    # lease it answered (``retired_leases``): a removed segment leaves a lease
+    # summary for that long. 0: none (the ledger sets its repeat window).
+    keep_retired_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.fsync not in FSYNC_POLICIES:
@@ -235,6 +258,8 @@ class CompletionConfig:
             )
         if self.segment_bytes < 4096:
             raise ValueError(f"segment_bytes must be at least 4096, not {self.segment_bytes}")
+        if not 0 <= self.keep_retired_s < float("inf"):
+            raise ValueError(f"keep_retired_s must be 0 or more, not {self.keep_retired_s}")
 
 
 # -- the interface --------------------------------------------------------------------
@@ -262,17 +287,20 @@ class CompletionStore(abc.ABC):
         rejected (retire records stay buffered and are retried)."""
 
     @abc.abstractmethod
-    def ack(self, ids: Iterable[int]) -> int:
+    def ack(self, ids: Iterable[int], now: float | None = None) -> int:
         """Retire pending results as delivered; returns how many were pending
-        (idempotent: other ids count 0)."""
+        (idempotent: other ids count 0). ``now`` (wall time, default the
+        clock's) is written in the record: when they were retired."""
 
     @abc.abstractmethod
-    def discard(self, ids: Iterable[int], reason: str) -> int:
+    def discard(self, ids: Iterable[int], reason: str, now: float | None = None) -> int:
         """Retire pending results without delivery (retention, an operator);
         counted as discarded. Returns how many were pending."""
 
     @abc.abstractmethod
-    def discard_expired(self, job: str, finished_before: float, reason: str = "retention") -> int:
+    def discard_expired(
+        self, job: str, finished_before: float, reason: str = "retention", now: float | None = None
+    ) -> int:
         """Discard the job's oldest pending results finished before the given
         time, in id order up to the first one that is not. Returns how many."""
 
@@ -296,9 +324,16 @@ class CompletionStore(abc.ABC):
         """The pending result with its payload, read back from the log."""
 
     @abc.abstractmethod
-    def compact(self) -> int:
+    def compact(self, now: float | None = None) -> int:
         """Flush, then remove segments whose results are all retired (never the
-        active one); returns how many were removed."""
+        active one), leaving a lease summary of each one retired less than
+        ``keep_retired_s`` before ``now``; drop the summaries older than that.
+        Returns how many segments were removed."""
+
+    @abc.abstractmethod
+    def retired_leases(self, since: float) -> list[RetiredLease]:
+        """The durable results retired at or after ``since`` (wall time),
+        with the lease each answered, in id order (never one still pending)."""
 
     @abc.abstractmethod
     def counters(self) -> Counters: ...
@@ -585,6 +620,9 @@ class SegmentStats:
     # while one of them is on disk, this segment's records are still evidence.
     refs: set[int] = field(default_factory=set)
     damaged: bool = False  # recovery could not read all of it: kept for an operator
+    # The latest retirement of any of its results (wall time; 0: none). One
+    # time for the whole segment: what the lease evidence is kept by.
+    retired_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -650,15 +688,24 @@ class Checkpoint:
 
 class _Retire:
     """A buffered ACK or DISCARD: already applied to the index, not yet durable.
-    ``by_segment`` counts the retired results per segment they live in."""
+    ``by_segment`` counts the retired results per segment they live in; ``at``
+    is when (wall time; None writes a record without it, as format 2 did)."""
 
-    __slots__ = ("kind", "ids", "reason", "by_segment")
+    __slots__ = ("kind", "ids", "reason", "by_segment", "at")
 
-    def __init__(self, kind: str, ids: list[int], reason: str, by_segment: dict[int, int]) -> None:
+    def __init__(
+        self,
+        kind: str,
+        ids: list[int],
+        reason: str,
+        by_segment: dict[int, int],
+        at: float | None = None,
+    ) -> None:
         self.kind = kind
         self.ids = ids
         self.reason = reason
         self.by_segment = by_segment
+        self.at = at
 
 
 def _check_result(r: Result) -> None:
@@ -699,6 +746,13 @@ class BufferedLog(CompletionStore):
     - ``_read(result_id, segment, offset) -> Result``.
     - ``_remove(segments, checkpoint)``: make the checkpoint durable, then
       delete the segments.
+    - ``_results_of(segment) -> [(id, lease_id, key)]``: every durable RESULT
+      record of a segment on disk, read back (the retired ones too).
+    - ``_keep(summaries)``: make lease summaries ``(segment, retired_at,
+      entries)`` durable (before the checkpoint that removes the segments);
+      ``_kept_entries(segment)`` reads one back, ``_drop_kept(segments)``
+      deletes them. ``_load`` fills ``_kept`` (segment -> retired_at) with the
+      summaries of segments the checkpoint covers.
     - ``_close()``.
     """
 
@@ -721,8 +775,12 @@ class BufferedLog(CompletionStore):
         self._acked = 0
         self._discarded = 0
         self._rejected = 0
-        self._loaded_retires: list[tuple[str, Sequence[int], int]] = []
+        self._loaded_retires: list[tuple[str, Sequence[int], int, float | None]] = []
         self._loaded_retire_ids = 0
+        # Lease summaries of removed segments: segment -> its retired_at.
+        self._kept: dict[int, float] = {}
+        # A retire record without a time (format 1 or 2) counts as retired now.
+        self._loaded_at = time.time()
 
     # -- storage hooks --------------------------------------------------------------
 
@@ -741,6 +799,18 @@ class BufferedLog(CompletionStore):
     def _remove(self, segments: list[int], checkpoint: Checkpoint) -> None: ...
 
     @abc.abstractmethod
+    def _results_of(self, segment: int) -> Iterable[LeaseEntry]: ...
+
+    @abc.abstractmethod
+    def _keep(self, summaries: list[tuple[int, float, list[LeaseEntry]]]) -> None: ...
+
+    @abc.abstractmethod
+    def _kept_entries(self, segment: int) -> list[LeaseEntry]: ...
+
+    @abc.abstractmethod
+    def _drop_kept(self, segments: list[int]) -> None: ...
+
+    @abc.abstractmethod
     def _close(self) -> None: ...
 
     # -- recovery -------------------------------------------------------------------
@@ -752,11 +822,14 @@ class BufferedLog(CompletionStore):
         self._active = max(self._active, number)
         return stats
 
-    def _loaded_retire(self, kind: str, ids: Sequence[int], segment: int) -> None:
-        """Note a durable retire record found in ``segment``. Applied in bulk
-        by ``_apply_loaded_retires`` (a record only ever retires results
-        written before it, so applying later changes nothing)."""
-        self._loaded_retires.append((kind, ids, segment))
+    def _loaded_retire(
+        self, kind: str, ids: Sequence[int], segment: int, at: float | None = None
+    ) -> None:
+        """Note a durable retire record found in ``segment`` (``at``: when,
+        None in a record of format 1 or 2). Applied in bulk by
+        ``_apply_loaded_retires`` (a record only ever retires results written
+        before it, so applying later changes nothing)."""
+        self._loaded_retires.append((kind, ids, segment, at))
         self._loaded_retire_ids += len(ids)
 
     def _apply_loaded_retires(self, force: bool) -> None:
@@ -768,13 +841,13 @@ class BufferedLog(CompletionStore):
         pending = self._loaded_count()
         if not force and self._loaded_retire_ids < max(RETIRE_PASS_MIN_IDS, pending // 2):
             return
-        any_discard = any(kind == RETIRE_DISCARD for kind, _, _ in self._loaded_retires)
+        any_discard = any(kind == RETIRE_DISCARD for kind, _, _, _ in self._loaded_retires)
         if any_discard:
             retired: dict[int, bool] = {}
-            for kind, ids, _ in reversed(self._loaded_retires):  # the first retirement wins
+            for kind, ids, _, _ in reversed(self._loaded_retires):  # the first retirement wins
                 retired.update(dict.fromkeys(ids, kind == RETIRE_DISCARD))
         else:  # acks only, the common case: one dict, no copies
-            every_id = chain.from_iterable(ids for _, ids, _ in self._loaded_retires)
+            every_id = chain.from_iterable(ids for _, ids, _, _ in self._loaded_retires)
             retired = dict.fromkeys(every_id, False)
         records, self._loaded_retires, self._loaded_retire_ids = self._loaded_retires, [], 0
         stats = self._segments
@@ -788,15 +861,20 @@ class BufferedLog(CompletionStore):
         # Which segments a record's ids live in, from the id ranges of the
         # segments: per record, not per id. May name a segment none of its ids
         # were pending in, which only keeps the record's segment a little
-        # longer (refs delay compaction, never hasten it).
+        # longer (refs delay compaction, never hasten it), and that segment's
+        # lease evidence (retired_at: kept longer, never shorter).
         numbers = sorted(stats)
         first_ids = [stats[n].first_id for n in numbers]
-        for _, ids, by in records:
+        for _, ids, by, at in records:
             if not ids:
                 continue
+            when = self._loaded_at if at is None else at
             lo, hi = min(ids), max(ids)
             i = max(0, bisect.bisect_right(first_ids, lo) - 1)
             while i < len(numbers) and first_ids[i] <= hi:
+                target = stats[numbers[i]]
+                if when > target.retired_at:
+                    target.retired_at = when
                 if numbers[i] != by:
                     stats[by].refs.add(numbers[i])
                 i += 1
@@ -830,6 +908,8 @@ class BufferedLog(CompletionStore):
             *(s.first_id for s in self._segments.values()),
         )
         self._recovered = True
+        self._drop_expired_kept(self._loaded_at)
+        report.summaries = len(self._kept)
         report.pending = len(self._index)
         report.next_id = self._next_id
         report.counters = self.counters()
@@ -893,8 +973,9 @@ class BufferedLog(CompletionStore):
             else:
                 self._discarded += len(rt.ids)
 
-    def _retire(self, kind: str, ids: Iterable[int], reason: str) -> int:
+    def _retire(self, kind: str, ids: Iterable[int], reason: str, now: float | None) -> int:
         self._check()
+        at = time.time() if now is None else float(now)
         done: list[int] = []
         by_segment: dict[int, int] = {}
         remove = self._index.remove
@@ -906,20 +987,27 @@ class BufferedLog(CompletionStore):
                 by_segment[number] = by_segment.get(number, 0) + 1
                 self._segments[number].live -= 1
         if done:
-            self._retires.append(_Retire(kind, done, reason, by_segment))
+            for number in by_segment:
+                seg = self._segments[number]
+                if at > seg.retired_at:
+                    seg.retired_at = at
+            self._retires.append(_Retire(kind, done, reason, by_segment, at))
             if self.config.fsync == FSYNC_ALWAYS:
                 self.flush()
         return len(done)
 
-    def ack(self, ids: Iterable[int]) -> int:
-        return self._retire(RETIRE_ACK, ids, "")
+    def ack(self, ids: Iterable[int], now: float | None = None) -> int:
+        return self._retire(RETIRE_ACK, ids, "", now)
 
-    def discard(self, ids: Iterable[int], reason: str) -> int:
-        return self._retire(RETIRE_DISCARD, ids, reason)
+    def discard(self, ids: Iterable[int], reason: str, now: float | None = None) -> int:
+        return self._retire(RETIRE_DISCARD, ids, reason, now)
 
-    def discard_expired(self, job: str, finished_before: float, reason: str = "retention") -> int:
+    def discard_expired(
+        self, job: str, finished_before: float, reason: str = "retention", now: float | None = None
+    ) -> int:
         self._check()
-        return self._retire(RETIRE_DISCARD, self._index.older_than(job, finished_before), reason)
+        expired = self._index.older_than(job, finished_before)
+        return self._retire(RETIRE_DISCARD, expired, reason, now)
 
     def expired(self, job: str, finished_before: float, limit: int | None = None) -> list[int]:
         self._check()
@@ -969,18 +1057,67 @@ class BufferedLog(CompletionStore):
                 going.add(number)
         return sorted(going)
 
-    def compact(self) -> int:
+    def compact(self, now: float | None = None) -> int:
         self.flush()
+        now = time.time() if now is None else now
         numbers = self.removable_segments()
-        if not numbers:
-            return 0
-        stats = [self._segments[n] for n in numbers]
-        checkpoint = self._checkpoint.with_removed(stats, self._next_id, self._active + 1)
-        self._remove(numbers, checkpoint)
-        self._checkpoint = checkpoint
-        for n in numbers:
-            del self._segments[n]
+        if numbers:
+            stats = [self._segments[n] for n in numbers]
+            # The lease evidence of results retired less than keep_retired_s
+            # ago outlives their segment: its summary is durable before the
+            # checkpoint that removes the segment (a crash between the two
+            # leaves both; recovery drops the summary of a segment still live).
+            keep = self.config.keep_retired_s
+            kept = {s.number: s.retired_at for s in stats if keep and s.retired_at + keep > now}
+            if kept:
+                self._keep([(n, at, list(self._results_of(n))) for n, at in kept.items()])
+            checkpoint = self._checkpoint.with_removed(stats, self._next_id, self._active + 1)
+            self._remove(numbers, checkpoint)
+            self._checkpoint = checkpoint
+            for n in numbers:
+                del self._segments[n]
+            self._kept.update(kept)
+        self._drop_expired_kept(now)
         return len(numbers)
+
+    def expired_summaries(self, now: float) -> list[int]:
+        """The lease summaries whose results were all retired at least
+        ``keep_retired_s`` before ``now``: ``compact`` drops them."""
+        keep = self.config.keep_retired_s
+        return [n for n, at in self._kept.items() if at + keep <= now]
+
+    def _drop_expired_kept(self, now: float) -> None:
+        gone = self.expired_summaries(now)
+        if gone:
+            self._drop_kept(gone)
+            for n in gone:
+                del self._kept[n]
+
+    def retired_leases(self, since: float) -> list[RetiredLease]:
+        """From the segments on disk whose latest retirement is at or after
+        ``since``, and from the summaries of removed ones. The time is the
+        segment's latest retirement, so this may name results retired before
+        ``since`` (never leave one out). Reads the records back: costs the
+        results of those segments (the ledger calls it once, at start)."""
+        self._check()
+        out: list[RetiredLease] = []
+        pending = self._index._slot
+        for number in sorted(self._segments):
+            s = self._segments[number]
+            if s.retired_at < since or s.live >= s.results:
+                continue
+            at = s.retired_at
+            out += [
+                RetiredLease(rid, lease_id, key, at)
+                for rid, lease_id, key in self._results_of(number)
+                if pending(rid) < 0
+            ]
+        for number, at in self._kept.items():
+            if at >= since:
+                out += [RetiredLease(rid, lease_id, key, at)
+                        for rid, lease_id, key in self._kept_entries(number)]  # fmt: skip
+        out.sort(key=itemgetter(0))
+        return out
 
     def close(self, flush: bool = True) -> None:
         if self._closed:

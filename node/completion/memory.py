@@ -4,7 +4,8 @@ Same semantics as ``node.completion.segments``, down to what a test can see:
 ids, the group-commit buffer (a result is pending only after ``flush()``),
 ``recover()`` as a restart (the buffer is lost, the durable records are
 replayed), segments that roll over at ``segment_bytes`` (sizes estimated),
-compaction with the same rule and a checkpoint. Nothing is written anywhere.
+compaction with the same rule, a checkpoint and lease summaries. Nothing is
+written anywhere.
 ``disk_full = True`` makes every commit fail with ``LogUnavailable``, as a
 full disk does. ``tests/test_completion.py`` holds the two together.
 """
@@ -18,6 +19,7 @@ from node.completion.base import (
     BufferedLog,
     Checkpoint,
     CompletionConfig,
+    LeaseEntry,
     LogUnavailable,
     RecoveryReport,
     Result,
@@ -36,6 +38,7 @@ class MemoryCompletionStore(BufferedLog):
         self._disk_first_id: dict[int, int] = {}
         self._disk_bytes: dict[int, int] = {}
         self._disk_checkpoint = Checkpoint()
+        self._disk_summaries: dict[int, tuple[float, list[LeaseEntry]]] = {}
         self.disk_full = False
         super().__init__(config)
 
@@ -61,7 +64,7 @@ class MemoryCompletionStore(BufferedLog):
             offsets.append(len(records))
             records.append(("result", replace(r, id=rid)))
         for rt in retires:
-            records.append((rt.kind, tuple(rt.ids), rt.reason))
+            records.append((rt.kind, tuple(rt.ids), rt.reason, rt.at))
         self._disk_bytes[self._active] += total
         return self._active, offsets
 
@@ -78,10 +81,15 @@ class MemoryCompletionStore(BufferedLog):
                     stats.live += 1
                     report.results += 1
                 else:
-                    self._loaded_retire(rec[0], rec[1], number)
+                    self._loaded_retire(rec[0], rec[1], number, rec[3] if len(rec) > 3 else None)
                 report.records += 1
             report.segments += 1
             self._apply_loaded_retires(force=False)
+        for number in list(self._disk_summaries):
+            if self._checkpoint.covers(number) and number not in self._disk:
+                self._kept[number] = self._disk_summaries[number][0]
+            else:  # left by a "crash" before the checkpoint: the segment is the evidence
+                del self._disk_summaries[number]
 
     def _read(self, result_id: int, segment: int, offset: int) -> Result:
         return self._disk[segment][offset][1]
@@ -92,6 +100,24 @@ class MemoryCompletionStore(BufferedLog):
         self._disk_checkpoint = checkpoint
         for number in segments:
             del self._disk[number], self._disk_first_id[number], self._disk_bytes[number]
+
+    def _results_of(self, segment: int) -> list[LeaseEntry]:
+        return [
+            (r.id, r.lease_id, r.key) for kind, r, *_ in self._disk[segment] if kind == "result"
+        ]
+
+    def _keep(self, summaries: list[tuple[int, float, list[LeaseEntry]]]) -> None:
+        if self.disk_full:
+            raise LogUnavailable("completion log: the (simulated) disk is full")
+        for number, at, entries in summaries:
+            self._disk_summaries[number] = (at, list(entries))
+
+    def _kept_entries(self, segment: int) -> list[LeaseEntry]:
+        return list(self._disk_summaries[segment][1])
+
+    def _drop_kept(self, segments: list[int]) -> None:
+        for number in segments:
+            self._disk_summaries.pop(number, None)
 
     def _close(self) -> None:
         pass

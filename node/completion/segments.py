@@ -4,6 +4,7 @@ Directory layout (``<data-dir>/completion/`` by default)::
 
     000000000001.seg     segments, numbered in creation order; the newest is active
     000000000002.seg
+    000000000001.leases  lease summary of a removed segment (while keep_retired_s lasts)
     checkpoint           counts of compacted segments (absent until the first removal)
     LOCK                 flock()ed by the one writer; holds its pid
 
@@ -11,7 +12,7 @@ Segment file::
 
     offset  size  field
     0       8     magic  b"QNODECPL"
-    8       2     format version (u16 LE) = FORMAT_VERSION (2; 1 is still read)
+    8       2     format version (u16 LE) = FORMAT_VERSION (3; 1 and 2 are still read)
     10      2     flags (u16 LE) = 0
     12      8     segment number (u64 LE), equal to the file name
     20      8     first id (u64 LE): every RESULT here has id >= it, and ids
@@ -31,10 +32,16 @@ Record (frame)::
                         9  m  meta: msgpack [id, job, key, lease_id, version,
                               finished_at, cadence_s, encoding (0 bytes, 1 json)]
                         9+m   data: the result's bytes, to the end of the body
-    ACK                 msgpack [2, [id, ...]]
-    DISCARD             msgpack [3, [id, ...], reason]
+    ACK                 msgpack [2, [id, ...], retired_at]
+    DISCARD             msgpack [3, [id, ...], reason, retired_at]
+                        (retired_at: wall seconds, a float; formats 1 and 2
+                        wrote these records without it)
     RESULT (format 1)   msgpack [1, id, job, key, lease_id, version,
                         finished_at, cadence_s, encoding, data (bin)]
+
+Format 3 added only ``retired_at`` to ACK and DISCARD: how long a retired
+result's lease evidence is kept (``keep_retired_s``) counts from it. A record
+without it (format 1 or 2) counts as retired when recovery reads it.
 
 Format 2 exists so that recovery decodes a result's few small fields and
 never touches its payload (``docs/completion-log.md``, "Numbers"): in every
@@ -54,6 +61,26 @@ Checkpoint file: magic b"QNODECKP", u16 version, u16 flags, then one frame
 whose body is a msgpack map (``Checkpoint.to_dict``). Written to
 ``checkpoint.tmp``, fsynced, renamed, directory fsynced: it is either the old
 or the new one, never half.
+
+Lease summary file (``<segment>.leases``): what compaction keeps of a removed
+segment whose results were retired less than ``keep_retired_s`` ago, so that
+a repeated completion is still recognised after a restart::
+
+    0       8     magic  b"QNODELSM"
+    8       2     version (u16 LE) = SUMMARY_VERSION (1)
+    10      2     flags (u16 LE) = 0
+    12      8     segment number (u64 LE), equal to the file name
+    20      8     retired_at (f64 LE): the segment's latest retirement
+    28      4     crc32 of bytes 0..27 (u32 LE)
+    32      ...   one frame (as a record's): msgpack [[id, ...], [lease_id, ...], [key, ...]]
+
+Written like the checkpoint (``.tmp``, fsync, rename), all of a compaction's
+summaries before one directory fsync, and that before the checkpoint that
+removes their segments. Recovery keeps the summaries of segments the
+checkpoint covers and still within ``keep_retired_s``, and deletes the rest
+(a summary of a segment still on disk is left by a crash before the
+checkpoint: the segment itself is the evidence). One that does not parse is
+logged and deleted: only the repeat answers for its results are lost.
 
 Every file call goes through ``FileOps`` (the disk-fault seam of issue 5): a
 test replaces it to raise ENOSPC or EIO, or to sleep in fsync.
@@ -92,6 +119,7 @@ from node.completion.base import (
     Checkpoint,
     CompletionConfig,
     CorruptSpan,
+    LeaseEntry,
     LogCorrupt,
     LogLocked,
     LogUnavailable,
@@ -104,13 +132,17 @@ from node.completion.base import (
 from node.completion.staging import Stage, StagedBatch
 from node.log import log
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 # Segment format versions this build reads.
-READ_VERSIONS = (1, 2)
-# The checkpoint file's own version (unchanged by segment format 2).
+READ_VERSIONS = (1, 2, 3)
+# The checkpoint file's own version (unchanged by segment formats 2 and 3).
 CHECKPOINT_VERSION = 1
 MAGIC = b"QNODECPL"
 CHECKPOINT_MAGIC = b"QNODECKP"
+SUMMARY_VERSION = 1
+SUMMARY_MAGIC = b"QNODELSM"
+SUMMARY_HEAD = struct.Struct("<8sHHQdI")
+SUMMARY_CRC_SPAN = SUMMARY_HEAD.size - 4
 HEADER = struct.Struct("<8sHHQQI")
 HEADER_CRC_SPAN = HEADER.size - 4
 FRAME = struct.Struct("<II")
@@ -156,6 +188,7 @@ _ENCODING_CODE = {ENCODING_BYTES: 0, ENCODING_JSON: 1}
 _ENCODING_NAME = {0: ENCODING_BYTES, 1: ENCODING_JSON}
 
 SEGMENT_RE = re.compile(r"^(\d{12})\.seg$")
+SUMMARY_RE = re.compile(r"^(\d{12})\.leases(\.tmp)?$")
 CHECKPOINT_NAME = "checkpoint"
 LOCK_NAME = "LOCK"
 # Read-only descriptors kept open for read_result on older segments.
@@ -174,6 +207,10 @@ class _ReadAgain(Exception):
 
 def segment_name(number: int) -> str:
     return f"{number:012d}.seg"
+
+
+def summary_name(number: int) -> str:
+    return f"{number:012d}.leases"
 
 
 # -- the disk-fault seam --------------------------------------------------------------
@@ -207,11 +244,12 @@ class FileOps:
     def size(self, fd: int) -> int:
         return os.fstat(fd).st_size
 
-    def map(self, fd: int, size: int) -> mmap.mmap:
+    def map(self, fd: int, size: int, populate: bool = True) -> mmap.mmap:
         """The whole file, read-only, for the recovery scan (no copy)."""
         # MAP_POPULATE: the kernel maps the pages in one go instead of one
-        # fault per 4 KiB page (about a tenth of the scan time on a VM).
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        # fault per 4 KiB page (about a tenth of the scan time on a VM). Not
+        # for a walk over result heads only: large payloads stay unread.
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
 
     def unlink(self, path: Path) -> None:
@@ -260,11 +298,19 @@ def encode_result(rid: int, r: Result) -> bytes:
 
 def encode_retire(rt: _Retire) -> list[bytes]:
     out = []
+    when = () if rt.at is None else (float(rt.at),)
     for i in range(0, len(rt.ids), MAX_IDS_PER_RECORD):
         ids = rt.ids[i : i + MAX_IDS_PER_RECORD]
         body = (K_ACK, ids) if rt.kind == RETIRE_ACK else (K_DISCARD, ids, rt.reason)
-        out.append(_frame(_packb(body)))
+        out.append(_frame(_packb(body + when)))
     return out
+
+
+def retire_time(rec: tuple) -> float | None:
+    """When a decoded ACK or DISCARD record retired its ids (format 3), or
+    None (formats 1 and 2 did not write it). TypeError when not a number."""
+    n = 3 if rec[0] == K_ACK else 4
+    return rec[n - 1] + 0.0 if len(rec) >= n else None
 
 
 def decode_record(body: bytes | memoryview) -> tuple:
@@ -537,6 +583,136 @@ class SegmentStore(BufferedLog):
         except (ValueError, KeyError, TypeError, struct.error) as exc:
             raise LogCorrupt(f"completion log: {path} is not a valid checkpoint: {exc}") from exc
 
+    # -- lease summaries of removed segments -------------------------------------------
+
+    def _results_of(self, segment: int) -> list[LeaseEntry]:
+        """(id, lease_id, key) of every result record in a segment on disk, in
+        file order, read back from its durable part. A record that fails its
+        head (or, format 1, its body) checksum is left out, and a frame chain
+        that breaks ends the walk: the scan reported both."""
+        try:
+            fd = self._reader(segment)
+            active = segment == self._active and self._fd is not None
+            size = self._size if active else self.ops.size(fd)
+            if size <= HEADER.size:
+                return []
+            mm = self.ops.map(fd, size, populate=False)
+        except OSError as exc:
+            raise LogUnavailable(
+                f"completion log: cannot read {segment_name(segment)}: {exc}"
+            ) from exc
+        out: list[LeaseEntry] = []
+        crc32, frame_head = zlib.crc32, FRAME_RESULT_HEAD.unpack_from
+        try:
+            off = HEADER.size
+            while off + HEAD_SIZE <= size:
+                ln, crc, kind, meta_len, meta_crc = frame_head(mm, off)
+                end = off + FRAME.size + ln
+                if ln == 0 or ln > MAX_RECORD_BYTES or end > size:
+                    break
+                try:
+                    if kind == K_RESULT:
+                        meta = mm[off + HEAD_SIZE : off + HEAD_SIZE + meta_len]
+                        if HEAD_SIZE + meta_len <= FRAME.size + ln and crc32(meta, ln) == meta_crc:
+                            rid, _, key, lease_id = _unpack_meta(meta)[:4]
+                            out.append((rid, lease_id, key))
+                    else:
+                        body = mm[off + FRAME.size : end]
+                        if crc32(body) == crc:
+                            rec = msgpack.unpackb(body, use_list=False)
+                            if rec[0] == K_RESULT:  # format 1
+                                out.append((rec[1], rec[4], rec[3]))
+                except (ValueError, TypeError, IndexError, msgpack.UnpackException):
+                    pass  # reported by the scan: only its lease evidence is lost
+                off = end  # a last record shorter than a result head is not one
+        finally:
+            mm.close()
+        return out
+
+    def _keep(self, summaries: list[tuple[int, float, list[LeaseEntry]]]) -> None:
+        sync = self.config.fsync != FSYNC_NEVER
+        for number, at, entries in summaries:
+            head = SUMMARY_HEAD.pack(SUMMARY_MAGIC, SUMMARY_VERSION, 0, number, at, 0)
+            head = head[:SUMMARY_CRC_SPAN]
+            columns = ([e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries])
+            data = head + struct.pack("<I", zlib.crc32(head)) + _frame(_packb(columns))
+            path = self.path / summary_name(number)
+            tmp = path.with_name(path.name + ".tmp")
+            fd = None
+            try:
+                fd = self.ops.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                self._write_all(fd, data, 0)
+                if sync:
+                    self.ops.fsync(fd)
+                self.ops.close(fd)
+                fd = None
+                self.ops.rename(tmp, path)
+            except OSError as exc:
+                if fd is not None:
+                    self._quietly(self.ops.close, fd)
+                self._quietly(self.ops.unlink, tmp)
+                raise LogUnavailable(f"completion log: cannot write {path.name}: {exc}") from exc
+        if summaries and sync:
+            try:
+                self.ops.fsync_dir(self.path)
+            except OSError as exc:
+                raise LogUnavailable(f"completion log: cannot sync {self.path}: {exc}") from exc
+
+    def _read_summary(self, number: int) -> tuple[float, bytes]:
+        """(retired_at, the frame's body) of a summary file; ValueError when it
+        does not parse."""
+        path = self.path / summary_name(number)
+        fd = self.ops.open(path, os.O_RDONLY)
+        try:
+            data = self.ops.pread(fd, self.ops.size(fd), 0)
+        finally:
+            self.ops.close(fd)
+        try:
+            magic, version, _, seg_no, at, crc = SUMMARY_HEAD.unpack_from(data, 0)
+        except struct.error as exc:
+            raise ValueError(f"{path.name}: {exc}") from None
+        if magic != SUMMARY_MAGIC or zlib.crc32(data[:SUMMARY_CRC_SPAN]) != crc:
+            raise ValueError(f"{path.name}: no valid summary header")
+        if version != SUMMARY_VERSION or seg_no != number:
+            raise ValueError(f"{path.name}: version {version}, segment {seg_no}")
+        end = _valid_frame_end(memoryview(data), SUMMARY_HEAD.size, len(data))
+        if end != len(data):
+            raise ValueError(f"{path.name}: its entries fail their checksum")
+        return float(at), data[SUMMARY_HEAD.size + FRAME.size :]
+
+    def _kept_entries(self, segment: int) -> list[LeaseEntry]:
+        try:
+            _, body = self._read_summary(segment)
+            ids, leases, keys = msgpack.unpackb(body, use_list=False)
+            return list(zip(ids, leases, keys, strict=True))
+        except (OSError, ValueError, TypeError, msgpack.UnpackException) as exc:
+            log("completion_summary_unreadable", logging.ERROR, segment=segment, error=str(exc))
+            return []
+
+    def _drop_kept(self, segments: list[int]) -> None:
+        for number in segments:
+            try:
+                self.ops.unlink(self.path / summary_name(number))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # the next recovery drops it
+                log("completion_unlink_failed", logging.WARNING, summary=number, error=str(exc))
+
+    def _load_summaries(self, names: list[str]) -> None:
+        """Keep the summaries of removed segments (the checkpoint covers them);
+        delete the rest: a summary of a segment still on disk (a crash before
+        the checkpoint), a ``.tmp``, one that does not parse."""
+        for m in filter(None, map(SUMMARY_RE.match, names)):
+            number = int(m.group(1))
+            if not m.group(2) and self._checkpoint.covers(number) and number not in self._segments:
+                try:
+                    self._kept[number] = self._read_summary(number)[0]
+                    continue
+                except ValueError as exc:
+                    log("completion_summary_unreadable", logging.ERROR,
+                        segment=number, error=str(exc))  # fmt: skip
+            self._quietly(self.ops.unlink, self.path / m.group(0))
+
     # -- recovery -------------------------------------------------------------------
 
     def _take_lock(self) -> None:
@@ -575,9 +751,8 @@ class SegmentStore(BufferedLog):
         self._release_files()
         self._quietly(self.ops.unlink, self.path / (CHECKPOINT_NAME + ".tmp"))
         self._checkpoint = self._read_checkpoint()
-        numbers = sorted(
-            int(m.group(1)) for m in map(SEGMENT_RE.match, self.ops.listdir(self.path)) if m
-        )
+        names = self.ops.listdir(self.path)
+        numbers = sorted(int(m.group(1)) for m in map(SEGMENT_RE.match, names) if m)
         live = []
         for number in numbers:
             if not self._checkpoint.covers(number):
@@ -604,6 +779,7 @@ class SegmentStore(BufferedLog):
             report.corrupt, report.cuts, report.removed_segments = [], cuts, removed
             self._load_segments(live, report, fast=False)
             report.bytes_read += sum(c.bytes for c in cuts if c.reason != TORN_HEADER)
+        self._load_summaries(names)
         if report.removed_segments:
             self.ops.fsync_dir(self.path)
         for number, s in self._segments.items():
@@ -783,7 +959,7 @@ class SegmentStore(BufferedLog):
         offsets: list[int] = []
         raws: list[int] = []
         odd: list[tuple[int, int, int]] = []  # (position, prefix, meta length): another id
-        retires: list[tuple[int, str, Sequence[int]]] = []  # (offset, kind, ids)
+        retires: list[tuple[int, str, Sequence[int], float | None]] = []  # offset, kind, ids, at
         add_offset, add_raw = offsets.append, raws.append
         limit = size - FAST_HEAD.size
         body = None
@@ -821,6 +997,7 @@ class SegmentStore(BufferedLog):
                             break
                         retired = rec[1]
                         len(retired)
+                        when = retire_time(rec)
                     except (
                         ValueError,
                         TypeError,
@@ -829,7 +1006,7 @@ class SegmentStore(BufferedLog):
                         msgpack.UnpackException,
                     ):
                         break
-                    retires.append((off, how, retired))
+                    retires.append((off, how, retired, when))
                 off = end
         finally:
             del body
@@ -875,10 +1052,10 @@ class SegmentStore(BufferedLog):
                 stats.live += taken
                 report.results += taken
         noted = 0
-        for at, how, retired in retires:
-            if at >= stop:
+        for where, how, retired, when in retires:
+            if where >= stop:
                 break
-            self._loaded_retire(how, retired, stats.number)
+            self._loaded_retire(how, retired, stats.number, when)
             noted += 1
         report.records += taken + noted
         return stop
@@ -994,7 +1171,7 @@ class SegmentStore(BufferedLog):
                         results += 1
                     elif kind == K_ACK or kind == K_DISCARD:
                         how = RETIRE_ACK if kind == K_ACK else RETIRE_DISCARD
-                        self._loaded_retire(how, rec[1], stats.number)
+                        self._loaded_retire(how, rec[1], stats.number, retire_time(rec))
                     else:
                         return off, f"unknown record kind {kind!r}", end
                 except (
@@ -1018,8 +1195,10 @@ class SegmentStore(BufferedLog):
 
     # -- the stage: results checked, decoded once every retire record is known -------
 
-    def _loaded_retire(self, kind: str, ids: Sequence[int], segment: int) -> None:
-        super()._loaded_retire(kind, ids, segment)
+    def _loaded_retire(
+        self, kind: str, ids: Sequence[int], segment: int, at: float | None = None
+    ) -> None:
+        super()._loaded_retire(kind, ids, segment, at)
         self._retired_read += len(ids)
 
     def _loaded_count(self) -> int:

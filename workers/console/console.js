@@ -5,9 +5,11 @@
 // textContent, never as HTML: keys and error messages come from users.
 //
 // Endpoints read: /healthz (the node's name, once), /queue-state, /accounting,
-// /leases, /held. Endpoints posted: /admin/unhold, /admin/pause, /admin/resume,
-// with "Authorization: Bearer <token>" once the operator has pasted a token
-// (kept in sessionStorage: this tab only, gone when it closes).
+// /leases, /held. Endpoints posted: /admin/unhold, /admin/pause, /admin/resume.
+// Every request, read or post, carries "Authorization: Bearer <token>" once
+// the operator has pasted a token (kept in sessionStorage: this tab only,
+// gone when it closes): a node with a token answers only /healthz, /readyz,
+// /metrics and these files without it, and the page says so.
 "use strict";
 
 (function () {
@@ -497,6 +499,13 @@
     setCheck("lateness", "unknown", "the keeper cannot vouch");
   }
 
+  // A node with a token refuses every read without it: say so, show nothing.
+  function showNeedsToken() {
+    byId("token-banner").hidden = false;
+    document.body.classList.add("needs-token");
+    setCheck("vouched", "unknown", "no token");
+  }
+
   async function refresh() {
     let state;
     try {
@@ -520,6 +529,12 @@
     }
     document.body.classList.remove("unreachable");
     byId("unreachable-banner").hidden = true;
+    if (state.status === 401) {
+      showNeedsToken();
+      return;
+    }
+    byId("token-banner").hidden = true;
+    document.body.classList.remove("needs-token");
     if (state.status === 200 && state.body && state.body.trust && state.body.trust.vouched !== false) {
       showVouched(state.body);
     } else {
@@ -565,10 +580,12 @@
       }
       byId("token-input").value = "";
       showToken();
+      refresh(); // the reads it unlocks, now rather than at the next tick
     });
     byId("token-clear").addEventListener("click", () => {
       sessionStorage.removeItem(TOKEN_KEY);
       showToken();
+      refresh();
     });
     byId("pause-node").addEventListener("click", () => pauseAction("pause", null));
     byId("resume-node").addEventListener("click", () => pauseAction("resume", null));
