@@ -774,6 +774,22 @@ PyInit__claim(void)
     PyObject *m = PyModule_Create(&claim_module);
     if (m == NULL)
         return NULL;
+    /* The lease table's offsets and codes this module uses, by the names
+     * shm/leases.py gives them: leases.py checks them at import. */
+    PyObject *layout = Py_BuildValue(
+        "{sisisisisisisisisisisisisisisisisisisisi}", "SEALED", SEALED, "SHARD_JOURNAL",
+        SHARD_JOURNAL, "NEXT_LEASE_ID", NEXT_LEASE_ID, "BACKOFFS", BACKOFFS, "EARLIEST_EXPIRY",
+        EARLIEST_EXPIRY, "STATES", STATES, "SLOT_SIZE", SLOT_SIZE, "TICKET_AT", TICKET_AT,
+        "KEY_AT", KEY_AT, "INLINE_KEY", INLINE_KEY, "CONSUMER_BYTES", CONSUMER_BYTES,
+        "SEQ_SHIFT", SEQ_SHIFT, "RECORD_SIZE", RECORD_SIZE, "COPY_AT_0", (int)COPY_AT[0],
+        "COPY_AT_1", (int)COPY_AT[1], "IDLE", IDLE, "LEASED", LEASED, "HELD", HELD, "PARKED",
+        PARKED, "UPDATING", UPDATING);
+    int added = layout == NULL ? -1 : PyModule_AddObjectRef(m, "LEASE_LAYOUT", layout);
+    Py_XDECREF(layout);
+    if (added < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     if (PyModule_AddObjectRef(m, "Granter", (PyObject *)&GranterType) < 0 ||
         PyModule_AddIntConstant(m, "TEST_STOPS", LEASE_TEST_STOPS) < 0 ||
         claim_path_add(m) < 0) {

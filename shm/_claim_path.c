@@ -1217,5 +1217,19 @@ claim_path_add(PyObject *m)
         return -1;
     if (PyType_Ready(&ClaimPathType) < 0)
         return -1;
+    /* The ready set's offsets this file reads, by the names shm/ready.py
+     * gives them: ready.py checks them at import (a build of another layout
+     * is refused, never run). */
+    PyObject *layout = Py_BuildValue(
+        "{sisisisisisisisi}", "ACTIVE_OFFSET", R_ACTIVE, "GENERATION_OFFSET", R_GENERATION,
+        "SLOT_GENERATION", R_SLOT_GENERATION, "LOW_WATER_OFFSET", R_LOW_WATER, "FIRST_SLOT",
+        R_FIRST_SLOT, "SLOT_HEADER_SIZE", R_SLOT_HEADER, "ENTRY_SIZE", R_ENTRY_SIZE,
+        "CLAIM_CURSOR", R_CURSOR);
+    if (layout == NULL)
+        return -1;
+    int added = PyModule_AddObjectRef(m, "READY_LAYOUT", layout);
+    Py_DECREF(layout);
+    if (added < 0)
+        return -1;
     return PyModule_AddObjectRef(m, "ClaimPath", (PyObject *)&ClaimPathType);
 }

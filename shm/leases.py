@@ -1986,3 +1986,11 @@ def _excluded(w: int, rec: _Record, now: float) -> bool:
     if code == HELD:
         return rec.held_until > now
     return code != IDLE
+
+
+if _claim is not None:  # the C grant's offsets are these (shm/_claim.c, LEASE_LAYOUT)
+    segment.check_layout(
+        "shm._claim",
+        _claim.LEASE_LAYOUT,
+        {**globals(), "RECORD_SIZE": RECORD.size, "COPY_AT_0": COPY_AT[0], "COPY_AT_1": COPY_AT[1]},
+    )

@@ -780,3 +780,15 @@ def _decode(raw: bytes, heap: bytes, n: int, flags: int) -> list[ReadyEntry]:
             zip(keys, versions, dues, classes, ranks, strict=True),
         )
     )
+
+
+def _check_c_layout() -> None:
+    """The C claim path's offsets are these (shm/_claim_path.c, READY_LAYOUT)."""
+    try:
+        from shm import _claim  # type: ignore[attr-defined]
+    except ImportError:
+        return  # no C claim path: nothing else reads the set by offsets
+    segment.check_layout("shm._claim", _claim.READY_LAYOUT, globals())
+
+
+_check_c_layout()

@@ -359,6 +359,20 @@ def populate(mm: mmap.mmap) -> bool:
     return True
 
 
+def check_layout(module: str, exported: dict[str, int], ours: dict[str, Any]) -> None:
+    """ImportError unless every offset and code a C module was compiled with
+    (``exported``, by the Python names) is the one the Python side defines:
+    the layouts are written in both, and a build of another layout must fail
+    at import, never read the wrong bytes."""
+    wrong = [f"{name} is {value} there, {ours.get(name)} here"
+             for name, value in exported.items() if ours.get(name) != value]  # fmt: skip
+    if wrong:
+        raise ImportError(
+            f"{module} was built from another layout ({'; '.join(wrong)}): rebuild it "
+            "(pip install -e . or scripts/setup)"
+        )
+
+
 def read_identity(mm: Any, size: int) -> tuple[bytes, bytes] | None:
     if size < HEADER_SIZE + IDENTITY_SIZE:
         return None

@@ -407,3 +407,19 @@ def test_an_entry_whose_key_lies_outside_the_copied_keys_is_never_read(names, tm
         assert granted and not granted & first_five, (granted, first_five)
         assert granted <= set(keys)
         assert {lease.key for lease in leases.live(limit=100)} == granted
+
+
+def test_the_c_modules_layouts_are_checked_against_the_python_ones_at_import():
+    """The offsets are written twice (C #defines, Python constants); the C
+    module exports what it was built with and the Python side refuses a
+    build of another layout at import instead of reading the wrong bytes."""
+    from shm import _claim, ready
+    from shm import leases as leases_py
+
+    assert {"SEALED", "SHARD_JOURNAL", "STATES", "SLOT_SIZE", "LEASED"} <= set(_claim.LEASE_LAYOUT)
+    assert {"FIRST_SLOT", "ENTRY_SIZE", "CLAIM_CURSOR"} <= set(_claim.READY_LAYOUT)
+    assert _claim.LEASE_LAYOUT["SEALED"] == leases_py.SEALED
+    assert _claim.READY_LAYOUT["ENTRY_SIZE"] == ready.ENTRY_SIZE
+    moved = dict(_claim.LEASE_LAYOUT, SEALED=leases_py.SEALED + 4)
+    with pytest.raises(ImportError, match="SEALED is 40 there, 36 here.*rebuild"):
+        segment.check_layout("shm._claim", moved, vars(leases_py))
