@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +29,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def stops_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The extensions with the lease table's test stops compiled in, built
+    once a session: the directory to give children as QUEUE_NODE_TEST_BUILD."""
+    from tests.procs import build_with_stops
+
+    return build_with_stops(tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture

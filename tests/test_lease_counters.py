@@ -14,20 +14,18 @@ recovery reads balances to the item: ``grants = live + completed + released +
 expired`` in the table, and the ledger's law (``node.accounting.build``)
 ``balanced``.
 
-``build_with_stops`` builds that test build once a session (the other lease
-test modules use it too).
+The ``stops_build`` fixture (tests/conftest.py, tests/procs.py) builds that
+test build once a session; the other lease test modules use it too.
 """
 
 from __future__ import annotations
 
-import importlib.machinery
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -37,6 +35,7 @@ from node.accounting import LogCounts, build
 from shm import leases, segment
 from shm.leases import Lease, LeaseTable, Outcome
 from shm.segment import segment_name
+from tests.procs import proc_state, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 DEADLINE_S = 20.0
@@ -46,30 +45,7 @@ LATER = T0 + 1e6
 pytestmark = pytest.mark.timeout(90)
 
 
-def build_with_stops(base: Path) -> Path:
-    """The test build of shm._atomic and shm._claim (setup.py with
-    QUEUE_NODE_TEST_STOPS=1: the lease table's stops compiled in) under
-    ``base``, built once: the directory to give children as
-    QUEUE_NODE_TEST_BUILD."""
-    dest = base / "stops-build"
-    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    wanted = [dest / "shm" / f"{name}{suffix}" for name in ("_atomic", "_claim")]
-    if not all(path.exists() for path in wanted):
-        subprocess.run(
-            [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(dest),
-             "--build-temp", str(base / "stops-objects"), "--force"],
-            cwd=ROOT,
-            env=dict(os.environ, QUEUE_NODE_TEST_STOPS="1"),
-            check=True,
-            capture_output=True,
-            timeout=100,
-        )  # fmt: skip
-    return dest
 
-
-@pytest.fixture(scope="session")
-def stops_build(tmp_path_factory) -> Path:
-    return build_with_stops(tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture
@@ -79,20 +55,8 @@ def node():
     segment.unlink(segment_name(name, "leases"))
 
 
-def _wait_until(predicate, what: str, deadline_s: float = DEADLINE_S) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {deadline_s} s waiting for {what}")
-        time.sleep(0.002)  # a polling interval, not synchronisation
 
 
-def _proc_state(pid: int) -> str:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return "gone"
-    return stat[stat.rfind(b")") + 2 :].split()[0].decode()
 
 
 # One change, in a child: grant (in C, or with _py in Python), release,
@@ -135,8 +99,8 @@ def _child(node: str, stops: Path, op: str, key: str, lease_id: int, now: float,
         text=True,
     )
     if stop:
-        _wait_until(
-            lambda: _proc_state(child.pid) == "T" or child.poll() is not None,
+        wait_until(
+            lambda: proc_state(child.pid) == "T" or child.poll() is not None,
             f"the child to stop at {stop}",
         )
         assert child.poll() is None, f"the child never reached {stop}: {child.communicate()}"

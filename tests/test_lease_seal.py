@@ -30,7 +30,6 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from test_lease_counters import build_with_stops
 
 from node.config import Config, RouteConfig
 from node.errors import NodeError, NodeRestarted
@@ -40,6 +39,7 @@ from shm import segment
 from shm.leases import SEALED, Lease, LeaseTable, Outcome, Refuse, Refused, owner_bits
 from shm.ready import ReadySet
 from shm.segment import segment_name
+from tests.procs import proc_state, wait_until
 from workers.claim import Claimer
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -51,11 +51,6 @@ LONG = "l" * 300  # over the 208 bytes a slot holds inline: the Python grant's
 pytestmark = pytest.mark.timeout(90)
 
 
-@pytest.fixture(scope="session")
-def stops_build(tmp_path_factory) -> Path:
-    return build_with_stops(tmp_path_factory.getbasetemp())
-
-
 @pytest.fixture
 def node():
     name = f"t{uuid.uuid4().hex[:12]}"
@@ -64,20 +59,8 @@ def node():
     ReadySet.unlink(name)
 
 
-def _wait_until(predicate, what: str, deadline_s: float = DEADLINE_S) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {deadline_s} s waiting for {what}")
-        time.sleep(0.002)  # a polling interval, not synchronisation
 
 
-def _proc_state(pid: int) -> str:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return "gone"
-    return stat[stat.rfind(b")") + 2 :].split()[0].decode()
 
 
 def _table_bytes(t: LeaseTable) -> bytes:
@@ -311,7 +294,7 @@ def test_after_the_seal_settles_nothing_granting_in_other_processes_changes_the_
         for child in children:
             child.start()
         go.set()
-        _wait_until(lambda: table.counters()["grants"] >= 4000, "the granters to grant")
+        wait_until(lambda: table.counters()["grants"] >= 4000, "the granters to grant")
         table.seal()
         assert table.wait_settled(time.monotonic() + DEADLINE_S)
         live = {(x.key, x.lease_id) for x in table.live(limit=1 << 16)}
@@ -378,8 +361,8 @@ def _stopped_child(node: str, stops: Path, name: str, leases: dict) -> subproces
         stderr=subprocess.PIPE,
         text=True,
     )
-    _wait_until(
-        lambda: _proc_state(child.pid) == "T" or child.poll() is not None,
+    wait_until(
+        lambda: proc_state(child.pid) == "T" or child.poll() is not None,
         f"the child to stop at {point}",
     )
     assert child.poll() is None, f"the child never reached {point}: {child.communicate()}"

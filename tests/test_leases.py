@@ -26,7 +26,6 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from test_lease_counters import build_with_stops
 
 from node.errors import NodeError
 from shm import leases, segment
@@ -41,6 +40,7 @@ from shm.leases import (
 )
 from shm.ready import RECORD_TAG_MASK, RECORD_TAG_SHIFT
 from shm.segment import segment_name
+from tests.procs import proc_state, wait_until
 
 SPAWN = multiprocessing.get_context("spawn")
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,12 +56,6 @@ def node():
     segment.unlink(segment_name(name, "leases"))
 
 
-@pytest.fixture(scope="session")
-def stops_build(tmp_path_factory) -> Path:
-    """The extensions with the test stops compiled in (QUEUE_NODE_TEST_BUILD)."""
-    return build_with_stops(tmp_path_factory.getbasetemp())
-
-
 @pytest.fixture
 def table(node):
     t = LeaseTable.create(node, capacity=1024, max_misses=4)
@@ -69,20 +63,8 @@ def table(node):
     t.close()
 
 
-def _wait_until(predicate, what: str, deadline_s: float = DEADLINE_S) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {deadline_s} s waiting for {what}")
-        time.sleep(0.002)  # a polling interval, not synchronisation
 
 
-def _proc_state(pid: int) -> str:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return "gone"
-    return stat[stat.rfind(b")") + 2 :].split()[0].decode()
 
 
 def _grant(t: LeaseTable, key: str, now: float, lease_s: float = 10.0, cadence_s: float = 3600.0):
@@ -220,7 +202,7 @@ def test_a_lost_hint_costs_at_most_a_full_scan_interval(table):
     assert table.expire(T0) == []
     table._view.store64(leases.EARLIEST_EXPIRY, struct.unpack("<Q", struct.pack("<d", T0 + 1e6))[0])
     swept: list = []
-    _wait_until(
+    wait_until(
         lambda: swept.extend(table.expire(T0 + 10)) or swept,
         "the full scan",
         deadline_s=leases.FULL_SCAN_S + 5,
@@ -1056,8 +1038,8 @@ def _stopped_child(node: str, key: str, point: str, stops: Path) -> subprocess.P
         stdout=subprocess.PIPE,
         text=True,
     )
-    _wait_until(
-        lambda: _proc_state(child.pid) == "T" or child.poll() is not None,
+    wait_until(
+        lambda: proc_state(child.pid) == "T" or child.poll() is not None,
         f"the child to stop at {point}",
     )
     assert child.poll() is None, f"the child never reached {point}: {child.communicate()}"

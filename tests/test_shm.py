@@ -28,6 +28,7 @@ from shm.ready import ReadySet, heap_size_for
 from shm.segment import futex_wait, futex_wake, pid_alive, segment_name
 from shm.state import HEARTBEAT_MAX_AGE_S, StateBuffer, read_state
 from shm.wake import WAKE_CAP, Wake
+from tests.procs import wait_until
 
 SPAWN = multiprocessing.get_context("spawn")
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,13 +63,6 @@ def other_node():
 def _shm_path(name: str, kind: str) -> Path:
     return Path("/dev/shm") / segment_name(name, kind).lstrip("/")
 
-
-def _wait_until(predicate, what: str, deadline_s: float = DEADLINE_S) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {deadline_s} s waiting for {what}")
-        time.sleep(0.002)  # a polling interval, not synchronisation
 
 
 def _in_futex(pid: int) -> bool:
@@ -353,7 +347,7 @@ def test_publish_wakes_a_process_waiting_on_the_futex(node):
         proc, conn = _start(_block_then_report, node, "ready", 0)
         try:
             assert _recv(conn, "the child to start waiting") == "waiting"
-            _wait_until(lambda: _in_futex(proc.pid), "the child to block in futex(2)")
+            wait_until(lambda: _in_futex(proc.pid), "the child to block in futex(2)")
             ready.publish([("k", 1, 1, 1, 1.0)], 1.0)
             generation, waited_s = _recv(conn, "the woken child", 5.0)
         finally:
@@ -393,7 +387,7 @@ def test_close_refuses_to_unmap_under_a_waiting_thread(node):
         return task.split()[0] == SYS_FUTEX
 
     try:
-        _wait_until(blocked, "the thread to block in futex(2)")
+        wait_until(blocked, "the thread to block in futex(2)")
         with pytest.raises(BufferError, match="futex wait"):
             ready.close()
         other.publish([("k", 1, 1, 1, 1.0)], 1.0)
@@ -588,7 +582,7 @@ def test_wake_post_wakes_the_waiting_keeper(node):
         proc, conn = _start(_block_then_report, node, "wake", 0)
         try:
             assert _recv(conn, "the child to start waiting") == "waiting"
-            _wait_until(lambda: _in_futex(proc.pid), "the child to block in sem_timedwait")
+            wait_until(lambda: _in_futex(proc.pid), "the child to block in sem_timedwait")
             wake.post()
             posted, waited_s = _recv(conn, "the woken child", 5.0)
         finally:
@@ -656,7 +650,7 @@ def test_a_status_change_wakes_a_read_only_waiter(node):
         proc, conn = _start(_block_then_report, node, "state", gen)
         try:
             assert _recv(conn, "the child to start waiting") == "waiting"
-            _wait_until(lambda: _in_futex(proc.pid), "the child to block in futex(2)")
+            wait_until(lambda: _in_futex(proc.pid), "the child to block in futex(2)")
             state.heartbeat(2.0, "loading", False, "walking")
             state.heartbeat(3.0, "loading", False, "still walking")  # no change: no bump
             new_gen, waited_s = _recv(conn, "the woken child", 5.0)
