@@ -42,6 +42,7 @@ from node.config import UNIX_PREFIX, Config
 from node.errors import NodeError, NodeNotRunning, NodeRestarted, ValidationError
 from node.proc import ENV_CONFIG
 from node.rows import check_key
+from shm.leases import SlotTakenOver
 from workers.claim import (
     Claimer,
     Grant,
@@ -470,8 +471,16 @@ class LocalClaimer:
         return obj
 
     def _restarted(self) -> bool:
-        """Whether the node these segments belong to has stopped (sealed)."""
-        return bool(self._opened) and self.leases.sealed
+        """Whether the node these segments belong to has stopped (sealed at
+        its clean stop), or its names now lead elsewhere (a restart after a
+        kill -9 that had to make a segment anew, say for a new ready_size)."""
+        if not self._opened:
+            return False
+        if self.leases.sealed:
+            return True
+        return not all(
+            seg.segment.still_named() for seg in (self.state, self.ready, self.leases)
+        )
 
     def _reattach(self) -> None:
         """Move to the new node's segments, or ClientError 503 node_restarted
@@ -527,7 +536,11 @@ class LocalClaimer:
                     self._reattach()
                     continue
                 raise ClientError(503, "not_ready", str(exc)) from None
-            except NodeRestarted:
+            except (NodeRestarted, SlotTakenOver):
+                # SlotTakenOver: a stop of the node took back a slot this
+                # process held past the seal's deadline (stopped meanwhile).
+                if not self._restarted():
+                    raise
                 self._reattach()
                 continue
             if not grants and self._restarted():
@@ -611,7 +624,9 @@ class LocalClaimer:
         self._current()
         try:
             return change()
-        except NodeRestarted:
+        except (NodeRestarted, SlotTakenOver):
+            if not self._restarted():
+                raise
             self._reattach()
             return change()
 

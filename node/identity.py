@@ -29,16 +29,8 @@ def data_dir_id(data_dir: str | os.PathLike[str], create: bool = False) -> bytes
     ConfigError when it is missing (and not ``create``) or unreadable: a data
     directory whose identity changed would no longer own its segments."""
     path = Path(data_dir) / FILE_NAME
-    if create:
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            pass
-        else:
-            with os.fdopen(fd, "w", encoding="ascii") as f:
-                f.write(os.urandom(ID_BYTES).hex() + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+    if create and not path.exists():
+        _make(path)
     try:
         text = path.read_text(encoding="ascii").strip()
     except FileNotFoundError:
@@ -53,6 +45,30 @@ def data_dir_id(data_dir: str | os.PathLike[str], create: bool = False) -> bytes
         raise ConfigError(f"{path} is not {ID_BYTES * 2} hex digits; restore it or remove the "
                           "node's segments ('python -m node clear NAME') before removing it")
     return ident
+
+
+def _make(path: Path) -> None:
+    """Write a new identity whole, then link it in place: a kill at any
+    instruction leaves either no identity or a complete one (never an empty
+    file), and of two starts racing only one identity wins."""
+    tmp = path.with_name(f"{FILE_NAME}.tmp.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(os.urandom(ID_BYTES).hex() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another start made it first: theirs stands
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def new_boot_id() -> bytes:

@@ -25,7 +25,7 @@ from pathlib import Path
 import posix_ipc
 
 from node.errors import NameTaken, NodeError
-from shm.segment import check_owner, owner_name, pid_alive, segment_name
+from shm.segment import owner_name, pid_alive, segment_name
 
 SEGMENT_KINDS = ("ready", "leases", "state")
 
@@ -45,14 +45,12 @@ def check_all(node: str, data_dir_id: bytes, layouts: dict[str, int]) -> None:
     the layout version this build writes."""
     from keeper.ask import ask_queue_name, check_queue
     from shm import segment
-    from shm.wake import semaphore_owner
+    from shm.wake import check_semaphore, semaphore_owner
 
     for kind in SEGMENT_KINDS:
         segment.vet(segment_name(node, kind), layouts[kind], data_dir_id)
     wake = segment_name(node, "wake")
-    owner = semaphore_owner(wake)
-    if owner != -1:
-        check_owner(wake, owner)
+    check_semaphore(wake, semaphore_owner(wake), absent_ok=True)
     check_queue(ask_queue_name(node))
     check_ledger_name(node)
 

@@ -272,6 +272,12 @@ class Supervisor:
         put back, and the file is kept until the next clean save."""
         if self.leases.segment.reattached:
             log.log("leases_reattached", live=self.leases.live_count())
+            if self.leases_file.exists():
+                # A clean stop saved it, then died before it unlinked the
+                # table: the table is the newer evidence, and this file must
+                # never come back after a later loss of the table.
+                os.replace(self.leases_file, self.leases_file.with_name(
+                    self.leases_file.name + ".loaded"))  # fmt: skip
             return
         if self.leases_file.exists():
             placed = self.leases.load(self.leases_file)

@@ -830,9 +830,13 @@ class LeaseTable:
         """After ``seal``: wait until no slot is held mid-change by a live
         process (a dead holder's slot is rolled back, as everywhere), until
         ``deadline_s`` (a ``time.monotonic()`` value, as the supervisor's
-        shared drain deadline). True when settled: from then on nothing but
-        the sweep changes the table. False when a live holder (a stopped
-        process, say) still held a slot at the deadline."""
+        shared drain deadline). True when settled. False when a live holder
+        (a stopped process, say) still held a slot at the deadline: its slot
+        is then taken back as if it had died, so its publish can no longer
+        succeed (its compare-and-swap finds another word; it gets
+        SlotTakenOver). Either way, from the return on nothing but the sweep
+        changes the table, and every publish that happened is counted
+        (``_settle_all``): a save now holds exactly what the table holds."""
         if not self.sealed:
             raise NodeError(f"{self.segment.name}: wait_settled before seal waits for nothing")
         busy = _mask(*BUSY_CODES)
@@ -844,10 +848,28 @@ class LeaseTable:
                 else:
                     self._reclaim(idx, w)
             if not held:
+                self._settle_all()
                 return True
             if time.monotonic() >= deadline_s:
+                for idx, w in self._view.scan_codes(STATES, self.capacity, busy):
+                    self._reclaim(idx, w)  # live or not: the seal outranks it
+                self._settle_all()
                 return False
             time.sleep(SETTLE_POLL_S)  # a holder takes microseconds, or is stopped
+
+    def _settle_all(self) -> None:
+        """Count every publish that swapped and is not counted yet, whoever
+        made it (a live process stopped between its swap and its count too):
+        settling is idempotent (the count is compared with the journal's
+        target), so the process's own late count changes nothing."""
+        view = self._view
+        first, used = self._lay.shards + SHARDS_HEADER, view.load32(self._lay.shards)
+        _sums, pending = view.shard_counts(first, used)
+        for i in pending:
+            at = first + SHARD_SIZE * i
+            owner = view.load64(at)
+            if owner:
+                self._settle(at, owner)
 
     def _refuse_sealed(self, idx: int, own: int, w: int) -> None:
         """The table is sealed: put back the word a change found in slot

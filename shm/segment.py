@@ -270,9 +270,18 @@ def futex_wake(buf: Any, offset: int, n: int = INT_MAX) -> int:
 class Segment:
     """One mapped segment. Close it when done; only the supervisor unlinks."""
 
-    def __init__(self, name: str, mm: mmap.mmap, read_only: bool, reattached: bool = False):
+    def __init__(
+        self,
+        name: str,
+        mm: mmap.mmap,
+        read_only: bool,
+        reattached: bool = False,
+        inode: int = 0,
+    ):
         self.name = name
         self.mm = mm
+        #: the shared-memory file this mapping is of (0: unknown)
+        self.inode = inode
         self.size = len(mm)
         self.read_only = read_only
         #: True when ``create_or_reattach`` found the segment a crash left behind.
@@ -281,6 +290,14 @@ class Segment:
     @property
     def layout_version(self) -> int:
         return HEADER.unpack_from(self.mm, 0)[1]
+
+    def still_named(self) -> bool:
+        """Whether the name still leads to this mapping: False once the
+        supervisor unlinked it, or a new segment took the name (a restart)."""
+        try:
+            return os.stat(f"/dev/shm{self.name}").st_ino == self.inode
+        except OSError:
+            return False
 
     @property
     def identity(self) -> tuple[bytes, bytes] | None:
@@ -458,6 +475,7 @@ def create(
     try:
         _set_access(shm.fd, mode, group)
         os.ftruncate(shm.fd, total)
+        inode = os.fstat(shm.fd).st_ino
         mm = mmap.mmap(shm.fd, total)
     except BaseException:
         shm.close_fd()
@@ -470,7 +488,7 @@ def create(
         init(mm)
     _write_identity(mm, total, *(identity or ANONYMOUS))
     mm[0:4] = MAGIC
-    return Segment(name, mm, read_only=False)
+    return Segment(name, mm, read_only=False, inode=inode)
 
 
 class StaleLayout(LayoutMismatch):
@@ -513,6 +531,7 @@ def attach(
         raise NodeNotRunning(f"{name} does not exist: no node of that name runs on this host")
     try:
         _check_attach_owner(name, shm.fd, read_only)
+        inode = os.fstat(shm.fd).st_ino
         size = shm.size
         if size < HEADER_SIZE:
             raise NodeNotRunning(f"{name} is not initialised yet (the node is starting)")
@@ -542,7 +561,7 @@ def attach(
                 f"{name} carries {'no' if found is None else 'another'} data directory's "
                 "identity: it is not this node's"
             )
-    return Segment(name, mm, read_only=read_only)
+    return Segment(name, mm, read_only=read_only, inode=inode)
 
 
 def vet(name: str, layout_version: int, data_dir_id: bytes) -> str | None:

@@ -11,10 +11,11 @@ Only the supervisor creates and unlinks it; everyone else closes.
 from __future__ import annotations
 
 import os
+import stat
 
 import posix_ipc
 
-from node.errors import NodeNotRunning
+from node.errors import NameTaken, NodeNotRunning
 from shm.segment import check_owner, segment_name
 
 # A post while the value is already this high is dropped: the keeper will wake
@@ -24,11 +25,29 @@ WAKE_CAP = 2
 
 def semaphore_owner(name: str) -> int:
     """The uid that owns named semaphore ``name``: glibc keeps it as the file
-    ``/dev/shm/sem.<name>``. -1 when it cannot be seen (refused)."""
+    ``/dev/shm/sem.<name>`` (not followed if it is a link). -1 when there is
+    none; -2 when the name is not a plain file (a link another user planted
+    is nobody's semaphore: refused)."""
     try:
-        return os.stat(f"/dev/shm/sem.{name.lstrip('/')}").st_uid
-    except OSError:
+        st = os.lstat(f"/dev/shm/sem.{name.lstrip('/')}")
+    except FileNotFoundError:
         return -1
+    except OSError:
+        return -2
+    return st.st_uid if stat.S_ISREG(st.st_mode) else -2
+
+
+def check_semaphore(name: str, owner: int, absent_ok: bool = False) -> None:
+    """NameTaken unless the semaphore is this uid's (or absent, when that is
+    all right)."""
+    if owner == -1 and absent_ok:
+        return
+    if owner < 0:
+        raise NameTaken(
+            f"/dev/shm/sem.{name.lstrip('/')} is not a plain file (a link?): it is not "
+            "this node's semaphore; remove it as its owner or root, or pick another --name"
+        )
+    check_owner(name, owner)
 
 
 class Wake:
@@ -45,9 +64,12 @@ class Wake:
             # The umask can only narrow 0600, never widen it.
             sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
         except posix_ipc.ExistentialError:
-            sem = posix_ipc.Semaphore(name)
             try:
-                check_owner(name, semaphore_owner(name))
+                sem = posix_ipc.Semaphore(name)
+            except OSError as exc:  # ELOOP: a link in its place
+                raise NameTaken(f"{name}: {exc}; not this node's semaphore") from None
+            try:
+                check_semaphore(name, semaphore_owner(name))
             except BaseException:
                 sem.close()
                 raise
@@ -65,7 +87,7 @@ class Wake:
                 f"{name} does not exist: no node named {node!r} runs on this host"
             ) from None
         try:
-            check_owner(name, semaphore_owner(name))
+            check_semaphore(name, semaphore_owner(name))
         except BaseException:
             sem.close()
             raise

@@ -606,3 +606,23 @@ def test_http_unix_refuses_a_directory_of_another_user(tmp_path: Path, sock_dir:
                    "--http", f"unix:{sock_dir}/n.sock")  # fmt: skip
     assert out.returncode == 2, out
     assert "not owned by this user" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_a_worker_raises_its_open_files_limit_to_what_max_connections_needs() -> None:
+    """The common soft limit (1,024) equals the default bound: accept() hit
+    EMFILE before the bound's 503 could answer. A worker raises its soft
+    limit up to the hard one at start."""
+    code = (
+        "import resource\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+        "from workers.__main__ import FD_MARGIN, _raise_fd_limit\n"
+        "_raise_fd_limit(1024)\n"
+        "now = resource.getrlimit(resource.RLIMIT_NOFILE)[0]\n"
+        "want = 1024 + FD_MARGIN\n"
+        "print('ok' if now == (want if hard == resource.RLIM_INFINITY else min(want, hard))"
+        " else f'soft {now}')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.stdout.strip() == "ok", (done.stdout, done.stderr)

@@ -318,7 +318,7 @@ _STOPPED = textwrap.dedent(
     """
     import sys
     from node.errors import NodeRestarted
-    from shm.leases import LeaseTable
+    from shm.leases import LeaseTable, SlotTakenOver
     op, node, key, lease_id = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     table = LeaseTable.attach(node)
     if op.endswith("_py"):
@@ -331,7 +331,9 @@ _STOPPED = textwrap.dedent(
             got = table.release(key, lease_id, 1_700_000_000.0)
     except NodeRestarted:
         got = "sealed"
-    print(got if got == "sealed" else type(got).__name__, flush=True)
+    except SlotTakenOver:
+        got = "taken"
+    print(got if got in ("sealed", "taken") else type(got).__name__, flush=True)
     """
 )
 
@@ -346,7 +348,12 @@ STOPPED = {
 
 
 def _stopped_child(node: str, stops: Path, name: str, leases: dict) -> subprocess.Popen:
-    op, key, point = STOPPED[name]
+    return _stopped_child_at(node, stops, *STOPPED[name], leases)
+
+
+def _stopped_child_at(
+    node: str, stops: Path, op: str, key: str, point: str, leases: dict
+) -> subprocess.Popen:
     lease_id = leases[key].lease_id if key in leases else 0
     child = subprocess.Popen(
         [sys.executable, "-c", _STOPPED, op, node, key, str(lease_id)],
@@ -409,3 +416,52 @@ def test_a_change_stopped_in_its_slot_and_let_go_after_the_seal_sees_it(node, st
         # The very word it found, and nothing written: only the child's own
         # counter shard (taken before its slot) is new.
         assert _slot_bytes(table) == before
+
+
+STOPPED_PAST_THE_SEAL = {
+    # name: (op, key, stop point, whether its grant took effect before the seal)
+    "Python grant stopped after writing its record": ("grant_py", "idle", "written", False),
+    "C grant stopped after its journal, before its swap": ("grant", "idle", "journaled", False),
+    "C grant stopped after its swap, before its count": ("grant", "idle", "published", True),
+}
+
+
+@pytest.mark.parametrize("name", list(STOPPED_PAST_THE_SEAL))
+def test_a_change_stopped_past_its_seal_check_is_taken_back_or_counted_at_the_deadline(
+    node, stops_build, tmp_path, name
+):
+    """A change that read the seal before it was set, then stopped (a
+    debugger, a descheduled claimer), holds its slot past the deadline: the
+    seal takes the slot back as if the process had died, so the grant it
+    resumes with fails and nothing changes after the save; one that had
+    already swapped is in the table and counted. Found by review: before, a
+    grant stopped at "written" was left out of the save and returned a Lease
+    from the old table when it resumed."""
+    op, key, point, took_effect = STOPPED_PAST_THE_SEAL[name]
+    with _populated(node) as (table, leases):
+        grants_before = table.counters()["grants"]
+        child = _stopped_child_at(node, stops_build, op, key, point, leases)
+        try:
+            table.seal()
+            # Held past its check (not settled), or swapped already (nothing held).
+            assert table.wait_settled(time.monotonic() + 0.2) == took_effect
+            path = tmp_path / "leases.msgpack"
+            table.save(path, LATER)
+            live = {x.key for x in table.live()}
+            counters = table.counters()
+        finally:
+            os.kill(child.pid, signal.SIGCONT)
+        out, err = child.communicate(timeout=DEADLINE_S)
+        assert child.returncode == 0, err
+        assert out.strip() == ("Lease" if took_effect else "taken"), (out, err)
+        assert (key in live) == took_effect
+        # nothing after the save changed what it holds, counts included
+        assert {x.key for x in table.live()} == live
+        assert table.counters() == counters
+        assert counters["grants"] == grants_before + took_effect  # counted before the save
+        with LeaseTable.create(f"{node}x", capacity=64) as again:
+            try:
+                again.load(path)
+                assert {x.key for x in again.live()} == live
+            finally:
+                LeaseTable.unlink(f"{node}x")

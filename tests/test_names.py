@@ -323,3 +323,65 @@ def test_an_ipc_client_of_this_uid_is_served(node_name: str) -> None:
     finally:
         a.close()
         b.close()
+
+
+@needs_root
+def test_a_link_in_place_of_the_wake_semaphore_is_refused(tmp_path: Path, node_name: str) -> None:
+    """Another user's link at /dev/shm/sem.… to a file the node's user owns:
+    the owner check must not follow it (it did, then the semaphore's open
+    failed with a traceback after the segments were made)."""
+    target = Path(f"/dev/shm/qn-target-{node_name}")
+    target.write_bytes(b"\0" * 32)
+    link = f"/dev/shm/sem.queue-node.{node_name}.wake"
+    try:
+        _as_other(f"os.symlink({str(target)!r}, {link!r})\n")
+        done = _start_refused(tmp_path, node_name)
+        assert done.returncode == 2, done.stderr
+        line = done.stderr.strip()
+        assert "\n" not in line and "not a plain file" in line and "Traceback" not in line, line
+        assert _node_names(node_name) == [Path(link).name]
+    finally:
+        Path(link).unlink(missing_ok=True)
+        target.unlink(missing_ok=True)
+        _unlink_everything(node_name)
+
+
+def test_a_kill_while_the_identity_is_made_leaves_none_or_a_whole_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kill between creating the file and writing it used to leave an
+    empty identity, and every later start failed on it."""
+    from node import identity
+
+    def killed(*args: object, **kwargs: object) -> None:
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(identity.os, "fdopen", killed)
+    with pytest.raises(SystemExit):
+        identity.data_dir_id(tmp_path, create=True)
+    monkeypatch.undo()
+    assert not (tmp_path / identity.FILE_NAME).exists()
+    assert list(tmp_path.iterdir()) == []
+    made = identity.data_dir_id(tmp_path, create=True)
+    assert len(made) == identity.ID_BYTES and identity.data_dir_id(tmp_path) == made
+
+
+def test_a_saved_leases_file_is_set_aside_when_the_table_is_reattached(
+    tmp_path: Path, node_name: str
+) -> None:
+    """A clean stop that saved its leases and died before it removed the
+    table: the restart reattaches the table (the newer evidence) and must
+    never load that file later, after a loss of the table."""
+    node = _crash(tmp_path, node_name)
+    data = tmp_path / "data"
+    try:
+        saved = data / "leases.msgpack"
+        saved.write_bytes(b"a file a clean stop saved")
+        again = NodeProcess(data, node_name).start()
+        assert not saved.exists()
+        assert (data / "leases.msgpack.loaded").read_bytes() == b"a file a clean stop saved"
+        status, body = again.request("GET", "/leases")
+        assert status == 200 and [lease["key"] for lease in body["leases"]] == ["k1"], body
+        assert again.stop() == 0
+    finally:
+        finish([node], node_name)

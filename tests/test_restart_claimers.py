@@ -127,3 +127,50 @@ def test_long_lived_local_claimers_across_a_clean_restart_and_a_kill(
     assert all(len(b) >= 2 for b in boots.values()), boots
     refused = Counter(e["code"] for e in events if e["ev"] == "refused")
     assert set(refused) <= {"node_restarted", "not_ready"}, refused
+
+
+@pytest.mark.timeout(120)
+def test_a_local_claimer_follows_a_restart_that_made_a_segment_anew(
+    tmp_path: Path, node_name: str
+) -> None:
+    """After a kill -9 the restart reattaches the lease table (not sealed),
+    but makes the ready set anew when its size changed: a claimer must not
+    go on waiting on the unlinked one for ever. (Its entries are still
+    claimed: each is checked against its row and leased in the one lease
+    table; once they are gone the claimer finds the names lead elsewhere and
+    reattaches.)"""
+    from node.client import Client, LocalClaimer
+
+    data = tmp_path / "data"
+    node = NodeProcess(data, node_name, "--ready-size", "100").start()
+    nodes = [node]
+    try:
+        rows = [{"key": f"k{i}", "route": "r", "cadence_s": 30 * 86400, "due_at": 0}
+                for i in range(300)]  # fmt: skip
+        assert node.request("POST", "/rows", rows)[0] == 200
+        claimer = LocalClaimer(node_name, data_dir=data)
+        try:
+            first = claimer.claim(1, lease_s=300, wait_s=10)
+            assert len(first) == 1
+            boot = claimer.boot_id
+            node.kill()
+            node = NodeProcess(data, node_name, "--ready-size", "200").start()
+            nodes.append(node)
+            keys = [first[0].key]
+
+            def reattached() -> bool:
+                keys.extend(g.key for g in claimer.claim(50, lease_s=300, wait_s=0.2))
+                return claimer.boot_id != boot
+
+            wait_for(reattached, 30, "the claimer to reattach")
+            more = wait_for(lambda: claimer.claim(5, lease_s=300, wait_s=0.5), 30, "grants")
+            keys += [g.key for g in more]
+            assert len(keys) == len(set(keys)), "a key was leased twice"
+            claimer.complete(first[0].lease_id, first[0].key, "done")
+        finally:
+            claimer.close()
+        with Client(node.base_url) as client:
+            assert first[0].key not in {lease["key"] for lease in client.leases()}
+        assert node.stop() == 0
+    finally:
+        finish(nodes, node_name)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import resource
 import signal
 import socket
 import ssl
@@ -528,6 +529,26 @@ async def _run(index: int, sock: socket.socket, config: Config, started_at: floa
     log.log("worker_stop", index=index, **summary)
 
 
+# Descriptors a worker needs besides its connections: the store, the ledger,
+# the segments, the log, the metrics files, the console's files.
+FD_MARGIN = 256
+
+
+def _raise_fd_limit(max_connections: int) -> None:
+    """Raise the soft limit on open files to what ``max_connections`` needs
+    (the common soft limit is 1,024, the default bound): otherwise accept()
+    fails with EMFILE before the bound's 503 is ever answered. Up to the hard
+    limit; a hard limit below it is said once in the log."""
+    want = max_connections + FD_MARGIN
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < want:
+            log.warn("fd_limit_low", max_connections=max_connections, nofile=new,
+                     hint="raise the hard limit (ulimit -Hn) or lower max_connections")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     child_signals()
@@ -541,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     set_title(f"qn-worker-{args.index}")
     try:
         config = load_run_config("worker")
+        _raise_fd_limit(config.max_connections)
         started_at = float(os.environ.get(ENV_STARTED_AT) or time.time())
         sock = socket.socket(fileno=args.listen_fd)
     except (NodeError, ValueError, OSError) as exc:
