@@ -116,7 +116,7 @@ def template(rows: int) -> Path:
             conn.close()
         for suffix in ("", "-wal", "-shm"):
             Path(str(path) + suffix).unlink(missing_ok=True)
-    from node.rows import RowWrite
+    from node.core.rows import RowWrite
     from node.store import open_store
 
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -293,7 +293,7 @@ CLAIMERS = {"node_local": _local_claimer, "node_http": _http_claimer}
 def _child(kind, cfg, idx, batch, seconds, ready, go, start, out) -> None:
     try:
         handle, claim, wait_empty = CLAIMERS[kind](cfg, idx, batch, seconds)
-        from node.proc import set_title
+        from node.core.proc import set_title
 
         set_title(f"qn-claimer-{idx}")  # for a profiler: `perf report --comm qn-claimer-0`
         ready.put(idx)

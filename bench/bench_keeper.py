@@ -67,7 +67,7 @@ def _copy(src: Path, dst_dir: Path) -> Path:
 def bench_feed(args: argparse.Namespace) -> None:
     from keeper.process import Keeper
     from node.config import Config
-    from node.rows import RowWrite
+    from node.core.rows import RowWrite
     from node.store import open_store
     from shm.ready import ReadySet
     from shm.state import StateBuffer
@@ -132,7 +132,7 @@ def _stop_node(proc: subprocess.Popen) -> None:
 
 
 def bench_startup(args: argparse.Namespace) -> None:
-    from node.errors import NodeError
+    from node.core.errors import NodeError
     from shm.state import StateBuffer
 
     now = time.time()
@@ -178,7 +178,7 @@ def bench_startup(args: argparse.Namespace) -> None:
 
 def bench_lag(args: argparse.Namespace) -> None:
     from keeper.ask import ask
-    from node.errors import NodeError
+    from node.core.errors import NodeError
     from shm.state import StateBuffer
 
     now = time.time()

@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from node.config import Config
+from node.core.rows import RowWrite
 from node.ipc import Client, IpcError
-from node.rows import RowWrite
 from node.store import open_store
 from shm.leases import LeaseTable
 from workers.ledger import ledger_address

@@ -32,7 +32,7 @@ def seed(path: Path, rows: int, now: float, seed_value: int = 1) -> Path:
         for suffix in ("", "-wal", "-shm"):
             Path(str(path) + suffix).unlink(missing_ok=True)
     store = open_store(f"sqlite:///{path}")
-    from node.rows import RowWrite
+    from node.core.rows import RowWrite
 
     rnd = random.Random(seed_value)
     t0 = time.perf_counter()

@@ -161,7 +161,7 @@ def row_doc(key: str, rnd: random.Random, now: float) -> dict[str, Any]:
 
 
 def seed(data_dir: Path, rows: int, rnd: random.Random, now: float) -> list[str]:
-    from node.rows import RowWrite
+    from node.core.rows import RowWrite
     from node.store import open_store
 
     keys = [f"soak/{i:08d}" for i in range(rows)]

@@ -10,9 +10,9 @@ import signal
 import sys
 import time
 
-from node import log
 from node.config import load_run_config
-from node.proc import RET_OK, child_signals, die_with_parent, set_title
+from node.core import log
+from node.core.proc import RET_OK, child_signals, die_with_parent, set_title
 
 _flags = {"stop": False, "reload": False}
 
@@ -38,7 +38,7 @@ def main() -> int:
 
     from keeper.ask import AskServer
     from keeper.process import Keeper
-    from node import metrics
+    from node.core import metrics
     from node.store import open_store
     from shm.leases import LeaseTable
     from shm.ready import ReadySet

@@ -29,7 +29,7 @@ from typing import Any
 import msgpack
 import posix_ipc
 
-from node.errors import NameTaken
+from node.core.errors import NameTaken
 from shm.segment import check_owner
 
 MAX_MESSAGES = 4

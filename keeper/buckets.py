@@ -124,7 +124,7 @@ from typing import Any
 from keeper.classes import ClassTable
 from keeper.order import BLOCK_LOAD, SLOT_BITS, SLOT_MASK, Order, last_minute
 from node.config import Config
-from node.errors import TooManyClasses
+from node.core.errors import TooManyClasses
 
 try:  # the k-way merge best_columns ranks with; the Python below does the same
     from keeper import _best  # type: ignore[attr-defined]  # C, built by setup.py

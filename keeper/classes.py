@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from node.config import Config
-from node.errors import TooManyClasses
+from node.core.errors import TooManyClasses
 
 SOURCE_ROW = "row"
 SOURCE_ROUTE = "route"

@@ -33,10 +33,10 @@ import msgpack
 from keeper.buckets import Buckets, Columns
 from keeper.classes import ClassTable
 from keeper.lag import LagWindow
-from node import log, metrics
 from node.config import Config
-from node.errors import NodeError, TooManyClasses
-from node.rows import OP_DELETE, OP_INSERT, ORIGIN_EXTERNAL, ORIGIN_WRITEBACK
+from node.core import log, metrics
+from node.core.errors import NodeError, TooManyClasses
+from node.core.rows import OP_DELETE, OP_INSERT, ORIGIN_EXTERNAL, ORIGIN_WRITEBACK
 from node.store.base import BadRow, Store
 
 # Rows per load step: large enough that 250k rows load in a dozen steps,

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from node.errors import NodeError
+from node.core.errors import NodeError
 
 FILE_NAME = "accounting.json"
 FILE_FORMAT = "queue-node.accounting"

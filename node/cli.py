@@ -1,7 +1,7 @@
 """The command line: ``python -m node [run|demo|state|import] …``.
 
 Errors a user can act on are one line on stderr and exit 2; ``-v`` keeps the
-traceback. Exit codes have names in ``node.proc``.
+traceback. Exit codes have names in ``node.core.proc``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from node.errors import ConfigError, NodeError, NodeNotRunning
-from node.proc import RET_ERROR, RET_NO_NODE, RET_NOT_VOUCHED, RET_OK, RET_USAGE
+from node.core.errors import ConfigError, NodeError, NodeNotRunning
+from node.core.proc import RET_ERROR, RET_NO_NODE, RET_NOT_VOUCHED, RET_OK, RET_USAGE
 
 # --watch looks for a new document this often; the keeper writes one every
 # state_interval_s (5 s by default), and one is printed as soon as it lands.

@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from node.config import UNIX_PREFIX, Config
-from node.errors import NodeError, NodeNotRunning, NodeRestarted, ValidationError
-from node.proc import ENV_CONFIG
-from node.rows import check_key
+from node.core.errors import NodeError, NodeNotRunning, NodeRestarted, ValidationError
+from node.core.proc import ENV_CONFIG
+from node.core.rows import check_key
 from shm.leases import SlotTakenOver
 from workers.claim import (
     Claimer,
@@ -425,7 +425,7 @@ class LocalClaimer:
         """Map the node's segments and open its store; ``boot_id`` is the
         boot these belong to. Raises NodeNotRunning (or NameTaken for names
         that are not this user's node's)."""
-        from node.identity import data_dir_id
+        from node.core.identity import data_dir_id
         from node.store import open_store
         from shm.leases import LeaseTable
         from shm.ready import ReadySet

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from node.errors import ConfigError
-from node.rows import JOB_RE, MAX_CADENCE_S, MIN_CADENCE_S
+from node.core.errors import ConfigError
+from node.core.rows import JOB_RE, MAX_CADENCE_S, MIN_CADENCE_S
 
 NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 # ``--http unix:PATH``: serve on a UNIX socket file instead of TCP. Its path
@@ -481,8 +481,8 @@ def check_name(name: str) -> str:
 def load_run_config(role: str) -> Config:
     """A child's configuration: the resolved JSON the supervisor wrote, named
     by QUEUE_NODE_RUN_CONFIG. ``role`` only words the error."""
-    from node.errors import NodeError
-    from node.proc import ENV_CONFIG
+    from node.core.errors import NodeError
+    from node.core.proc import ENV_CONFIG
 
     path = os.environ.get(ENV_CONFIG)
     if not path:

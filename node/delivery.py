@@ -38,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from itertools import repeat
 
-from node.errors import NodeError
+from node.core.errors import NodeError
 
 # Below this many consumed slots the head of a ready array is not cut off
 # (cutting costs a copy of what is left; amortised O(1) per id above it).

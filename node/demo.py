@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from node.errors import ConfigError, NodeError
-from node.proc import RET_ERROR, RET_OK
+from node.core.errors import ConfigError, NodeError
+from node.core.proc import RET_ERROR, RET_OK
 
 DEFAULT_ROWS = 20_000
 MAX_ROWS = 1_000_000
@@ -157,7 +157,7 @@ def write_config(data_dir: Path) -> Path:
 
 def demo_rows(n: int, now: float) -> list[Any]:
     """The seeded schedule: ``n`` rows, all due, deterministic."""
-    from node.rows import RowWrite
+    from node.core.rows import RowWrite
 
     rows = []
     for i in range(n):

@@ -1,79 +1,31 @@
-"""One exception tree for the whole node.
+"""The node's exceptions, where programs that catch them import them from:
+``node.errors.NodeNotRunning`` and the rest. They are defined in
+``node/core/errors.py``; this module names the same classes."""
 
-Driver errors are wrapped once where they enter (``raise StoreError(...) from
-exc``); callers above that point only ever see these names.
-"""
+from node.core.errors import (
+    ConfigError,
+    LayoutMismatch,
+    NameTaken,
+    NodeError,
+    NodeNotRunning,
+    NodeRestarted,
+    StoreError,
+    StoreUnavailable,
+    TooManyClasses,
+    UnsupportedStore,
+    ValidationError,
+)
 
-from __future__ import annotations
-
-
-class NodeError(Exception):
-    """Base of every error the node raises on purpose."""
-
-
-class ConfigError(NodeError):
-    """The configuration (file, environment or flags) is not valid.
-
-    The message names the option, the value and what is allowed; ``source``
-    says where the value came from (``file.toml:12``, ``QUEUE_NODE_LEASE_S``,
-    ``--lease-s``).
-    """
-
-    def __init__(self, message: str, source: str | None = None) -> None:
-        self.source = source
-        super().__init__(f"{source}: {message}" if source else message)
-
-
-class ValidationError(NodeError):
-    """Something a caller sent is not valid. Maps to HTTP 400 / exit 2."""
-
-    status = 400
-
-    def __init__(self, code: str, message: str, field: str | None = None) -> None:
-        self.code = code
-        self.message = message
-        self.field = field
-        super().__init__(message)
-
-    def to_json(self) -> dict:
-        return {"error": {"code": self.code, "message": self.message, "field": self.field}}
-
-
-class TooManyClasses(ValidationError):
-    """A write would create more than ``max_classes`` classes."""
-
-    def __init__(self, message: str, field: str | None = None) -> None:
-        super().__init__("too_many_classes", message, field)
-
-
-class StoreError(NodeError):
-    """The durable store failed (I/O, corruption, lost connection)."""
-
-
-class StoreUnavailable(StoreError):
-    """The store cannot be reached or opened."""
-
-
-class UnsupportedStore(ConfigError):
-    """The store URL names a backend this build does not have."""
-
-
-class LayoutMismatch(NodeError):
-    """A shared-memory segment exists with another layout version."""
-
-
-class NodeNotRunning(NodeError):
-    """No node of that name runs on this host (no segment, or its writer is dead)."""
-
-
-class NodeRestarted(NodeError):
-    """The tables a process attached belong to a node that has since stopped
-    (sealed at its clean shutdown, or unlinked): nothing may be granted,
-    renewed or released there. The caller reattaches to the new node's tables
-    or answers ``503 node_restarted``."""
-
-
-class NameTaken(ConfigError):
-    """A name the node must own (a segment, a semaphore, a message queue, the
-    ledger's socket) is held by another user or carries another data
-    directory's identity. Refused at start: one line, exit 2."""
+__all__ = [
+    "ConfigError",
+    "LayoutMismatch",
+    "NameTaken",
+    "NodeError",
+    "NodeNotRunning",
+    "NodeRestarted",
+    "StoreError",
+    "StoreUnavailable",
+    "TooManyClasses",
+    "UnsupportedStore",
+    "ValidationError",
+]

@@ -30,7 +30,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from node.errors import ConfigError
+from node.core.errors import ConfigError
 
 SPEC_RE = re.compile(r"([A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)*):([A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*)")
 

@@ -14,7 +14,7 @@ Formats (by extension, else by the first byte; ``.gz`` is read through):
   route is ``--route`` or ``default``. A document with a DTD is refused: no
   entity is ever expanded (no billion laughs, no external entities).
 
-All or nothing: every line is validated (with ``node.rows.parse_row``, as the
+All or nothing: every line is validated (with ``node.core.rows.parse_row``, as the
 HTTP API does) before anything is written, so a file with one bad line imports
 nothing and names every bad line. ``--skip-invalid`` imports the valid lines,
 still names the others, and exits 0. The classes the file would create are
@@ -48,9 +48,9 @@ from typing import IO, Any, cast
 from xml.parsers import expat
 
 from node.config import Config, load_config, parse_duration
-from node.errors import ConfigError, NodeError, StoreError, ValidationError
-from node.proc import RET_ERROR, RET_OK, RET_USAGE
-from node.rows import (
+from node.core.errors import ConfigError, NodeError, StoreError, ValidationError
+from node.core.proc import RET_ERROR, RET_OK, RET_USAGE
+from node.core.rows import (
     MAX_CADENCE_S,
     MIN_CADENCE_S,
     ORIGIN_NODE,

@@ -28,7 +28,7 @@ from typing import Any
 
 import msgpack
 
-from node.errors import NodeError
+from node.core.errors import NodeError
 
 _LEN = struct.Struct(">I")
 # A frame larger than this is refused: results are at most a request body

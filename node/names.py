@@ -24,7 +24,7 @@ from pathlib import Path
 
 import posix_ipc
 
-from node.errors import NameTaken, NodeError
+from node.core.errors import NameTaken, NodeError
 from shm.segment import owner_name, pid_alive, segment_name
 
 SEGMENT_KINDS = ("ready", "leases", "state")

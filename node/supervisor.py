@@ -15,7 +15,7 @@ doubles from 0.1 s up to 5 s, and is reset once the child has stayed up for
 30 s; every restart is logged with the exit status.
 
 Metrics: the supervisor owns ``<data-dir>/metrics``, prometheus_client's
-multiprocess directory (``node.metrics``): emptied at the start, named in every
+multiprocess directory (``node.core.metrics``): emptied at the start, named in every
 child's environment, and told when a child exits.
 
 The supervisor's signal handlers only set flags and write to a wake-up pipe
@@ -41,11 +41,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from node import log, metrics
 from node.config import Config, tls_context
-from node.errors import ConfigError, NodeError
-from node.identity import data_dir_id, new_boot_id
-from node.proc import ENV_CONFIG, ENV_STARTED_AT, ENV_SUPERVISOR, python_argv
+from node.core import log, metrics
+from node.core.errors import ConfigError, NodeError
+from node.core.identity import data_dir_id, new_boot_id
+from node.core.proc import ENV_CONFIG, ENV_STARTED_AT, ENV_SUPERVISOR, python_argv
 
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 5.0

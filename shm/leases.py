@@ -168,7 +168,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from node.errors import NodeError, NodeRestarted
+from node.core.errors import NodeError, NodeRestarted
 from shm import segment
 from shm.segment import HEADER_SIZE, Segment, pid_alive, segment_name
 

@@ -129,7 +129,7 @@ from collections.abc import Sequence
 from itertools import accumulate, repeat
 from typing import Any, NamedTuple
 
-from node.errors import NodeError
+from node.core.errors import NodeError
 from shm import segment
 from shm.segment import HEADER_SIZE, U32, Segment, SnapshotUnstable, segment_name
 

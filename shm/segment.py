@@ -66,7 +66,7 @@ from typing import Any
 
 import posix_ipc
 
-from node.errors import LayoutMismatch, NameTaken, NodeError, NodeNotRunning
+from node.core.errors import LayoutMismatch, NameTaken, NodeError, NodeNotRunning
 
 MAGIC = b"QNSH"
 IDENTITY_MAGIC = b"QNID"

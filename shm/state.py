@@ -55,7 +55,7 @@ from typing import Any
 
 import msgpack
 
-from node.errors import NodeError, NodeNotRunning
+from node.core.errors import NodeError, NodeNotRunning
 from shm import segment
 
 try:

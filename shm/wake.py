@@ -15,7 +15,7 @@ import stat
 
 import posix_ipc
 
-from node.errors import NameTaken, NodeNotRunning
+from node.core.errors import NameTaken, NodeNotRunning
 from shm.segment import check_owner, segment_name
 
 # A post while the value is already this high is dropped: the keeper will wake

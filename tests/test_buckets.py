@@ -21,7 +21,7 @@ from keeper.buckets import Buckets, minute_of
 from keeper.classes import SOURCE_ROUTE, SOURCE_ROW, ClassInfo, ClassTable
 from keeper.order import Order
 from node.config import Config, RouteConfig
-from node.errors import TooManyClasses
+from node.core.errors import TooManyClasses
 from shm.ready import ReadySet
 
 BASE = 1_700_000_000.0

@@ -27,8 +27,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from node.config import Config, RouteConfig
+from node.core.rows import RowWrite
 from node.ipc import IpcError, RemoteError
-from node.rows import RowWrite
 from node.store import open_store
 from shm import segment
 from shm.leases import LeaseTable, Outcome

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from node.config import Config, RouteConfig
-from node.rows import RowWrite
+from node.core.rows import RowWrite
 from node.store import open_store
 from shm import leases as leases_mod
 from shm import segment

@@ -20,7 +20,7 @@ import msgpack
 import pytest
 
 from node.client import LocalClaimer
-from node.rows import RowWrite
+from node.core.rows import RowWrite
 from node.store import open_store
 from tests.nodeproc import NodeProcess, finish, wait_for
 

@@ -145,7 +145,7 @@ def test_local_claimer_claims_from_shared_memory(node):
 
 
 def test_local_claimer_names_where_it_looked(tmp_path):
-    from node.errors import NodeNotRunning
+    from node.core.errors import NodeNotRunning
 
     with pytest.raises(NodeNotRunning, match="no run configuration"):
         LocalClaimer("no-such-node", data_dir=tmp_path)

@@ -84,7 +84,7 @@ def test_segments_of_acknowledged_results_are_removed(node):
 
 def test_log_options_are_read_and_checked(tmp_path):
     from node.config import load_config
-    from node.errors import ConfigError
+    from node.core.errors import ConfigError
 
     path = tmp_path / "node.toml"
     path.write_text('log_fsync = "always"\nlog_segment_bytes = 1048576\n')

@@ -278,7 +278,7 @@ def test_the_ledger_drops_repeats_after_the_window_and_answers_the_table_after(t
     import asyncio
 
     from node.config import Config
-    from node.rows import RowWrite
+    from node.core.rows import RowWrite
     from node.store import open_store
     from workers.ledger import Ledger
 

@@ -44,7 +44,7 @@ from node.completion.segments import (
     read_segment_records,
     segment_name,
 )
-from node.errors import ConfigError, ValidationError
+from node.core.errors import ConfigError, ValidationError
 
 ROOT = Path(__file__).resolve().parent.parent
 NOW = 1_700_000_000.0

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from node.core.errors import ConfigError
 from node.demo import MARKER, demo_rows, prepare_data_dir
-from node.errors import ConfigError
 from tests.nodeproc import ROOT
 
 pytestmark = pytest.mark.timeout(90)

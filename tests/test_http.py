@@ -27,8 +27,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from node.config import Config, RouteConfig
-from node.errors import StoreError
-from node.rows import RowWrite
+from node.core.errors import StoreError
+from node.core.rows import RowWrite
 from node.store import open_store
 from node.store.memory import MemoryStore
 from workers.http import MAX_BODY_BYTES, MAX_KEYS, MAX_ROWS, WorkerContext, make_app

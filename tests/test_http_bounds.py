@@ -41,7 +41,7 @@ import msgpack
 import pytest
 
 from node.config import Config, load_config
-from node.errors import ConfigError
+from node.core.errors import ConfigError
 from tests.nodeproc import ROOT, NodeProcess, finish, wait_for
 
 pytestmark = pytest.mark.timeout(120)

@@ -15,7 +15,7 @@ import pytest
 
 from node import importer
 from node.config import Config, RouteConfig
-from node.errors import StoreError, TooManyClasses
+from node.core.errors import StoreError, TooManyClasses
 from node.importer import ImportFailed, ImportFileError, import_file, main
 from node.store import open_store
 from node.store.memory import MemoryStore

@@ -13,7 +13,7 @@ import pytest
 
 from keeper.process import LOAD_CHUNK, LOW_WATER_MIN_S, OUTSIDE_POLL_S, Keeper
 from node.config import Config, RouteConfig
-from node.rows import RowWrite
+from node.core.rows import RowWrite
 from node.store import open_store
 from shm.ready import ReadySet
 from shm.state import StateBuffer

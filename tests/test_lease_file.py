@@ -52,7 +52,7 @@ def test_a_file_of_an_unknown_version_is_refused_not_guessed(
     import msgpack
     import pytest
 
-    from node.errors import NodeError
+    from node.core.errors import NodeError
 
     doc = msgpack.unpackb(FIXTURE.read_bytes())
     doc["version"] = 99

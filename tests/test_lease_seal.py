@@ -32,8 +32,8 @@ import msgpack
 import pytest
 
 from node.config import Config, RouteConfig
-from node.errors import NodeError, NodeRestarted
-from node.rows import RowWrite
+from node.core.errors import NodeError, NodeRestarted
+from node.core.rows import RowWrite
 from node.store import open_store
 from shm import segment
 from shm.leases import SEALED, Lease, LeaseTable, Outcome, Refuse, Refused, owner_bits
@@ -317,7 +317,7 @@ def test_after_the_seal_settles_nothing_granting_in_other_processes_changes_the_
 _STOPPED = textwrap.dedent(
     """
     import sys
-    from node.errors import NodeRestarted
+    from node.core.errors import NodeRestarted
     from shm.leases import LeaseTable, SlotTakenOver
     op, node, key, lease_id = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     table = LeaseTable.attach(node)

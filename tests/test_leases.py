@@ -27,7 +27,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from node.errors import NodeError
+from node.core.errors import NodeError
 from shm import leases, segment
 from shm.leases import (
     AtomicsMissing,

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from node.config import Config
+from node.core.rows import RowWrite
 from node.ipc import AsyncClient, Client, IpcError, RemoteError
-from node.rows import RowWrite
 from node.store import open_store
 from shm.leases import LeaseTable, Outcome
 from tests.nodeproc import wait_for

@@ -1,6 +1,6 @@
 """``GET /metrics``: Prometheus text for every process of the node.
 
-Unit tier: ``node.metrics`` outside a node and across real processes in
+Unit tier: ``node.core.metrics`` outside a node and across real processes in
 multiprocess mode, and the route labels from a state document. Acceptance
 tier: a real node (``tests/nodeproc.py``), its counters against
 ``/accounting``, a worker killed -9 and restarted, the keeper stopped."""
@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from node import metrics
+from node.core import metrics
 from tests.nodeproc import ROOT, NodeProcess, finish, wait_for
 from workers.metrics_http import OTHER_ROUTE, oldest_ratios
 
@@ -141,12 +141,13 @@ def test_multiprocess_files_add_up_across_processes(tmp_path):
     assert (os.stat(mp_dir).st_mode & 0o777) == 0o700
     env = {metrics.ENV_DIR: str(mp_dir)}
     record = (
-        "from node import metrics; metrics.observe_claim(0.002, 2); metrics.observe_apply(1e-6)"
+        "from node.core import metrics; "
+        "metrics.observe_claim(0.002, 2); metrics.observe_apply(1e-6)"
     )
     for _ in range(3):
         out = _python(record, env)
         assert out.returncode == 0, out.stderr
-    out = _python("import sys; from node import metrics; sys.stdout.write("
+    out = _python("import sys; from node.core import metrics; sys.stdout.write("
                   "metrics.exposition().decode())", env)
     assert out.returncode == 0, out.stderr
     summed = Scrape(out.stdout)
@@ -160,7 +161,7 @@ def test_multiprocess_files_add_up_across_processes(tmp_path):
 
 def test_unusable_multiprocess_dir_does_not_break_a_process(tmp_path):
     env = {metrics.ENV_DIR: str(tmp_path / "missing")}
-    out = _python("from node import metrics; metrics.observe_apply(1e-6); "
+    out = _python("from node.core import metrics; metrics.observe_apply(1e-6); "
                   "metrics.observe_claim(0.1, 1); print(len(metrics.exposition()))", env)
     assert out.returncode == 0, out.stderr
     assert "metrics_disabled" in out.stderr

@@ -351,7 +351,7 @@ def test_a_kill_while_the_identity_is_made_leaves_none_or_a_whole_one(
 ) -> None:
     """A kill between creating the file and writing it used to leave an
     empty identity, and every later start failed on it."""
-    from node import identity
+    from node.core import identity
 
     def killed(*args: object, **kwargs: object) -> None:
         raise SystemExit("killed")

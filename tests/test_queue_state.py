@@ -25,7 +25,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from node.client import Client
 from node.config import Config
-from node.rows import parse_row
+from node.core.rows import parse_row
 from node.store import open_store
 from shm.leases import CODE_NAMES, EMPTY, LEASED, UPDATING, LeaseTable, _mask
 from shm.state import queue_state, read_state

@@ -20,7 +20,7 @@ import pytest
 
 from node.client import Client, ClientError
 from node.config import Config, load_config
-from node.errors import ConfigError
+from node.core.errors import ConfigError
 from tests.nodeproc import ROOT, NodeProcess, finish, wait_for
 
 RETENTION_S = 2

@@ -38,7 +38,7 @@ from typing import Any
 import pytest
 
 from node.config import load_config
-from node.errors import ConfigError
+from node.core.errors import ConfigError
 from tests.nodeproc import ROOT, NodeProcess, cleanup_segments, finish, wait_for
 
 pytestmark = pytest.mark.timeout(180)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from node.errors import LayoutMismatch, NodeError, NodeNotRunning
+from node.core.errors import LayoutMismatch, NodeError, NodeNotRunning
 from shm import segment
 from shm.ready import ReadySet, heap_size_for
 from shm.segment import futex_wait, futex_wake, pid_alive, segment_name

@@ -19,8 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from node.errors import StoreError, StoreUnavailable
-from node.rows import (
+from node.core.errors import StoreError, StoreUnavailable
+from node.core.rows import (
     ORIGIN_EXTERNAL,
     ORIGIN_NODE,
     ORIGIN_WRITEBACK,
@@ -561,7 +561,7 @@ def test_processes_opening_a_new_file_at_once_migrate_it_once(tmp_path):
     path = tmp_path / "race.db"
     script = (
         "import sys\n"
-        "from node.rows import RowWrite\n"
+        "from node.core.rows import RowWrite\n"
         "from node.store.sqlite import SQLiteStore\n"
         "with SQLiteStore(sys.argv[1]) as s:\n"
         "    s.upsert([RowWrite(sys.argv[2], 'r')], now=1.0)\n"
@@ -582,7 +582,7 @@ def test_processes_opening_a_new_file_at_once_migrate_it_once(tmp_path):
 
 def test_walk_schedule_matches_walk(store):
     """The keeper's load walk sees the same rows as walk(), in chunks."""
-    from node.rows import RowWrite
+    from node.core.rows import RowWrite
 
     store.upsert(
         [RowWrite(key=f"k{i:04d}", route="r", cadence_s=None if i % 2 else 3600,
@@ -604,7 +604,7 @@ def test_walk_schedule_matches_walk(store):
 def test_walk_schedule_sets_bad_rows_apart(tmp_path):
     import sqlite3
 
-    from node.rows import RowWrite
+    from node.core.rows import RowWrite
     from node.store.base import BadRow
     from node.store.sqlite import SQLiteStore
 

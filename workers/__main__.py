@@ -39,10 +39,10 @@ from typing import Any
 
 from aiohttp import web
 
-from node import log
 from node.config import Config, load_run_config, tls_context
-from node.errors import NodeError
-from node.proc import (
+from node.core import log
+from node.core.errors import NodeError
+from node.core.proc import (
     ENV_STARTED_AT,
     RET_ERROR,
     RET_OK,

@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from node.config import Config
-from node.errors import NodeError, NodeRestarted, ValidationError
-from node.log import warn
+from node.core.errors import NodeError, NodeRestarted, ValidationError
+from node.core.log import warn
+from node.core.rows import MAX_CADENCE_S, MAX_DUE_AT, MIN_CADENCE_S, MIN_DUE_AT
 from node.names import ledger_address  # noqa: F401 - re-exported: where callers find it
-from node.rows import MAX_CADENCE_S, MAX_DUE_AT, MIN_CADENCE_S, MIN_DUE_AT
 from node.store.base import BadRow, Store
 from shm.leases import (
     C_STOP,

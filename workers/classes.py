@@ -17,8 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from node.config import Config
-from node.errors import TooManyClasses
-from node.rows import MISSING, Row, RowWrite
+from node.core.errors import TooManyClasses
+from node.core.rows import MISSING, Row, RowWrite
 
 # (route, effective cadence_s, source "row" | "route", sitemap)
 ClassId = tuple[str, int, str, bool]

@@ -40,10 +40,10 @@ import msgpack
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from node import log
 from node.config import Config
-from node.errors import ValidationError
-from node.rows import ORIGIN_NODE, RowWrite, check_key, parse_row
+from node.core import log
+from node.core.errors import ValidationError
+from node.core.rows import ORIGIN_NODE, RowWrite, check_key, parse_row
 from node.store.base import BadRow, Store
 from workers import openapi
 from workers.classes import ClassId, check_class_limit, needs_stored, write_classes

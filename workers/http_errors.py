@@ -9,7 +9,7 @@ Rule: a request is never answered 5xx for something the caller sent. Only an
 unexpected exception (a bug; its traceback is logged) becomes 500, and a
 store that cannot be reached becomes 503. Everything a caller can get wrong
 is caught where the request is read and raised as ``ApiError`` or
-``node.errors.ValidationError``.
+``node.core.errors.ValidationError``.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import msgpack
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from node.errors import StoreError, ValidationError
-from node.log import warn
+from node.core.errors import StoreError, ValidationError
+from node.core.log import warn
 
 log = logging.getLogger("queue-node.http")
 

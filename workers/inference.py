@@ -47,11 +47,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from node import log
 from node.config import Config, load_run_config
-from node.errors import NodeError
-from node.handlers import Handler, HandlerError, encode_result
-from node.proc import (
+from node.core import log
+from node.core.errors import NodeError
+from node.core.proc import (
     RET_ERROR,
     RET_OK,
     RET_USAGE,
@@ -61,6 +60,7 @@ from node.proc import (
     die_with_parent,
     set_title,
 )
+from node.handlers import Handler, HandlerError, encode_result
 
 # Defaults of the options config.py may not carry yet (``batch_size``,
 # ``handler_timeout_s``); the configuration wins when it has them.

@@ -32,12 +32,12 @@ from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
-from node import log
 from node.config import Config, load_run_config
-from node.errors import NodeError
+from node.core import log
+from node.core.errors import NodeError
+from node.core.proc import RET_ERROR, RET_OK, child_signals, die_with_parent, set_title
 from node.ipc import MAX_FRAME, IpcError, RemoteError, pack, read_frame
 from node.names import ledger_address
-from node.proc import RET_ERROR, RET_OK, child_signals, die_with_parent, set_title
 
 # Segments of the completion log live in <data-dir>/LOG_DIR.
 LOG_DIR = "log"
@@ -300,7 +300,7 @@ class Ledger:
         return outcomes, accepted, dups
 
     def _job_and_cadence(self, row: Any, lease_cadence_s: float) -> tuple[str, float]:
-        from node.rows import DEFAULT_JOB, Row
+        from node.core.rows import DEFAULT_JOB, Row
 
         if not isinstance(row, Row):  # deleted while leased: the result is still kept
             return DEFAULT_JOB, lease_cadence_s or self.config.defaults.cadence_s
@@ -350,7 +350,7 @@ class Ledger:
         """Before the lease ends: a crash between the two leaves the lease
         live, and recovery does both again (the repeat write is refused by
         its version, harmlessly)."""
-        from node.errors import StoreError
+        from node.core.errors import StoreError
 
         try:
             if self.store.write_next_due(key, due_at, if_version=version) is None:

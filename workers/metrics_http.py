@@ -2,7 +2,7 @@
 
 A scrape is two parts (``docs/metrics.md`` lists every name):
 
-- what the node's processes recorded (``node.metrics``: the keeper's
+- what the node's processes recorded (``node.core.metrics``: the keeper's
   histograms, claim latency, requests and grants per worker), summed over
   every process from prometheus_client's multiprocess files;
 - what is read now, so that it equals ``/accounting`` and ``/queue-state``
@@ -30,7 +30,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from node import log, metrics
+from node.core import log, metrics
 from node.ipc import IpcError, RemoteError
 from shm.state import _vouch
 from workers.http import CTX, WorkerContext

@@ -30,8 +30,8 @@ from typing import Any
 
 from aiohttp import web
 
-from node.errors import ValidationError
-from node.rows import check_route
+from node.core.errors import ValidationError
+from node.core.rows import check_route
 from shm.state import queue_state as build_queue_state
 from shm.state import unreadable_state
 from workers.http import (

@@ -37,10 +37,10 @@ from typing import Any
 import msgpack
 from aiohttp import web
 
-from node import log, metrics
-from node.errors import NodeError, ValidationError
+from node.core import log, metrics
+from node.core.errors import NodeError, ValidationError
+from node.core.rows import check_job, check_key
 from node.ipc import IpcError, RemoteError
-from node.rows import check_job, check_key
 from workers.claim import (
     MAX_CLAIM,
     Claimer,

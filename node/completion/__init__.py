@@ -34,7 +34,7 @@ from node.completion.base import (
     TailCut,
     UnknownResult,
 )
-from node.errors import ConfigError
+from node.core.errors import ConfigError
 
 __all__ = [
     "FSYNC_ALWAYS",

@@ -39,7 +39,7 @@ from itertools import chain, compress, repeat
 from operator import itemgetter, not_, rshift
 from typing import Any, NamedTuple
 
-from node.errors import NodeError, ValidationError
+from node.core.errors import NodeError, ValidationError
 
 # -- tunables -------------------------------------------------------------------------
 

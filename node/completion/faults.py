@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from node.completion.segments import FileOps
-from node.log import log
+from node.core.log import log
 
 MODES = ("enospc", "eio", "slow_fsync")
 

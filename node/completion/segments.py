@@ -130,7 +130,7 @@ from node.completion.base import (
     _Retire,
 )
 from node.completion.staging import Stage, StagedBatch
-from node.log import log
+from node.core.log import log
 
 FORMAT_VERSION = 3
 # Segment format versions this build reads.

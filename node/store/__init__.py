@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from node.errors import UnsupportedStore
+from node.core.errors import UnsupportedStore
 from node.store.base import BadRow, Store
 
 __all__ = ["BadRow", "Store", "open_store", "check_store_url"]

@@ -22,7 +22,7 @@ import abc
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from node.rows import ORIGIN_NODE, Change, Row, RowWrite
+from node.core.rows import ORIGIN_NODE, Change, Row, RowWrite
 
 
 class Store(abc.ABC):

@@ -22,8 +22,8 @@ from typing import Any
 
 from sortedcontainers import SortedDict  # type: ignore[import-untyped]
 
-from node.errors import StoreError
-from node.rows import (
+from node.core.errors import StoreError
+from node.core.rows import (
     DEFAULT_JOB,
     OP_DELETE,
     OP_INSERT,

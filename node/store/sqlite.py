@@ -36,8 +36,8 @@ from collections.abc import Iterable, Sequence
 from itertools import groupby
 from typing import Any
 
-from node.errors import StoreError, StoreUnavailable
-from node.rows import (
+from node.core.errors import StoreError, StoreUnavailable
+from node.core.rows import (
     DEFAULT_JOB,
     MISSING,
     ORIGIN_NODE,

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from node.errors import ValidationError
+from node.core.errors import ValidationError
 
 MAX_KEY_BYTES = 1024
 MAX_ROUTE_BYTES = 128

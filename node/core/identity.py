@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from node.errors import ConfigError
+from node.core.errors import ConfigError
 
 FILE_NAME = "identity"
 ID_BYTES = 16

@@ -172,7 +172,7 @@ def _get() -> _Recorders | None:
                 _recorders = _Recorders()
             except (OSError, ValueError) as exc:  # the directory is missing or unwritable
                 _disabled = True
-                from node import log
+                from node.core import log
 
                 log.warn("metrics_disabled", error=str(exc), dir=multiprocess_dir())
     return _recorders
