@@ -18,10 +18,8 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from node.config import Config
+from node.core.classes import SOURCE_ROUTE, ClassId, class_id
 from node.core.errors import TooManyClasses
-
-SOURCE_ROW = "row"
-SOURCE_ROUTE = "route"
 
 
 class ClassInfo(NamedTuple):
@@ -33,7 +31,7 @@ class ClassInfo(NamedTuple):
 
 
 # (route, cadence_s, source, sitemap): what makes two rows the same class.
-Identity = tuple[str, int, str, bool]
+Identity = ClassId
 
 
 def _identity(info: ClassInfo) -> Identity:
@@ -95,9 +93,7 @@ class ClassTable:
     def _describe(config: Config, route: str, cadence_s: int | None, sitemap: bool) -> ClassInfo:
         settings = config.route(route)
         boost = float(settings.sitemap_boost) if sitemap else 0.0
-        if cadence_s is None:
-            return ClassInfo(route, settings.cadence_s, SOURCE_ROUTE, sitemap, boost)
-        return ClassInfo(route, int(cadence_s), SOURCE_ROW, sitemap, boost)
+        return ClassInfo(*class_id(route, cadence_s, sitemap, settings.cadence_s), boost)
 
     def info(self, cid: int) -> ClassInfo:
         """Raises KeyError for an id never given out, or retired."""

@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 import keeper.buckets as buckets_module
 import keeper.classes as classes_module
 from keeper.buckets import Buckets, minute_of
-from keeper.classes import SOURCE_ROUTE, SOURCE_ROW, ClassInfo, ClassTable
+from keeper.classes import ClassInfo, ClassTable
 from keeper.order import Order
 from node.config import Config, RouteConfig
+from node.core.classes import SOURCE_ROUTE, SOURCE_ROW
 from node.core.errors import TooManyClasses
 from shm.ready import ReadySet
 

@@ -20,3 +20,22 @@ def test_node_errors_names_every_exception_of_the_core_as_the_same_class() -> No
     assert defined == set(errors.__all__)
     for name in defined:
         assert getattr(errors, name) is getattr(core_errors, name)
+
+
+def test_the_keeper_and_the_workers_see_one_class_identity() -> None:
+    """One definition (node/core/classes.py): the class a worker checks a
+    write against is the class the keeper files the row in."""
+    from keeper.classes import ClassTable
+    from node.config import Config, RouteConfig
+    from workers.classes import class_id
+
+    config = Config(routes={"pages": RouteConfig(cadence_s=3600, sitemap_boost=1.0)})
+    table = ClassTable(config)
+    for route, cadence_s, sitemap in [("pages", None, True), ("pages", 3600, True),
+                                      ("pages", 60, False), ("other", None, False)]:  # fmt: skip
+        info = table.info(table.class_of(route, cadence_s, sitemap))
+        assert (info.route, info.cadence_s, info.source, info.sitemap) == class_id(
+            config, route, cadence_s, sitemap
+        )
+    # a row's own cadence equal to the route's is still another class
+    assert table.class_of("pages", None, True) != table.class_of("pages", 3600, True)

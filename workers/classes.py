@@ -17,20 +17,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from node.config import Config
+from node.core.classes import ClassId
+from node.core.classes import class_id as core_class_id
 from node.core.errors import TooManyClasses
 from node.core.rows import MISSING, Row, RowWrite
 
-# (route, effective cadence_s, source "row" | "route", sitemap)
-ClassId = tuple[str, int, str, bool]
-
-SOURCE_ROW = "row"
-SOURCE_ROUTE = "route"
-
 
 def class_id(config: Config, route: str, cadence_s: int | None, sitemap: bool) -> ClassId:
-    if cadence_s is None:
-        return (route, config.route(route).cadence_s, SOURCE_ROUTE, bool(sitemap))
-    return (route, int(cadence_s), SOURCE_ROW, bool(sitemap))
+    """The class a row would be in under ``config`` (node/core/classes.py)."""
+    return core_class_id(route, cadence_s, sitemap, config.route(route).cadence_s)
 
 
 def needs_stored(writes: Iterable[RowWrite]) -> list[str]:
