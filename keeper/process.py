@@ -806,7 +806,9 @@ class Keeper:
             os.replace(tmp, path)
             return {"ok": True, "rows": len(rows), "path": str(path)}
         if op == "corrupt" and self.test_hooks:
-            return self._corrupt(request)
+            from keeper.test_hooks import corrupt  # only with QUEUE_NODE_TEST_HOOKS=1
+
+            return corrupt(self, request)
         return {"error": f"unknown op {op!r}"}
 
     def explain(self, key: str, now: float) -> dict[str, Any]:
@@ -837,24 +839,3 @@ class Keeper:
             "left_out": key in self.exclude,
             "ready_position": position,
         }
-
-    def _corrupt(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Test hook: make the keeper's view wrong on purpose, so a test can
-        prove that verification finds and repairs it."""
-        key = str(request.get("key"))
-        mode = request.get("mode")
-        held = self.buckets.get(key)
-        if mode == "drop" and held is not None:
-            self.buckets.remove(key)
-        elif mode == "move" and held is not None:
-            minute, cid, version = held
-            info = self.classes.info(cid)
-            self.buckets.remove(key)
-            self.buckets.apply(key, version, info.route,
-                               info.cadence_s if info.source == "row" else None,
-                               info.sitemap, (minute + 10_000) * 60.0)
-        elif mode == "phantom":
-            self.buckets.apply(key, 1, "phantom", None, False, 0.0)
-        else:
-            return {"ok": False}
-        return {"ok": True}

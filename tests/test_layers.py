@@ -4,6 +4,7 @@ import path (``node.errors``) now that they live in the core."""
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import node.core.errors as core_errors
 import node.errors as errors
@@ -39,3 +40,24 @@ def test_the_keeper_and_the_workers_see_one_class_identity() -> None:
         )
     # a row's own cadence equal to the route's is still another class
     assert table.class_of("pages", None, True) != table.class_of("pages", 3600, True)
+
+
+def test_the_keepers_test_hook_answers_only_with_test_hooks_on() -> None:
+    """``corrupt`` lives in keeper/test_hooks.py, reached only when the node
+    runs with QUEUE_NODE_TEST_HOOKS=1; without it the question is unknown
+    and the hook's module is never imported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from keeper.process import Keeper\n"
+        "k = Keeper.__new__(Keeper)\n"
+        "k.test_hooks = False\n"
+        "answer = Keeper.answer(k, {'op': 'corrupt', 'key': 'k', 'mode': 'drop'}, 0.0)\n"
+        "print(answer.get('error', ''), 'keeper.test_hooks' in sys.modules)\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.stdout.strip() == "unknown op 'corrupt' False", done.stderr
