@@ -54,7 +54,9 @@ def main():
     per_call = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     name = "bench-" + uuid.uuid4().hex[:8]
     d = Path(tempfile.mkdtemp(prefix="bench-ledger-"))
-    cfg = Config(data_dir=d, name=name, store=f"sqlite:///{d}/schedule.db")
+    window_s = float(os.environ.get("QUEUE_NODE_LEDGER_GROUP_WINDOW_S", "0") or 0)
+    cfg = Config(data_dir=d, name=name, store=f"sqlite:///{d}/schedule.db",
+                 ledger_group_window_s=window_s)  # fmt: skip
     (d / "run.json").write_text(json.dumps(cfg.to_json()))
     store = open_store(cfg.store_url)
     keys = [[f"c{c}/k{i}" for i in range(per_client)] for c in range(n_clients)]
@@ -112,7 +114,7 @@ def main():
                 {
                     "clients": n_clients,
                     "per_call": per_call,
-                    "window_s": float(os.environ.get("QUEUE_NODE_LEDGER_GROUP_WINDOW_S", "0") or 0),
+                    "window_s": window_s,
                     "completions_per_s": round(total / wall),
                     "calls": len(lat),
                     "p50_ms": round(1000 * lat[len(lat) // 2], 3),

@@ -87,6 +87,15 @@ class Config:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     offer_timeout_s: float = 30.0
+    # A repeat of an accepted completion is answered `repeat` with its result
+    # id until the result is retired and for this long after: the contract's
+    # "at least an hour" (docs/delivery.md, "Repeats").
+    repeat_window_s: float = 3600.0
+    # Group commit: the ledger waits this long after a completion arrives
+    # before it flushes. 0 flushes what is queued at once (completions that
+    # arrive meanwhile make the next group); a window only lowered throughput
+    # in measurements (docs/delivery.md).
+    ledger_group_window_s: float = 0.0
     max_misses: int = 10
     max_classes: int = 4096
     verify_interval_s: float = 3600.0
@@ -197,6 +206,8 @@ OPTIONS: dict[str, str] = {
     "tls_cert": _PATH,
     "tls_key": _PATH,
     "offer_timeout_s": _DURATION,
+    "repeat_window_s": _DURATION,
+    "ledger_group_window_s": _DURATION,
     "max_misses": _INT,
     "max_classes": _INT,
     "verify_interval_s": _DURATION,
@@ -228,6 +239,8 @@ _RANGES: dict[str, tuple[float, float]] = {
     "lease_s": (1, 86400),
     "ready_size": (1, 1_000_000),
     "offer_timeout_s": (1, 86400),
+    "repeat_window_s": (3600, 30 * 86400),
+    "ledger_group_window_s": (0, 1),
     "max_misses": (1, 1_000_000),
     "max_classes": (1, 1_000_000),
     "verify_interval_s": (1, 31_536_000),

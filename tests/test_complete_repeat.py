@@ -23,11 +23,14 @@ import pytest
 from node.completion import CompletionConfig, LogUnavailable, Result
 from node.completion.memory import MemoryCompletionStore
 from node.completion.segments import FileOps, SegmentStore, summary_name
+from node.config import Config
 from node.delivery import RepeatIndex
 from shm.leases import LeaseTable, Outcome
 from tests.nodeproc import wait_for
 from tests.test_ledger import World, item, poll_all
-from workers.ledger import LOG_DIR, REPEAT_WINDOW_S
+from workers.ledger import LOG_DIR
+
+REPEAT_WINDOW_S = Config().repeat_window_s
 
 pytestmark = pytest.mark.timeout(120)
 

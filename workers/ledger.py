@@ -59,13 +59,6 @@ RECEIVED_REREAD_S = 1.0
 # Test hooks only (QUEUE_NODE_TEST_HOOKS=1): a file whose content injects disk
 # faults into the completion log (node/completion/faults.py).
 ENV_LOG_FAULTS = "QUEUE_NODE_TEST_LOG_FAULTS"
-# Group commit: wait this long after a completion arrives before flushing.
-# 0 (the default) flushes what is queued at once: completions that arrive
-# during a flush wait in the socket buffers and make up the next group. A
-# window only lowered throughput in measurements (docs/delivery.md: on a VM,
-# asyncio sleeps of under a millisecond take a millisecond or more).
-# Overridable for benches with QUEUE_NODE_LEDGER_GROUP_WINDOW_S.
-GROUP_WINDOW_S = float(os.environ.get("QUEUE_NODE_LEDGER_GROUP_WINDOW_S", "0") or 0)
 # At most this many results per fsync (a request is never split).
 GROUP_MAX_ITEMS = 1024
 # Request limits, as the HTTP contract's: items per complete, ids per ack,
@@ -76,11 +69,6 @@ MAX_WAIT_S = 60.0
 REPLY_BYTES = 24 << 20
 # On SIGTERM, how long requests in flight get to finish.
 STOP_GRACE_S = 5.0
-# A repeat of an accepted completion is answered `repeat` with its result id
-# until the result is retired (acked or discarded) and for this long after:
-# the contract's "at least an hour". The log keeps the evidence as long
-# (keep_retired_s), so a restart answers the same (docs/delivery.md).
-REPEAT_WINDOW_S = 3600.0
 ENCODINGS = ("json", "bytes")
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -139,7 +127,9 @@ class Ledger:
         self.store = store
         self.log = completion
         self.delivery = Delivery(config.offer_timeout_s)
-        self.repeats = RepeatIndex(REPEAT_WINDOW_S)
+        # config.repeat_window_s: the log keeps the evidence as long
+        # (keep_retired_s), so a restart answers the same (docs/delivery.md).
+        self.repeats = RepeatIndex(config.repeat_window_s)
         self.acct = AccountingFile.open(config.data_dir)
         self.stats = _Stats()
         self._inflight: dict[tuple[str, int], asyncio.Future] = {}
@@ -172,7 +162,7 @@ class Ledger:
         without a result (COMPLETED / LATE from peek) was made durable by a
         ledger that died before ending its lease: end it now, after the
         write-back. Every pending result joins its job's ready queue, and
-        the repeat index, with the results retired within REPEAT_WINDOW_S."""
+        the repeat index, with the results retired within ``repeat_window_s``."""
         from node.completion import CompletionError
         from shm.leases import Outcome
 
@@ -237,7 +227,7 @@ class Ledger:
         and the results retired within the window, from the log's segments
         and the lease summaries of removed ones. A retired result counts as
         retired when its segment last was (never earlier than it was)."""
-        retired = self.log.retired_leases(now - REPEAT_WINDOW_S)
+        retired = self.log.retired_leases(now - self.config.repeat_window_s)
         answered = pending + [(r.id, r.lease_id, r.key) for r in retired]
         answered.sort(key=itemgetter(0))
         add = self.repeats.add
@@ -400,8 +390,8 @@ class Ledger:
         while True:
             await self._kick.wait()
             self._kick.clear()
-            if GROUP_WINDOW_S > 0:
-                await asyncio.sleep(GROUP_WINDOW_S)
+            if self.config.ledger_group_window_s > 0:
+                await asyncio.sleep(self.config.ledger_group_window_s)
             while self._queue or self._waiters:
                 group: list[_Item] = []
                 while self._queue and (
@@ -636,7 +626,7 @@ class Ledger:
     def compact(self, now: float) -> int:
         """Remove the segments whose every result is retired (acknowledged
         or discarded): the log's disk use follows what awaits delivery (plus
-        a lease summary of each for REPEAT_WINDOW_S: about 16 bytes and the
+        a lease summary of each for ``repeat_window_s``: about 16 bytes and the
         key a result). One log line when any went; a log that cannot write
         now tries again at the next interval."""
         from node.completion import LogUnavailable
@@ -891,7 +881,7 @@ def open_ledger(config: Config) -> Ledger:
         CompletionConfig(
             fsync=config.log_fsync,
             segment_bytes=config.log_segment_bytes,
-            keep_retired_s=REPEAT_WINDOW_S,
+            keep_retired_s=config.repeat_window_s,
         ),
         file_ops=file_ops,
     )
