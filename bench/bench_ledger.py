@@ -24,7 +24,7 @@ from node.core.rows import RowWrite
 from node.ipc import Client, IpcError
 from node.store import open_store
 from shm.leases import LeaseTable
-from workers.ledger import ledger_address
+from workers.ledger.process import ledger_address
 
 
 def client(name, keys, versions, per_call, start, out):

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.bench_completion import RESULT_BYTES, _results  # noqa: E402
 from node.completion.base import CompletionConfig  # noqa: E402
 from node.completion.segments import SegmentStore  # noqa: E402
-from node.delivery import Delivery  # noqa: E402
+from workers.ledger.delivery import Delivery  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

@@ -335,7 +335,7 @@ class Supervisor:
         self.children.append(Child("keeper", 0, python_argv("keeper")))
         self.children.append(Child("ledger", 0, python_argv("workers.ledger")))
         for i in range(1, self.config.workers + 1):
-            argv = python_argv("workers", "--index", str(i), "--listen-fd", str(fd))
+            argv = python_argv("workers.http", "--index", str(i), "--listen-fd", str(fd))
             self.children.append(Child("worker", i, argv, pass_fds=(fd,)))
         for i, device in enumerate(self._inference_devices()):
             argv = python_argv("workers.inference", "--index", str(i))

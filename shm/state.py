@@ -351,7 +351,7 @@ def _vouch(state: dict, now: float) -> tuple[bool, str | None]:
 
 # -- the /queue-state document ----------------------------------------------------------
 #
-# One builder for ``GET /queue-state`` (workers/state_http.py) and ``read_state``
+# One builder for ``GET /queue-state`` (workers/http/state.py) and ``read_state``
 # (``python -m node state``, an autoscaler on the host), so the two cannot drift.
 # The counts come from the keeper's document, taken at its ``counts_at``; the
 # lease figures (in flight, held, parked) from the lease table, read now.

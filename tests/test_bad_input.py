@@ -51,7 +51,7 @@ import msgpack
 import pytest
 from nodeproc import ROOT, NodeProcess, wait_for
 
-from workers.http_errors import ERROR_CODES
+from workers.http.errors import ERROR_CODES
 
 MIB = 1 << 20
 MAX_CLASSES = 4

@@ -35,10 +35,10 @@ from shm.leases import LeaseTable, Outcome
 from shm.ready import ReadySet
 from shm.segment import segment_name
 from workers.claim import Claimer, Grant, NotReady, ledger_address
-from workers.http import WorkerContext, make_app
-from workers.http_errors import ERROR_CODES
-from workers.work_http import WorkPath
-from workers.work_http import routes as work_routes
+from workers.http.app import WorkerContext, make_app
+from workers.http.errors import ERROR_CODES
+from workers.http.work import WorkPath
+from workers.http.work import routes as work_routes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -633,7 +633,7 @@ async def test_http_claim_answers_leases(ready, leases):
 async def test_http_big_claims_run_on_the_claim_thread(ready, leases):
     from concurrent.futures import ThreadPoolExecutor
 
-    from workers.work_http import INLINE_CLAIM_MAX
+    from workers.http.work import INLINE_CLAIM_MAX
 
     work = Work(ready, leases)
     keys = _keys(INLINE_CLAIM_MAX + 10)

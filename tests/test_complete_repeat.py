@@ -24,11 +24,11 @@ from node.completion import CompletionConfig, LogUnavailable, Result
 from node.completion.memory import MemoryCompletionStore
 from node.completion.segments import FileOps, SegmentStore, summary_name
 from node.config import Config
-from node.delivery import RepeatIndex
 from shm.leases import LeaseTable, Outcome
 from tests.nodeproc import wait_for
 from tests.test_ledger import World, item, poll_all
-from workers.ledger import LOG_DIR
+from workers.ledger.delivery import RepeatIndex
+from workers.ledger.process import LOG_DIR
 
 REPEAT_WINDOW_S = Config().repeat_window_s
 
@@ -283,7 +283,7 @@ def test_the_ledger_drops_repeats_after_the_window_and_answers_the_table_after(t
     from node.config import Config
     from node.core.rows import RowWrite
     from node.store import open_store
-    from workers.ledger import Ledger
+    from workers.ledger.process import Ledger
 
     data_dir = tmp_path / "data"
     data_dir.mkdir()

@@ -37,9 +37,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from node.config import Config
 from node.store import open_store
 from tests.nodeproc import ROOT, NodeProcess, cleanup_segments, wait_for
-from workers.console_http import ASSETS, CONSOLE_DIR
-from workers.console_http import routes as console_routes
-from workers.http import WorkerContext, make_app
+from workers.http.app import WorkerContext, make_app
+from workers.http.console import ASSETS, CONSOLE_DIR
+from workers.http.console import routes as console_routes
 
 TOKEN = "console-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

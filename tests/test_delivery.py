@@ -1,4 +1,4 @@
-"""Job ready queues (node/delivery.py): offers, re-offers, acks, fairness, cost.
+"""Job ready queues (workers/ledger/delivery.py): offers, re-offers, acks, fairness, cost.
 
 Time is passed in: no test sleeps. Cost is asserted on ``touched`` (entries a
 call examined), never on wall time.
@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from node.delivery import Delivery, NeverOffered
+from workers.ledger.delivery import Delivery, NeverOffered
 
 T0 = 1_800_000_000.0
 

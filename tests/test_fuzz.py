@@ -64,7 +64,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from workers.http_errors import ERROR_CODES
+from workers.http.errors import ERROR_CODES
 
 FUZZ_S = float(os.environ.get("QUEUE_NODE_FUZZ_S", "40"))
 LONG_FUZZ_S = float(os.environ.get("QUEUE_NODE_LONG_FUZZ_S", "600"))
@@ -338,7 +338,7 @@ def test_the_document_follows_the_token_and_the_console_types() -> None:
     """Regressions of the document (found by the fuzz): without a token no
     operation asks for one; with a token all but the open routes do; the
     console's files have their own content types."""
-    from workers import openapi
+    from workers.http import openapi
 
     def guarded(doc: dict) -> set[tuple[str, str]]:
         return {
@@ -351,7 +351,7 @@ def test_the_document_follows_the_token_and_the_console_types() -> None:
     assert guarded(openapi.spec(token=False)) == set()
     with_token = guarded(openapi.spec(token=True))
     assert ("post", "/rows") in with_token and ("get", "/results") in with_token
-    from workers.http_errors import OPEN_ROUTES
+    from workers.http.errors import OPEN_ROUTES
 
     every = {(m, p) for p, ops in openapi.spec(token=True)["paths"].items() for m in ops}
     assert with_token == {(m, p) for m, p in every if (m.upper(), p) not in OPEN_ROUTES}

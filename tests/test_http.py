@@ -31,8 +31,8 @@ from node.core.errors import StoreError
 from node.core.rows import RowWrite
 from node.store import open_store
 from node.store.memory import MemoryStore
-from workers.http import MAX_BODY_BYTES, MAX_KEYS, MAX_ROWS, WorkerContext, make_app
-from workers.http_errors import ERROR_CODES
+from workers.http.app import MAX_BODY_BYTES, MAX_KEYS, MAX_ROWS, WorkerContext, make_app
+from workers.http.errors import ERROR_CODES
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -770,7 +770,7 @@ async def test_token_guards_every_post_and_read() -> None:
 async def test_extra_routes_need_the_token_unless_named_open() -> None:
     from aiohttp import web
 
-    from workers.http_errors import reply
+    from workers.http.errors import reply
 
     extra = web.RouteTableDef()
 
@@ -890,7 +890,7 @@ def _get(base: str, path: str, data: bytes | None = None) -> tuple[int, dict]:
 
 @contextlib.contextmanager
 def worker_process(config: Config, tmp_path: Path) -> Any:
-    """``python -m workers`` on a socket we bind, as the supervisor does.
+    """``python -m workers.http`` on a socket we bind, as the supervisor does.
     Yields (proc, base URL); the test sends SIGTERM itself."""
     config_path = tmp_path / "config.json"
     config_path.write_text(json.dumps(config.to_json()))
@@ -904,7 +904,8 @@ def worker_process(config: Config, tmp_path: Path) -> Any:
     )
     env.pop("QUEUE_NODE_SUPERVISOR_PID", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "workers", "--index", "1", "--listen-fd", str(sock.fileno())],
+        [sys.executable, "-m", "workers.http", "--index", "1", "--listen-fd",
+         str(sock.fileno())],
         cwd=ROOT,
         env=env,
         pass_fds=(sock.fileno(),),
@@ -997,7 +998,7 @@ def test_worker_process_tls_and_token(tmp_path: Path, node_name: str) -> None:
 
 def test_worker_bad_arguments_exit_2() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "workers", "--index", "x"],
+        [sys.executable, "-m", "workers.http", "--index", "x"],
         cwd=ROOT,
         capture_output=True,
         text=True,

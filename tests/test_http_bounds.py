@@ -443,11 +443,11 @@ def _route_table() -> list[tuple[str, str]]:
     """(method, path) of every route a worker serves, as workers.__main__
     builds the app."""
     from node.store import open_store
-    from workers.console_http import routes as console_routes
-    from workers.http import WorkerContext, make_app
-    from workers.metrics_http import routes as metrics_routes
-    from workers.state_http import routes as state_routes
-    from workers.work_http import routes as work_routes
+    from workers.http.app import WorkerContext, make_app
+    from workers.http.console import routes as console_routes
+    from workers.http.metrics import routes as metrics_routes
+    from workers.http.state import routes as state_routes
+    from workers.http.work import routes as work_routes
 
     ctx = WorkerContext(
         config=Config(name="t", workers=1, token=TOKEN),
@@ -513,7 +513,7 @@ def test_every_route_but_the_open_ones_needs_the_token(bounded: NodeProcess) -> 
         if {"bearer": []} in op["security"]
     }
     assert asks == set(guarded)
-    from workers.http_errors import OPEN_ROUTES
+    from workers.http.errors import OPEN_ROUTES
 
     assert OPEN_ROUTES == OPEN  # CONTRACT.md, "Access": these and no more
 

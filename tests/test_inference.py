@@ -30,9 +30,9 @@ from node.handlers import (
 )
 from tests.handlers import read_records
 from tests.nodeproc import NodeProcess, finish, wait_for
-from workers import inference
 from workers.claim import WorkError
-from workers.inference import (
+from workers.inference import process as inference
+from workers.inference.process import (
     DRAIN_ERROR,
     NOT_RUN_ERROR,
     Handlers,

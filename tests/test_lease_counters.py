@@ -11,7 +11,7 @@ Each test stops a real child process at one instruction of that call (the
 test build of the extensions: ``QUEUE_NODE_TEST_LEASE_STOP``, compiled in by
 ``-DQUEUE_NODE_TEST_STOPS`` only), kills it -9 there, and checks that what
 recovery reads balances to the item: ``grants = live + completed + released +
-expired`` in the table, and the ledger's law (``node.accounting.build``)
+expired`` in the table, and the ledger's law (``workers.ledger.accounting.build``)
 ``balanced``.
 
 The ``stops_build`` fixture (tests/conftest.py, tests/procs.py) builds that
@@ -31,11 +31,11 @@ from pathlib import Path
 
 import pytest
 
-from node.accounting import LogCounts, build
 from shm import leases, segment
 from shm.leases import Lease, LeaseTable, Outcome
 from shm.segment import segment_name
 from tests.procs import proc_state, wait_until
+from workers.ledger.accounting import LogCounts, build
 
 ROOT = Path(__file__).resolve().parent.parent
 DEADLINE_S = 20.0

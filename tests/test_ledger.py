@@ -1,4 +1,4 @@
-"""The ledger process (workers/ledger.py), for real: ``python -m workers.ledger``
+"""The ledger process (workers/ledger/process.py), for real: ``python -m workers.ledger``
 against a lease table, a SQLite store and a completion log made here.
 
 Leases are granted in the test process, as a claimer would; completions,
@@ -25,7 +25,7 @@ from node.ipc import AsyncClient, Client, IpcError, RemoteError
 from node.store import open_store
 from shm.leases import LeaseTable, Outcome
 from tests.nodeproc import wait_for
-from workers.ledger import LOG_DIR, Ledger, ledger_address
+from workers.ledger.process import LOG_DIR, Ledger, ledger_address
 
 ROOT = Path(__file__).resolve().parent.parent
 CADENCE_S = 600
@@ -479,7 +479,7 @@ def test_counters_continue_from_the_checkpoint_after_a_reboot_lost_the_table(wor
 
 
 def test_the_law_and_the_checkpoint_file(tmp_path):
-    from node.accounting import AccountingFile, LogCounts, build
+    from workers.ledger.accounting import AccountingFile, LogCounts, build
 
     table = dict.fromkeys(
         ("grants", "released", "expired", "completed", "late_expired", "late_released",
@@ -570,7 +570,7 @@ def _memory_ledger(tmp_path: Path, node_name: str, **config: object):
 
 def test_received_is_the_keepers_count_and_the_last_one_read(tmp_path, node_name, monkeypatch):
     from shm.state import StateBuffer
-    from workers import ledger as ledger_module
+    from workers.ledger import process as ledger_module
 
     monkeypatch.setattr(ledger_module, "RECEIVED_REREAD_S", 0.0)  # read at every call
     ledger, table = _memory_ledger(tmp_path, node_name)

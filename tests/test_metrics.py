@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from node.core import metrics
 from tests.nodeproc import ROOT, NodeProcess, finish, wait_for
-from workers.metrics_http import OTHER_ROUTE, oldest_ratios
+from workers.http.metrics import OTHER_ROUTE, oldest_ratios
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -209,8 +209,8 @@ def test_count_requests_counts_answers_and_errors():
     from aiohttp import web
     from aiohttp.test_utils import TestClient, TestServer
 
-    from workers.http_errors import ApiError
-    from workers.metrics_http import count_requests
+    from workers.http.errors import ApiError
+    from workers.http.metrics import count_requests
 
     async def ok(request: web.Request) -> web.Response:
         return web.Response(text="ok")

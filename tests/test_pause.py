@@ -15,8 +15,8 @@ from node.config import Config
 from node.store import open_store
 from shm.state import read_state
 from tests.nodeproc import NodeProcess, finish, wait_for
-from workers.http import WorkerContext, make_app
-from workers.state_http import routes as state_routes
+from workers.http.app import WorkerContext, make_app
+from workers.http.state import routes as state_routes
 
 # -- the endpoint alone: a memory store, no keeper ------------------------------------
 

@@ -30,8 +30,8 @@ from node.store import open_store
 from shm.leases import CODE_NAMES, EMPTY, LEASED, UPDATING, LeaseTable, _mask
 from shm.state import queue_state, read_state
 from tests.nodeproc import NodeProcess, finish, wait_for
-from workers.http import WorkerContext, make_app
-from workers.state_http import routes as state_routes
+from workers.http.app import WorkerContext, make_app
+from workers.http.state import routes as state_routes
 
 # The node's configuration: two configured routes, one that takes [defaults].
 CONFIG = """

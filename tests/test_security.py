@@ -319,12 +319,12 @@ def test_every_route_in_the_route_table_but_the_open_ones_needs_the_token() -> N
 
     from node.config import Config
     from node.store import open_store
-    from workers.console_http import routes as console_routes
-    from workers.http import WorkerContext, make_app
-    from workers.http_errors import OPEN_ROUTES
-    from workers.metrics_http import routes as metrics_routes
-    from workers.state_http import routes as state_routes
-    from workers.work_http import routes as work_routes
+    from workers.http.app import WorkerContext, make_app
+    from workers.http.console import routes as console_routes
+    from workers.http.errors import OPEN_ROUTES
+    from workers.http.metrics import routes as metrics_routes
+    from workers.http.state import routes as state_routes
+    from workers.http.work import routes as work_routes
 
     assert OPEN_ROUTES == OPEN
     ctx = WorkerContext(
@@ -362,7 +362,7 @@ def test_the_token_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch)
     """Every supplied token, of any length, reaches hmac.compare_digest (no
     early exit on a length or a prefix that a timer could see). No timing is
     measured: the function in the path is."""
-    import workers.http_errors as http_errors
+    import workers.http.errors as http_errors
 
     compared: list[tuple[bytes, bytes]] = []
     real = hmac.compare_digest

@@ -1,5 +1,11 @@
-"""Workers 1..N: the HTTP API (``workers.http``), later the claim path.
+"""The node's worker processes, one package each, started by the supervisor:
 
-``python -m workers --index I --listen-fd FD`` is one worker process, started
-by the supervisor (``workers.__main__``).
+- ``workers.http`` (``python -m workers.http --index I --listen-fd FD``): the
+  HTTP API, claims straight from shared memory (``workers/claim.py``);
+- ``workers.ledger``: the completion log's single writer, delivery and the
+  accounting;
+- ``workers.inference``: one process a GPU running the user's handler.
+
+``workers/claim.py`` (the claim path) and ``workers/classes.py`` (the
+``max_classes`` check) are shared by them.
 """

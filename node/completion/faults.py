@@ -4,7 +4,7 @@
 before each call on the write path it looks at a control file (a ``stat``,
 and a read when the file changed) and injects what the file says. The ledger
 uses it only in test-hook mode (``QUEUE_NODE_TEST_HOOKS=1`` and
-``QUEUE_NODE_TEST_LOG_FAULTS=<path>``, ``workers/ledger.py``), so a test can
+``QUEUE_NODE_TEST_LOG_FAULTS=<path>``, ``workers/ledger/process.py``), so a test can
 fill the disk of a live node and empty it again by writing one word:
 
 ==================  =========================================================

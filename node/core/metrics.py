@@ -6,7 +6,7 @@ Two kinds of numbers reach ``GET /metrics`` (``docs/metrics.md`` lists them all)
   publish and lag histograms, the claim latency, HTTP requests and grants per
   worker. These add up across the node's processes in prometheus_client's
   multiprocess mode (below).
-- **Read at scrape time** (``workers.metrics_http``): the ledger's lifetime
+- **Read at scrape time** (``workers.http.metrics``): the ledger's lifetime
   counters, the state buffer's gauges, the lease table's counts. They must
   equal what ``/accounting`` and ``/queue-state`` say, so nobody increments a
   copy of them here.

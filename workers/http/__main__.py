@@ -1,4 +1,4 @@
-"""``python -m workers --index I --listen-fd FD``: one HTTP worker.
+"""``python -m workers.http --index I --listen-fd FD``: one HTTP worker.
 
 Started by the supervisor, which owns the listening socket and passes it down
 (every worker accepts on the same socket; the kernel spreads connections). The
@@ -53,7 +53,7 @@ from node.core.proc import (
     die_with_parent,
     set_title,
 )
-from workers.http_errors import raw_error
+from workers.http.errors import raw_error
 
 # How long a read of the keeper's class list is reused: every POST /rows needs
 # it, and the keeper rewrites it only every state_interval_s (5 s).
@@ -70,7 +70,7 @@ CONNECTIONS_RETRY_AFTER_S = 1
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
-    p = ChildArgParser("python -m workers")
+    p = ChildArgParser("python -m workers.http")
     p.add_argument("--index", type=int, required=True)
     p.add_argument("--listen-fd", type=int, required=True)
     return p.parse_args(argv)
@@ -154,8 +154,8 @@ class _WorkSide:
         from shm.leases import LeaseTable
         from shm.ready import ReadySet
         from workers.claim import Claimer, ledger_address
-        from workers.http import readiness
-        from workers.work_http import WorkPath
+        from workers.http.app import readiness
+        from workers.http.work import WorkPath
 
         try:
             self.ready = ReadySet.attach(self.name)
@@ -416,13 +416,13 @@ async def serve(
 ) -> dict[str, Any]:
     """Serve until ``stop`` is set; returns what was served."""
     from node.store import open_store
-    from workers.console_http import routes as console_routes
-    from workers.http import WorkerContext, make_app
-    from workers.http_errors import SERVED, quiet_client_parse_errors
-    from workers.metrics_http import count_requests
-    from workers.metrics_http import routes as metrics_routes
-    from workers.state_http import routes as state_routes
-    from workers.work_http import routes as work_routes
+    from workers.http.app import WorkerContext, make_app
+    from workers.http.console import routes as console_routes
+    from workers.http.errors import SERVED, quiet_client_parse_errors
+    from workers.http.metrics import count_requests
+    from workers.http.metrics import routes as metrics_routes
+    from workers.http.state import routes as state_routes
+    from workers.http.work import routes as work_routes
 
     ssl_context = tls_context(config)  # before anything is opened: a bad cert fails fast
     loop = asyncio.get_running_loop()
@@ -557,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _parse_args(list(sys.argv[1:] if argv is None else argv))
     except UsageError as exc:
-        print(f"python -m workers: {exc}", file=sys.stderr)
+        print(f"python -m workers.http: {exc}", file=sys.stderr)
         return RET_USAGE
     set_title(f"qn-worker-{args.index}")
     try:
@@ -566,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         started_at = float(os.environ.get(ENV_STARTED_AT) or time.time())
         sock = socket.socket(fileno=args.listen_fd)
     except (NodeError, ValueError, OSError) as exc:
-        print(f"python -m workers: {exc}", file=sys.stderr)
+        print(f"python -m workers.http: {exc}", file=sys.stderr)
         return RET_USAGE
     try:
         asyncio.run(_run(args.index, sock, config, started_at))

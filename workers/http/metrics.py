@@ -33,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from node.core import log, metrics
 from node.ipc import IpcError, RemoteError
 from shm.state import _vouch
-from workers.http import CTX, WorkerContext
+from workers.http.app import CTX, WorkerContext
 
 # The ledger's answer to "accounting" flushes the log first: normally
 # milliseconds. A scrape that waits longer reports the ledger as down.

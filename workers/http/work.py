@@ -57,8 +57,8 @@ from workers.claim import (
     refuse,
     why_not_granted,
 )
-from workers.http import CTX, known_query, read_body
-from workers.http_errors import (
+from workers.http.app import CTX, known_query, read_body
+from workers.http.errors import (
     MSGPACK_TYPES,
     ApiError,
     reply,

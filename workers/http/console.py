@@ -1,6 +1,6 @@
 """The console: ``GET /`` serves one page that draws this node's state.
 
-Three static files from ``workers/console/`` (no build step, nothing from a
+Three static files from ``workers/http/console_files/`` (no build step, nothing from a
 CDN: a node's host may have no internet). The page is plain JavaScript that
 polls the node's own JSON endpoints (``/queue-state``, ``/accounting``,
 ``/leases``, ``/held``) every 2 s and posts the operator's actions
@@ -27,9 +27,9 @@ from pathlib import Path
 
 from aiohttp import web
 
-from workers.http_errors import ApiError
+from workers.http.errors import ApiError
 
-CONSOLE_DIR = Path(__file__).resolve().parent / "console"
+CONSOLE_DIR = Path(__file__).resolve().parent / "console_files"
 
 # name -> content type. The page and what it loads; nothing else is served.
 ASSETS = {

@@ -34,7 +34,7 @@ from node.core.errors import ValidationError
 from node.core.rows import check_route
 from shm.state import queue_state as build_queue_state
 from shm.state import unreadable_state
-from workers.http import (
+from workers.http.app import (
     ASK_POOL,
     CTX,
     WorkerContext,
@@ -43,7 +43,7 @@ from workers.http import (
     known_query,
     read_body,
 )
-from workers.http_errors import ApiError, reply
+from workers.http.errors import ApiError, reply
 
 # The scopes GET /queue-state answers: this node (no scope), or the fleet.
 # Until a fleet backend exists the fleet is this node alone.

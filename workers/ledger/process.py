@@ -4,9 +4,9 @@ The single writer of the completion log. It takes results over local IPC
 (``node/ipc.py`` framing) on the abstract UNIX socket
 ``\\0queue-node.<name>.ledger``, makes them durable with group commit, then
 writes back each row's next due time and ends its lease; it holds the job
-ready queues (``node/delivery.py``) and serves polls and acks; it runs the
+ready queues (``workers/ledger/delivery.py``) and serves polls and acks; it runs the
 lease expiry sweep; it answers for the lifetime counters
-(``node/accounting.py``). Ops and their order: ``docs/internals.md``, "the
+(``workers/ledger/accounting.py``). Ops and their order: ``docs/internals.md``, "the
 work path"; what can be delivered or run twice: ``docs/delivery.md``.
 
 One thread, one event loop. The completion store is not thread-safe, and a
@@ -119,8 +119,8 @@ class Ledger:
     sync parts directly with the in-memory twins."""
 
     def __init__(self, config: Config, leases: Any, store: Any, completion: Any) -> None:
-        from node.accounting import AccountingFile
-        from node.delivery import Delivery, RepeatIndex
+        from workers.ledger.accounting import AccountingFile
+        from workers.ledger.delivery import Delivery, RepeatIndex
 
         self.config = config
         self.leases = leases
@@ -457,7 +457,7 @@ class Ledger:
         return out
 
     async def ack(self, request: dict) -> dict:
-        from node.delivery import NeverOffered
+        from workers.ledger.delivery import NeverOffered
 
         job = request.get("job")
         if not isinstance(job, str) or not job:
@@ -494,8 +494,8 @@ class Ledger:
     # -- the rest of the ops ----------------------------------------------------------
 
     def accounting(self) -> dict:
-        from node.accounting import LogCounts, build
         from node.completion import LogUnavailable
+        from workers.ledger.accounting import LogCounts, build
 
         try:
             self.log.flush()
@@ -645,7 +645,7 @@ class Ledger:
         return removed
 
     def checkpoint(self, now: float) -> None:
-        from node.accounting import CHECKPOINT_INTERVAL_S
+        from workers.ledger.accounting import CHECKPOINT_INTERVAL_S
 
         self._checkpoint_due = now + CHECKPOINT_INTERVAL_S
         counters = self.leases.counters()

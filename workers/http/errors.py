@@ -86,7 +86,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "invalid_payload": (400, "payload is not a JSON value (or nests too deeply)"),
     "payload_too_large": (400, "payload is over 1 MiB encoded"),
     "invalid_job": (400, "job does not match [A-Za-z0-9._:-]{1,128}"),
-    # the work path (workers/work_http.py)
+    # the work path (workers/http/work.py)
     "invalid_max": (400, "max is not an integer from 1 to 10,000"),
     "invalid_lease_s": (400, "lease_s is not a number from 1 to 86,400"),
     "invalid_consumer": (400, "consumer is not a non-empty UTF-8 string of at most 128 bytes"),

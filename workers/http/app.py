@@ -19,7 +19,7 @@ Hazards, and what we do about them:
   the batch, with the row's index in ``field`` (``rows[3].cadence_s``).
 
 Routes live in ``routes`` (a RouteTableDef); the work path's own table
-(``workers.work_http.routes``) is added through ``make_app``'s
+(``workers.http.work.routes``) is added through ``make_app``'s
 ``extra_routes`` and finds its objects in ``WorkerContext.work``.
 """
 
@@ -45,9 +45,9 @@ from node.core import log
 from node.core.errors import ValidationError
 from node.core.rows import ORIGIN_NODE, RowWrite, check_key, parse_row
 from node.store.base import BadRow, Store
-from workers import openapi
 from workers.classes import ClassId, check_class_limit, needs_stored, write_classes
-from workers.http_errors import (
+from workers.http import openapi
+from workers.http.errors import (
     MSGPACK_TYPES,
     SERVED,
     TOKEN,
@@ -104,7 +104,7 @@ class WorkerContext:
     known_classes: Callable[[], set[ClassId]] = _no_classes
     # The thread the store lives on; None: call the store inline.
     store_executor: Executor | None = None
-    # The work path (workers.work_http.WorkPath): claims, leases, the ledger.
+    # The work path (workers.http.work.WorkPath): claims, leases, the ledger.
     # None: those routes answer 503 not_ready, and GET /rows has no lease.
     work: Any = None
     clock: Callable[[], float] = field(default=time.time)
@@ -121,7 +121,7 @@ def make_app(
 ) -> web.Application:
     """The API app. ``extra_routes`` (a RouteTableDef) adds endpoints; with
     a token configured every one of them needs it, unless it is named in
-    ``workers.http_errors.OPEN_ROUTES``."""
+    ``workers.http.errors.OPEN_ROUTES``."""
     app = web.Application(
         client_max_size=MAX_BODY_BYTES,
         middlewares=[error_middleware, auth_middleware],

@@ -1,6 +1,6 @@
 """``GET /openapi.json``: the API as it exists in this build, hand-written.
 
-Keep it in step with ``workers/http.py`` (``tests/test_http.py`` checks that
+Keep it in step with ``workers/http/app.py`` (``tests/test_http.py`` checks that
 every route the app serves is described here) and with ``docs/api.md``.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.http_errors import ERROR_CODES, OPEN_ROUTES
+from workers.http.errors import ERROR_CODES, OPEN_ROUTES
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -351,7 +351,7 @@ def _results_answer() -> dict[str, Any]:
 
 
 def _work_paths() -> dict[str, Any]:
-    """The work path (``workers/work_http.py``)."""
+    """The work path (``workers/http/work.py``)."""
     grant = _obj(
         {
             "lease_id": _LEASE_ID,
@@ -606,7 +606,7 @@ def _queue_state_schemas() -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _state_paths() -> dict[str, Any]:
-    """Queue state and pausing (``workers/state_http.py``)."""
+    """Queue state and pausing (``workers/http/state.py``)."""
     vouched, refused = _queue_state_schemas()
     state = _get(
         "the queue's state: counts the keeper vouches for, lease figures read now",

@@ -1,0 +1,5 @@
+import sys
+
+from workers.inference.process import main
+
+sys.exit(main())

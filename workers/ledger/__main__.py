@@ -1,0 +1,5 @@
+import sys
+
+from workers.ledger.process import main
+
+sys.exit(main())
