@@ -109,8 +109,9 @@ def _present(node: str) -> list[tuple[str, str]]:
 def holders(node: str) -> dict[int, list[str]]:
     """pid -> the names of ``node`` it maps or has open, from /proc (every
     process when root, this user's otherwise)."""
-    paths = {path for _name, path in _present(node) if path}
-    queues = {name for name, path in _present(node) if not path}
+    present = _present(node)
+    paths = {path for _name, path in present if path}
+    queues = {name for name, path in present if not path}
     prefix = f"/queue-node.{node}."
     held: dict[int, list[str]] = {}
     for entry in Path("/proc").iterdir():
