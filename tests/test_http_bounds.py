@@ -440,7 +440,7 @@ def test_the_header_clock_restarts_for_each_request_and_spares_one_in_progress(
 
 
 def _route_table() -> list[tuple[str, str]]:
-    """(method, path) of every route a worker serves, as workers.__main__
+    """(method, path) of every route a worker serves, as workers.http.__main__
     builds the app."""
     from node.store import open_store
     from workers.http.app import WorkerContext, make_app
@@ -616,7 +616,7 @@ def test_a_worker_raises_its_open_files_limit_to_what_max_connections_needs() ->
         "import resource\n"
         "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
-        "from workers.__main__ import FD_MARGIN, _raise_fd_limit\n"
+        "from workers.http.__main__ import FD_MARGIN, _raise_fd_limit\n"
         "_raise_fd_limit(1024)\n"
         "now = resource.getrlimit(resource.RLIMIT_NOFILE)[0]\n"
         "want = 1024 + FD_MARGIN\n"

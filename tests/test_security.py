@@ -312,7 +312,7 @@ def test_every_route_of_a_real_node_but_the_open_ones_needs_the_token(
 
 
 def test_every_route_in_the_route_table_but_the_open_ones_needs_the_token() -> None:
-    """The app as a worker builds it (workers.__main__.serve), walked route by
+    """The app as a worker builds it (workers.http.__main__.serve), walked route by
     route: a route added anywhere is guarded unless it is one of the open
     ones (CONTRACT.md, "Access"), whatever its method."""
     from aiohttp.test_utils import TestClient, TestServer

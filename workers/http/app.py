@@ -1,6 +1,6 @@
 """The HTTP API served by workers 1..N.
 
-``make_app(ctx)`` builds the aiohttp application; ``workers.__main__`` serves
+``make_app(ctx)`` builds the aiohttp application; ``workers.http.__main__`` serves
 it on the listening socket the supervisor passes down, and tests serve it with
 aiohttp's test server. Everything the app needs from the rest of the node
 comes through ``WorkerContext``, so tests pass plain callables where
@@ -87,7 +87,7 @@ def _no_classes() -> set[ClassId]:
 @dataclass
 class WorkerContext:
     """What the HTTP app needs from the node. Production wiring is in
-    ``workers.__main__``; tests pass plain callables."""
+    ``workers.http.__main__``; tests pass plain callables."""
 
     config: Config
     store: Store

@@ -1,7 +1,7 @@
 """Queue state and pausing over HTTP: ``GET /queue-state``, ``POST /admin/pause``,
 ``POST /admin/resume``.
 
-``routes`` is added to the API app by ``workers.__main__`` (``make_app``'s
+``routes`` is added to the API app by ``workers.http.__main__`` (``make_app``'s
 ``extra_routes``); handlers find the node in ``request.app[CTX]``.
 
 - ``GET /queue-state`` never asks the keeper: it reads the state buffer

@@ -2,7 +2,7 @@
 
 ``routes`` is added to the API app by ``make_app(ctx, extra_routes=routes)``;
 every handler finds what it needs in ``ctx.work`` (a ``WorkPath``), which
-``workers.__main__`` builds from shared memory and the ledger's socket, and
+``workers.http.__main__`` builds from shared memory and the ledger's socket, and
 tests build from plain objects.
 
 Where each request goes:
