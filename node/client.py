@@ -435,13 +435,7 @@ class LocalClaimer:
         self.config = find_config(self.name, self._data_dir)
         ident = data_dir_id(self.config.data_dir)
         try:
-            self.state = self._open(StateBuffer.attach(self.name))
-            for seg in (self.state.segment,):
-                found = seg.identity
-                if found is None or found[0] != ident:
-                    raise NodeNotRunning(
-                        f"{seg.name} is not the segment of the node in {self.config.data_dir}"
-                    )
+            self.state = self._open(StateBuffer.attach(self.name, data_dir_id=ident))
             self.boot_id = boot_id(self.state.segment)
             self.ready = self._open(ReadySet.attach(self.name))
             self.leases = self._open(LeaseTable.attach(self.name))

@@ -153,10 +153,16 @@ class StateBuffer:
         return buf
 
     @classmethod
-    def attach(cls, node: str, read_only: bool = False) -> StateBuffer:
+    def attach(
+        cls, node: str, read_only: bool = False, data_dir_id: bytes | None = None
+    ) -> StateBuffer:
         """``read_only`` maps it read-only: enough for ``read``, and all a
-        member of the buffer's group may do."""
-        return cls(segment.attach(segment_name(node, KIND), LAYOUT_VERSION, read_only=read_only))
+        member of the buffer's group may do. With ``data_dir_id``, only the
+        buffer of the node of that data directory (NameTaken otherwise)."""
+        seg = segment.attach(
+            segment_name(node, KIND), LAYOUT_VERSION, read_only=read_only, data_dir_id=data_dir_id
+        )
+        return cls(seg)
 
     @staticmethod
     def unlink(node: str) -> bool:

@@ -31,7 +31,7 @@ def main() -> int:
         out.write(json.dumps({**event, "t": time.time()}) + "\n")
 
     claimer = LocalClaimer(name, data_dir=data_dir, consumer=f"gpu-{os.getpid()}")
-    say(ev="attached", boot=getattr(claimer, "boot_id", None))
+    say(ev="attached", boot=claimer.boot_id)
     while not os.path.exists(stop_file):
         try:
             grants = claimer.claim(1, lease_s=300, wait_s=0.2)
@@ -40,8 +40,7 @@ def main() -> int:
             time.sleep(RETRY_S)
             continue
         for grant in grants:
-            boot = getattr(claimer, "boot_id", None)
-            say(ev="grant", key=grant.key, lease_id=grant.lease_id, boot=boot)
+            say(ev="grant", key=grant.key, lease_id=grant.lease_id, boot=claimer.boot_id)
             deadline = time.monotonic() + COMPLETE_DEADLINE_S
             while True:
                 try:

@@ -23,8 +23,6 @@ import asyncio
 import dataclasses
 import os
 import signal
-import socket
-import struct
 import sys
 import time
 from dataclasses import dataclass, field
@@ -36,7 +34,7 @@ from node.config import Config, load_run_config
 from node.core import log
 from node.core.errors import NodeError
 from node.core.proc import RET_ERROR, RET_OK, child_signals, die_with_parent, set_title
-from node.ipc import MAX_FRAME, IpcError, RemoteError, pack, read_frame
+from node.ipc import MAX_FRAME, IpcError, RemoteError, pack, peer_uid, read_frame
 from node.names import ledger_address
 
 # Segments of the completion log live in <data-dir>/LOG_DIR.
@@ -70,7 +68,6 @@ REPLY_BYTES = 24 << 20
 # On SIGTERM, how long requests in flight get to finish.
 STOP_GRACE_S = 5.0
 ENCODINGS = ("json", "bytes")
-_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def _bad(message: str) -> RemoteError:
@@ -697,9 +694,7 @@ class Ledger:
         return await asyncio.start_unix_server(self._connection, path=address, limit=MAX_FRAME)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        sock = writer.get_extra_info("socket")
-        cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
-        pid, uid, _ = _CRED.unpack(cred)
+        pid, uid = peer_uid(writer.get_extra_info("socket"))
         if uid != os.getuid():
             log.warn("ipc_peer_refused", pid=pid, uid=uid)
             writer.close()
