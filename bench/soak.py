@@ -69,8 +69,6 @@ import json
 import os
 import random
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -85,6 +83,19 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import psutil  # noqa: E402
+
+from bench.soak_report import (  # noqa: E402
+    FD_TOLERANCE,
+    LEAK_MIB_PER_MIN,
+    SEGMENT_FILES_MAX,
+    MiB,
+    analyse,
+    print_report,
+    segments_check,
+    throughput,
+    verdict,
+)
+from node.testing import HarnessError, NodeProcess  # noqa: E402
 
 MARKER = ".queue-node-soak"
 # (route, the route's cadence in seconds, job)
@@ -108,12 +119,6 @@ QUIESCE_TIMEOUT_S = 2 * LEASE_S + 60.0
 STOP_TIMEOUT_S = 90.0
 MIN_SAMPLES = 12
 
-# The checks.
-FD_TOLERANCE = 5
-LEAK_MIB_PER_MIN = 1.0
-SEGMENT_FILES_MAX = 3
-
-MiB = 1 << 20
 
 
 class SoakError(Exception):
@@ -175,83 +180,25 @@ def seed(data_dir: Path, rows: int, rnd: random.Random, now: float) -> list[str]
     return keys
 
 
-class Node:
-    """``python -m node run`` as a child; its output in ``<data-dir>/node.log``."""
+class Node(NodeProcess):
+    """``python -m node run`` with the CPU handler (``node.testing``'s
+    harness); its output in ``<data-dir>/node.log``."""
 
     def __init__(self, data_dir: Path, config: Path, workers: int, cpu_rounds: int) -> None:
-        self.data_dir = data_dir
-        self.name = f"soak-{os.getpid()}"
-        self.argv = [
-            sys.executable, "-m", "node", "run",
-            "--config", str(config),
-            "--data-dir", str(data_dir),
-            "--name", self.name,
-            "--http", "127.0.0.1:0",
-            "--workers", str(workers),
+        super().__init__(
+            data_dir, f"soak-{os.getpid()}",
             "--handler", "node.handlers:cpu_work",
             "--inference-procs", str(INFERENCE_PROCS),
-        ]  # fmt: skip
-        self.env = dict(os.environ, QUEUE_NODE_CPU_WORK_ROUNDS=str(cpu_rounds))
-        self.proc: subprocess.Popen | None = None
-        self.base_url = ""
+            env={"QUEUE_NODE_CPU_WORK_ROUNDS": str(cpu_rounds)},
+            config=config, workers=workers, test_hooks=False,
+        )  # fmt: skip
 
-    def start(self) -> None:
-        from node.client import Client, ClientError
-
-        with open(self.data_dir / "node.log", "ab") as log_file:
-            self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env,
-                                         stdin=subprocess.DEVNULL, stdout=log_file,
-                                         stderr=subprocess.STDOUT)  # fmt: skip
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self.base_url:
-            try:
-                self.base_url = f"http://{self.info()['http']}"
-            except (OSError, ValueError, KeyError):
-                self._pause(deadline, "node.json")
-        with Client(self.base_url) as client:
-            while True:
-                try:
-                    client.request("GET", "/readyz", timeout_s=2)
-                    return
-                except (ClientError, OSError):
-                    self._pause(deadline, "/readyz")
-
-    def info(self) -> dict[str, Any]:
-        return json.loads((self.data_dir / "node.json").read_text())
-
-    def _pause(self, deadline: float, what: str) -> None:
-        self.check_alive()
-        if time.monotonic() >= deadline:
-            raise SoakError(f"timed out after {START_TIMEOUT_S:.0f} s waiting for {what}")
-        time.sleep(0.05)  # start-up polling interval
-
-    def check_alive(self) -> None:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise SoakError(f"the node exited with status {self.proc.returncode}; "
-                            f"see {self.data_dir / 'node.log'}")  # fmt: skip
-
-    def pids(self) -> dict[str, int]:
-        """role -> pid: supervisor, keeper, ledger, worker-N, inference-N."""
-        info = self.info()
-        pids = info.get("pids") or {}
-        out = {"supervisor": info.get("pid")}
-        for role in ("keeper", "ledger"):
-            out[role] = pids.get(role)
-        for role in ("workers", "inference"):
-            for i, pid in enumerate(pids.get(role) or []):
-                out[f"{role.rstrip('s')}-{i}"] = pid
-        return {role: pid for role, pid in out.items() if isinstance(pid, int)}
-
-    def stop(self) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+    def close(self) -> int | None:
+        """SIGTERM, then wait for the drain: the node's exit status (None if
+        it had to be killed)."""
         try:
-            return self.proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            return self.stop(timeout_s=STOP_TIMEOUT_S)
+        except HarnessError:
             return None
 
 
@@ -443,7 +390,7 @@ def take_sample(node: Node, client: Any, t0: float) -> dict[str, Any]:
     from node.client import ClientError
 
     doc: dict[str, Any] = {"t_s": round(time.monotonic() - t0, 2)}
-    doc["procs"] = sample_procs(node.pids())
+    doc["procs"] = sample_procs(node.pids_by_role())
     doc["log"] = sample_log(node.data_dir)
     doc["shm"] = sample_shm(node.name)
     try:
@@ -488,198 +435,6 @@ def quiesce(node: Node, client: Any, load: Load) -> dict[str, Any]:
         account = client.accounting()  # after the producer's last poll
     return {"reached": reached, "waited_s": round(time.monotonic() - t0, 2),
             "accounting": account}  # fmt: skip
-
-
-def slope(points: list[tuple[float, float]]) -> float | None:
-    """Least-squares slope of (x, y); None with fewer than 2 points."""
-    n = len(points)
-    if n < 2:
-        return None
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    if sxx == 0:
-        return None
-    return sum((x - mx) * (y - my) for x, y in points) / sxx
-
-
-def rss_verdict(series: list[tuple[float, float]], duration_min: float) -> dict[str, Any]:
-    """(minute, MiB) samples -> the slopes of the first and last thirds and
-    whether the growth goes on at a constant rate (a leak)."""
-    first = [p for p in series if p[0] <= duration_min / 3]
-    last = [p for p in series if p[0] >= 2 * duration_min / 3]
-    s_first, s_last = slope(first), slope(last)
-    leak = (s_last is not None and s_last > LEAK_MIB_PER_MIN
-            and (s_first is None or s_last >= 0.5 * s_first))  # fmt: skip
-    if leak:
-        verdict = "LEAK: still growing at a constant rate"
-    elif s_last is not None and s_first is not None and s_first > LEAK_MIB_PER_MIN:
-        verdict = "warm-up: grew early, then levelled off"
-    else:
-        verdict = "flat"
-    return {
-        "slope_first_mib_per_min": None if s_first is None else round(s_first, 3),
-        "slope_last_mib_per_min": None if s_last is None else round(s_last, 3),
-        "leak": leak,
-        "verdict": verdict,
-    }
-
-
-def analyse(samples: list[dict], duration_s: float) -> dict[str, Any]:
-    """Per process: start and end RSS and fds, the RSS slopes, restarts."""
-    start, end = samples[0]["procs"], samples[-1]["procs"]
-    out: dict[str, Any] = {}
-    for role, first in start.items():
-        last = end.get(role, {})
-        pids = {s["procs"].get(role, {}).get("pid") for s in samples}
-        series = [(s["t_s"] / 60, s["procs"][role]["uss"] / MiB) for s in samples
-                  if "uss" in s["procs"].get(role, {}) and s["procs"][role]["pid"] == first["pid"]]
-        doc = {
-            "pid": first.get("pid"),
-            "restarted": len(pids) > 1 or "error" in last,
-            "rss_start_mib": round(first.get("rss", 0) / MiB, 1),
-            "rss_end_mib": round(last.get("rss", 0) / MiB, 1),
-            "uss_start_mib": round(first.get("uss", 0) / MiB, 1),
-            "uss_end_mib": round(last.get("uss", 0) / MiB, 1),
-            "shared_start_mib": round(first.get("shared", 0) / MiB, 1),
-            "shared_end_mib": round(last.get("shared", 0) / MiB, 1),
-            "fds_start": first.get("fds"),
-            "fds_end": last.get("fds"),
-            "threads_start": first.get("threads"),
-            "threads_end": last.get("threads"),
-            **rss_verdict(series, duration_s / 60),
-        }
-        doc["rss_growth_mib"] = round(doc["rss_end_mib"] - doc["rss_start_mib"], 1)
-        doc["uss_growth_mib"] = round(doc["uss_end_mib"] - doc["uss_start_mib"], 1)
-        # The fds once warmed up (an HTTP worker opens its store, ledger
-        # connection and threads at its first requests): the most over the
-        # first third. The end may not pass it by more than the tolerance.
-        warm = [s["procs"][role].get("fds") for s in samples
-                if s["t_s"] <= duration_s / 3 and role in s["procs"]]
-        doc["fds_warm"] = max((f for f in warm if f is not None), default=None)
-        fds = (doc["fds_warm"], doc["fds_end"])
-        doc["fds_ok"] = None not in fds and fds[1] - fds[0] <= FD_TOLERANCE
-        out[role] = doc
-    return out
-
-
-def segments_check(samples: list[dict]) -> dict[str, Any]:
-    logs = [s["log"] for s in samples]
-    end = logs[-1]
-    rolled = end["highest"] > logs[0]["highest"] or end["highest"] > 1
-    compacted = end["highest"] - end["files"] if end["files"] else 0
-    return {
-        "files_start": logs[0]["files"], "files_end": end["files"],
-        "files_max": max(x["files"] for x in logs),
-        "bytes_start": logs[0]["bytes"], "bytes_end": end["bytes"],
-        "highest_segment": end["highest"], "removed_by_compaction": compacted,
-        "rolled": rolled, "bounded": end["files"] <= SEGMENT_FILES_MAX,
-    }  # fmt: skip
-
-
-def throughput(samples: list[dict], duration_s: float) -> dict[str, Any]:
-    a0 = samples[0].get("accounting") or {}
-    a1 = samples[-1].get("accounting") or {}
-    out = {}
-    for term in ("routed", "finished", "acknowledged", "expired", "released"):
-        if term in a0 and term in a1:
-            out[f"{term}_per_s"] = round((a1[term] - a0[term]) / max(duration_s, 1e-9), 1)
-    return out
-
-
-def verdict(report: dict[str, Any]) -> list[str]:
-    problems = []
-    ledger = report["ledger"]
-    if not report["quiescence"]["reached"]:
-        problems.append(f"no quiescence within {QUIESCE_TIMEOUT_S:.0f} s after the load: "
-                        f"in_flight {ledger.get('in_flight')}, "
-                        f"awaiting_ack {ledger.get('awaiting_ack')}")  # fmt: skip
-    if not ledger.get("balanced"):
-        problems.append("the ledger did not balance")
-    for role, p in report["processes"].items():
-        if p["restarted"]:
-            problems.append(f"{role} restarted (or died) during the soak")
-        if not p["fds_ok"]:
-            problems.append(f"{role}: open fds {p['fds_warm']} once warm -> {p['fds_end']} "
-                            f"at the end (tolerance {FD_TOLERANCE})")  # fmt: skip
-        if p["leak"]:
-            problems.append(f"{role}: private memory (USS) still growing "
-                            f"{p['slope_last_mib_per_min']} MiB/min in the last third "
-                            f"({p['uss_start_mib']} -> {p['uss_end_mib']} MiB)")
-    seg = report["segments"]
-    if not seg["bounded"]:
-        problems.append(f"{seg['files_end']} segment files at the end "
-                        f"(at most {SEGMENT_FILES_MAX}): compaction does not keep up")
-    problems += [f"load thread failed: {f}" for f in report["load"]["failed"]]
-    if report["stop_rc"] != 0:
-        problems.append(f"the node did not stop cleanly (exit status {report['stop_rc']})")
-    return problems
-
-
-# -- the report ----------------------------------------------------------------------------
-
-LEDGER_ORDER = ("received", "routed", "finished", "acknowledged", "discarded", "expired",
-                "released", "refused", "in_flight", "awaiting_ack")  # fmt: skip
-
-
-def print_report(report: dict[str, Any]) -> None:
-    p = report["params"]
-    print(f"\nsoak of {report['duration_s'] / 60:.1f} min: {p['rows']} rows, writes "
-          f"{p['write_rate']}/s, seed {p['seed']}, node {report['name']}")  # fmt: skip
-    print(f"{'process':<12} {'pid':>7} {'RSS MiB':>13} {'shared':>13} {'USS MiB':>13} "
-          f"{'USS slope 1st/last':>19} {'fds':>12} {'threads':>7}  verdict")
-    for role, q in report["processes"].items():
-        rss = f"{q['rss_start_mib']:.1f}->{q['rss_end_mib']:.1f}"
-        shared = f"{q['shared_start_mib']:.1f}->{q['shared_end_mib']:.1f}"
-        uss = f"{q['uss_start_mib']:.1f}->{q['uss_end_mib']:.1f}"
-        slopes = (f"{_fmt(q['slope_first_mib_per_min'])}/"
-                  f"{_fmt(q['slope_last_mib_per_min'])}")  # fmt: skip
-        fds = f"{q['fds_start']}/{q['fds_warm']}->{q['fds_end']}"
-        thr = f"{q['threads_start']}->{q['threads_end']}"
-        print(f"{role:<12} {q['pid']:>7} {rss:>13} {shared:>13} {uss:>13} {slopes:>19} "
-              f"{fds:>12} {thr:>7}  {q['verdict']}")
-    print("  RSS = shared (the node's shared-memory segments and mapped files, as each process"
-          " touches their pages) + USS (private);")
-    print("  USS slopes in MiB/min, least squares over the first and last third of the samples;"
-          " fds: start/once warm->end")
-    seg = report["segments"]
-    print(f"segment files: {seg['files_start']} -> {seg['files_end']} (max {seg['files_max']}), "
-          f"{seg['bytes_start'] / MiB:.1f} -> {seg['bytes_end'] / MiB:.1f} MiB, highest "
-          f"#{seg['highest_segment']}, {seg['removed_by_compaction']} removed by compaction"
-          + ("" if seg["rolled"] else "; no roll to a second segment: compaction not exercised"))
-    shm = report["shm_end"]
-    print("shared memory: " + ", ".join(
-        f"{n.split('.', 2)[-1]} {v['size'] / MiB:.1f} MiB ({v['resident'] / MiB:.1f} resident)"
-        for n, v in shm.items()))  # fmt: skip
-    live = report["live_data"]
-    print(f"live data: rows {live['rows_start']} -> {live['rows_end']}, "
-          f"due {live['due_start']} -> {live['due_end']}")
-    tp = report["throughput"]
-    print("throughput: " + ", ".join(f"{k[:-6]} {v}/s" for k, v in tp.items()))
-    load = report["load"]
-    print(f"load: consumer claimed {load['claimed']}, completed {load['completed']} "
-          f"(refused {dict(load['complete_refused'])}); producer offered {load['offered']}, "
-          f"acked {load['acked']} (offered again {load['offered_again']}); writer upserted "
-          f"{load['upserted']}, deleted {load['deleted']}; call errors {dict(load['errors'])}")
-    q = report["quiescence"]
-    print(f"quiescence: {'reached' if q['reached'] else 'NOT reached'} in {q['waited_s']} s")
-    ledger = report["ledger"]
-    width = max(len(k) for k in LEDGER_ORDER)
-    print("ledger at quiescence:")
-    for name in LEDGER_ORDER:
-        if name in ledger:
-            print(f"  {name:<{width}}  {ledger[name]}")
-    print("  routed = finished + expired + released + in_flight; "
-          "finished = acknowledged + discarded + awaiting_ack")
-    print(f"balanced: {'true' if ledger.get('balanced') else 'FALSE'}")
-    for line in report["problems"]:
-        print(f"problem: {line}")
-    print(("SOAK PASSED" if report["ok"] else "SOAK FAILED")
-          + f": data and logs in {report['data_dir']}, results in {report['out']}")
-
-
-def _fmt(v: float | None) -> str:
-    return "-" if v is None else f"{v:+.2f}"
 
 
 # -- entry ---------------------------------------------------------------------------------
@@ -764,7 +519,7 @@ def build_report(args: argparse.Namespace, node: Node, samples: list[dict], quie
                        "segment_files_max": SEGMENT_FILES_MAX},
         "samples": samples,
     }  # fmt: skip
-    report["problems"] = verdict(report)
+    report["problems"] = verdict(report, QUIESCE_TIMEOUT_S)
     report["ok"] = not report["problems"]
     return report
 
@@ -785,8 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     node = Node(data_dir, write_config(data_dir), args.workers, args.cpu_rounds)
     stop_rc: int | None = None
     try:
-        node.start()
-        print(f"node {node.name} at {node.base_url}, pids {node.pids()}; "
+        node.start(timeout_s=START_TIMEOUT_S)
+        print(f"node {node.name} at {node.base_url}, pids {node.pids_by_role()}; "
               f"load for {args.minutes:g} min, a sample every {args.sample_s:g} s", flush=True)
         load = Load(node.base_url, keys, args.write_rate, args.seed)
         with Client(node.base_url) as client:
@@ -794,14 +549,14 @@ def main(argv: list[str] | None = None) -> int:
             samples = run_load(node, client, load, args, t0)
             quiet = quiesce(node, client, load)
             quiet_sample = take_sample(node, client, t0)
-        stop_rc = node.stop()
-    except (SoakError, OSError) as exc:
+        stop_rc = node.close()
+    except (SoakError, HarnessError, OSError) as exc:
         print(f"soak failed: {exc}", file=sys.stderr)
-        node.stop()
+        node.close()
         return 1
     except KeyboardInterrupt:
         print("interrupted: stopping the node", file=sys.stderr)
-        node.stop()
+        node.close()
         return 1
     report = build_report(args, node, samples, quiet, load, stop_rc, out)
     report["after_quiescence"] = quiet_sample

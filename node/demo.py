@@ -25,8 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,6 +33,7 @@ from typing import Any
 
 from node.core.errors import ConfigError, NodeError
 from node.core.proc import RET_ERROR, RET_OK
+from node.testing import HarnessError, NodeProcess
 
 DEFAULT_ROWS = 20_000
 MAX_ROWS = 1_000_000
@@ -192,85 +191,37 @@ def seed(data_dir: Path, n: int, now: float) -> None:
 # -- the node ---------------------------------------------------------------------------
 
 
-class DemoNode:
-    """``python -m node run`` as a child, its output in ``<data-dir>/node.log``."""
+class DemoNode(NodeProcess):
+    """``python -m node run`` with the CPU handler (``node.testing``'s
+    harness), its output in ``<data-dir>/node.log``, and a client of its API."""
+
+    # A failure message carries the end of the log, not a test's screenful.
+    LOG_TAIL_CHARS = 1500
 
     def __init__(self, data_dir: Path, config: Path) -> None:
-        self.data_dir = data_dir
-        self.name = f"demo-{os.getpid()}"
-        self.argv = [
-            sys.executable, "-m", "node", "run",
-            "--config", str(config),
-            "--data-dir", str(data_dir),
-            "--name", self.name,
-            "--http", "127.0.0.1:0",
-            "--workers", str(HTTP_WORKERS),
+        super().__init__(
+            data_dir, f"demo-{os.getpid()}",
             "--handler", "node.handlers:cpu_work",
             "--inference-procs", str(INFERENCE_PROCS),
-        ]  # fmt: skip
-        self.log_path = data_dir / "node.log"
-        self.proc: subprocess.Popen | None = None
+            config=config, workers=HTTP_WORKERS, test_hooks=False, cwd=None,
+        )  # fmt: skip
         self.client: Any = None
 
-    def start(self) -> None:
-        from node.client import Client, ClientError
+    def start(self, wait_ready: bool = True, timeout_s: float = START_TIMEOUT_S) -> DemoNode:
+        from node.client import Client
 
-        log_file = open(self.log_path, "ab")
-        try:
-            self.proc = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT
-            )
-        finally:
-            log_file.close()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        http = None
-        while http is None:
-            self.check_alive()
-            try:
-                http = json.loads((self.data_dir / "node.json").read_text())["http"]
-            except (OSError, ValueError, KeyError):
-                self._pause(deadline, "the node to start")
-        self.client = Client(http if http.startswith("unix:") else f"http://{http}")
-        while True:
-            self.check_alive()
-            try:
-                self.client.request("GET", "/readyz", timeout_s=2)
-                return
-            except ClientError:
-                self._pause(deadline, "the keeper's first publish (/readyz)")
+        super().start(wait_ready, timeout_s)
+        self.client = Client(self.base_url)
+        return self
 
-    def _pause(self, deadline: float, what: str) -> None:
-        if time.monotonic() >= deadline:
-            raise DemoError(f"timed out after {START_TIMEOUT_S:.0f} s waiting for {what}")
-        time.sleep(0.05)  # start-up polling interval
-
-    def check_alive(self) -> None:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise DemoError(
-                f"the node exited with status {self.proc.returncode}:\n{self.log_tail()}"
-            )
-
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def stop(self) -> int | None:
-        """SIGTERM, then wait for the drain; the node's exit status (None if it
-        had to be killed)."""
-        if self.proc is None:
-            return None
+    def close(self) -> int | None:
+        """Close the client, SIGTERM the node and wait for the drain: its exit
+        status (None if it had to be killed)."""
         if self.client is not None:
             self.client.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout=30 + STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            return self.stop(timeout_s=30 + STOP_GRACE_S)
+        except HarnessError:
             return None
 
 
@@ -503,12 +454,12 @@ def main(args: argparse.Namespace) -> int:
         seconds = time.monotonic() - started
     except KeyboardInterrupt:
         print("interrupted: stopping the node", file=sys.stderr)
-        node.stop()
+        node.close()
         return RET_ERROR
-    except (DemoError, NodeError) as exc:
+    except (DemoError, NodeError, HarnessError) as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
-        node.stop()
+        node.close()
         return RET_ERROR
-    stop_rc = node.stop()
+    stop_rc = node.close()
     ok = print_report(account, tally, seconds, stop_rc, data_dir)
     return RET_OK if ok else RET_ERROR

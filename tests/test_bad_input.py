@@ -49,8 +49,8 @@ from urllib.parse import quote
 
 import msgpack
 import pytest
-from nodeproc import ROOT, NodeProcess, wait_for
 
+from node.testing import ROOT, NodeProcess, wait_for
 from workers.http.errors import ERROR_CODES
 
 MIB = 1 << 20

@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
+from node.testing import NodeProcess, finish, wait_for
 from tests.campaign import checker
 from tests.campaign.nemesis import KINDS, mount_tmpfs, schedule, umount
 from tests.campaign.run import Settings, report, run
-from tests.nodeproc import NodeProcess, finish, wait_for
 
 NOW = 1_800_000_000.0
 CADENCE = 30 * 86400

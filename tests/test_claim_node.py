@@ -22,7 +22,7 @@ import pytest
 from node.client import LocalClaimer
 from node.core.rows import RowWrite
 from node.store import open_store
-from tests.nodeproc import NodeProcess, finish, wait_for
+from node.testing import NodeProcess, finish, wait_for
 
 SPAWN = multiprocessing.get_context("spawn")
 PROCS = 8

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from node.client import Client, ClientError, LocalClaimer
-from tests.nodeproc import NodeProcess, finish, wait_for
+from node.testing import NodeProcess, finish, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 

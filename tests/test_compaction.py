@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from node.client import Client
-from tests.nodeproc import NodeProcess, finish, wait_for
+from node.testing import NodeProcess, finish, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -24,8 +24,8 @@ from node.completion import CompletionConfig, LogUnavailable, Result
 from node.completion.memory import MemoryCompletionStore
 from node.completion.segments import FileOps, SegmentStore, summary_name
 from node.config import Config
+from node.testing import wait_for
 from shm.leases import LeaseTable, Outcome
-from tests.nodeproc import wait_for
 from tests.test_ledger import World, item, poll_all
 from workers.ledger.delivery import RepeatIndex
 from workers.ledger.process import LOG_DIR

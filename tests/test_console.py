@@ -36,7 +36,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from node.config import Config
 from node.store import open_store
-from tests.nodeproc import ROOT, NodeProcess, cleanup_segments, wait_for
+from node.testing import ROOT, NodeProcess, cleanup_segments, wait_for
 from workers.http.app import WorkerContext, make_app
 from workers.http.console import ASSETS, CONSOLE_DIR
 from workers.http.console import routes as console_routes

@@ -10,7 +10,7 @@ import pytest
 
 from node.core.errors import ConfigError
 from node.demo import MARKER, demo_rows, prepare_data_dir
-from tests.nodeproc import ROOT
+from node.testing import ROOT
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -42,7 +42,7 @@ import psutil
 import pytest
 
 from node.client import Client, ClientError
-from tests.nodeproc import NodeProcess, finish, wait_for
+from node.testing import NodeProcess, finish, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -547,7 +547,6 @@ def test_sigterm_while_a_request_body_is_on_its_way_answers_it_and_stops_promptl
         answer = _recv_until(sock, b"}", drain_s - 2)
     rc = node.proc.wait(timeout=drain_s + 20)
     stopped_s = time.monotonic() - started
-    node.close_log()
     assert answer.startswith(b"HTTP/1.1 200"), answer
     assert rc == 0
     assert stopped_s < drain_s - 1, f"the stop took {stopped_s:.1f} s (drain deadline {drain_s} s)"

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from node.client import Client, ClientError
-from tests.nodeproc import NodeProcess, finish, wait_for
+from node.testing import NodeProcess, finish, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 

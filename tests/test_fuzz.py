@@ -53,7 +53,6 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis.errors import Unsatisfiable
-from nodeproc import NodeProcess, wait_for
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.core.failures import Failure, FailureGroup
@@ -64,6 +63,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from node.testing import NodeProcess, wait_for
 from workers.http.errors import ERROR_CODES
 
 FUZZ_S = float(os.environ.get("QUEUE_NODE_FUZZ_S", "40"))

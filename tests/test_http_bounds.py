@@ -1,7 +1,7 @@
 """Bounds on what a caller can make the node hold (security review, part 6).
 
 Each bound of docs/api.md, "Bounds", hit against a real ``python -m node``
-(tests/nodeproc.py) over real sockets, and answered as documented:
+(node/testing.py) over real sockets, and answered as documented:
 
 - a claim answer stops at ``claim_answer_bytes``; the leases past it are
   handed back, not left leased;
@@ -42,7 +42,7 @@ import pytest
 
 from node.config import Config, load_config
 from node.core.errors import ConfigError
-from tests.nodeproc import ROOT, NodeProcess, finish, wait_for
+from node.testing import ROOT, NodeProcess, finish, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 

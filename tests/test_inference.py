@@ -28,8 +28,8 @@ from node.handlers import (
     cpu_work_rounds,
     load,
 )
+from node.testing import NodeProcess, finish, wait_for
 from tests.handlers import read_records
-from tests.nodeproc import NodeProcess, finish, wait_for
 from workers.claim import WorkError
 from workers.inference import process as inference
 from workers.inference.process import (

@@ -23,8 +23,8 @@ from node.config import Config
 from node.core.rows import RowWrite
 from node.ipc import AsyncClient, Client, IpcError, RemoteError
 from node.store import open_store
+from node.testing import wait_for
 from shm.leases import LeaseTable, Outcome
-from tests.nodeproc import wait_for
 from workers.ledger.process import LOG_DIR, Ledger, ledger_address
 
 ROOT = Path(__file__).resolve().parent.parent

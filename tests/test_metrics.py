@@ -2,7 +2,7 @@
 
 Unit tier: ``node.core.metrics`` outside a node and across real processes in
 multiprocess mode, and the route labels from a state document. Acceptance
-tier: a real node (``tests/nodeproc.py``), its counters against
+tier: a real node (``node/testing.py``), its counters against
 ``/accounting``, a worker killed -9 and restarted, the keeper stopped."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from node.core import metrics
-from tests.nodeproc import ROOT, NodeProcess, finish, wait_for
+from node.testing import ROOT, NodeProcess, finish, wait_for
 from workers.http.metrics import OTHER_ROUTE, oldest_ratios
 
 pytestmark = pytest.mark.timeout(120)

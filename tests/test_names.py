@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.nodeproc import ROOT, NodeProcess, cleanup_segments, finish, wait_for
+from node.testing import ROOT, NodeProcess, cleanup_segments, finish, wait_for
 
 OTHER_UID = 65534  # nobody
 needs_root = pytest.mark.skipif(

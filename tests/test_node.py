@@ -15,7 +15,7 @@ import msgpack
 import psutil
 import pytest
 
-from tests.nodeproc import ROOT, NodeProcess, finish, wait_for
+from node.testing import ROOT, NodeProcess, finish, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -171,7 +171,6 @@ def test_kill_supervisor_leaves_no_child_and_restart_reattaches(node, tmp_path):
     children = [pids["keeper"], *pids["workers"]]
     os.kill(node.proc.pid, signal.SIGKILL)
     node.proc.wait()
-    node.close_log()
 
     def all_gone():
         return all(not psutil.pid_exists(p) or psutil.Process(p).status() == "zombie"
@@ -199,7 +198,6 @@ def test_two_nodes_on_one_host_do_not_meet(tmp_path, node_name):
         with pytest.raises(AssertionError, match="already runs"):
             second.start(timeout_s=20)
     finally:
-        second.close_log()
         assert a.stop() == 0
         assert b.stop() == 0
 

@@ -13,8 +13,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from node.client import Client
 from node.config import Config
 from node.store import open_store
+from node.testing import NodeProcess, finish, wait_for
 from shm.state import read_state
-from tests.nodeproc import NodeProcess, finish, wait_for
 from workers.http.app import WorkerContext, make_app
 from workers.http.state import routes as state_routes
 

@@ -27,9 +27,9 @@ from node.client import Client
 from node.config import Config
 from node.core.rows import parse_row
 from node.store import open_store
+from node.testing import NodeProcess, finish, wait_for
 from shm.leases import CODE_NAMES, EMPTY, LEASED, UPDATING, LeaseTable, _mask
 from shm.state import queue_state, read_state
-from tests.nodeproc import NodeProcess, finish, wait_for
 from workers.http.app import WorkerContext, make_app
 from workers.http.state import routes as state_routes
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.nodeproc import ROOT, NodeProcess, finish, wait_for
+from node.testing import ROOT, NodeProcess, finish, wait_for
 
 ROWS = 60_000
 CLAIMERS = 2

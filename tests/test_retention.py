@@ -21,7 +21,7 @@ import pytest
 from node.client import Client, ClientError
 from node.config import Config, load_config
 from node.core.errors import ConfigError
-from tests.nodeproc import ROOT, NodeProcess, finish, wait_for
+from node.testing import ROOT, NodeProcess, finish, wait_for
 
 RETENTION_S = 2
 CADENCE_30D = 30 * 86400

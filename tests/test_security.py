@@ -13,7 +13,7 @@
 6. The handler comes only from the configuration, never from a request.
 7. Request sizes, batch sizes and long-poll waits are bounded.
 
-Most of these run against a real ``python -m node`` (tests/nodeproc.py).
+Most of these run against a real ``python -m node`` (node/testing.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import pytest
 
 from node.config import load_config
 from node.core.errors import ConfigError
-from tests.nodeproc import ROOT, NodeProcess, cleanup_segments, finish, wait_for
+from node.testing import ROOT, NodeProcess, cleanup_segments, finish, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 

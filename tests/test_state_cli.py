@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.nodeproc import ROOT, NodeProcess, finish, wait_for
+from node.testing import ROOT, NodeProcess, finish, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -29,8 +29,8 @@ from typing import Any
 
 import psutil
 
+from node.testing import NodeProcess, wait_for
 from tests.campaign.workload import EventLog
-from tests.nodeproc import NodeProcess, wait_for
 
 KINDS = (
     "kill_keeper",       # kill -9 one child: the supervisor restarts it
@@ -189,7 +189,6 @@ class Nemesis:
         if how == "kill_supervisor":
             os.kill(self.node.proc.pid, signal.SIGKILL)  # children follow by PDEATHSIG
             self.node.proc.wait()
-            self.node.close_log()
         elif how == "kill_node":
             self.node.kill()
         else:

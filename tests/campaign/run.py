@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from node.testing import NodeProcess, cleanup_segments, wait_for
 from tests.campaign import checker
 from tests.campaign.nemesis import Nemesis, mount_tmpfs, schedule, umount
 from tests.campaign.workload import (
@@ -37,7 +38,6 @@ from tests.campaign.workload import (
     item_of,
     read_log,
 )
-from tests.nodeproc import NodeProcess, cleanup_segments, wait_for
 
 LEASE_S = 4
 OFFER_TIMEOUT_S = 3
@@ -154,7 +154,6 @@ def run(s: Settings) -> Outcome:
     finally:
         if node.proc is not None and node.proc.poll() is None:
             node.kill()
-        node.close_log()
         cleanup_segments(name)
         if fs is not None:
             umount(fs)
