@@ -32,8 +32,8 @@ from node.completion import (
     check_completion_url,
     open_completion_store,
 )
-from node.completion.base import PendingIndex
 from node.completion.memory import MemoryCompletionStore
+from node.completion.pending import PendingIndex
 from node.completion.segments import (
     FORMAT_VERSION,
     FRAME,
@@ -354,7 +354,7 @@ def test_open_completion_store_urls(tmp_path):
 
 
 def test_recovery_applies_acks_in_bulk_passes_with_the_same_answer(disk, monkeypatch):
-    monkeypatch.setattr("node.completion.base.RETIRE_PASS_MIN_IDS", 8)
+    monkeypatch.setattr("node.completion.buffered.RETIRE_PASS_MIN_IDS", 8)
     store = disk.open(SMALL)
     store.recover()
     for b in range(30):

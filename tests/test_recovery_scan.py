@@ -21,14 +21,16 @@ from pathlib import Path
 import msgpack  # type: ignore[import-untyped]
 import pytest
 
-from node.completion import CompletionConfig, LogCorrupt, Result, segments
-from node.completion.base import RETIRE_ACK, RETIRE_DISCARD, _Retire
+from node.completion import CompletionConfig, LogCorrupt, Result
+from node.completion.base import RETIRE_ACK, RETIRE_DISCARD
+from node.completion.buffered import _Retire
 from node.completion.segments import (
     FRAME,
     HEADER,
     K_RESULT,
     RESULT_HEAD,
     SegmentStore,
+    deferred,
     encode_header,
     encode_result,
     encode_retire,
@@ -147,18 +149,18 @@ def mostly_acked_log(path: Path, start_id: int = 1, n: int = 400) -> list[int]:
 @pytest.mark.parametrize("passes", ["at the end", "while scanning"])
 def test_a_mostly_acked_log_recovers_the_same_both_ways(tmp_path, monkeypatch, passes):
     if passes == "while scanning":
-        monkeypatch.setattr("node.completion.base.RETIRE_PASS_MIN_IDS", 8)
+        monkeypatch.setattr("node.completion.buffered.RETIRE_PASS_MIN_IDS", 8)
     path = tmp_path / "c"
     kept = mostly_acked_log(path)
     decoded = 0
-    unpack_meta = segments._unpack_meta
+    unpack_meta = deferred._unpack_meta
 
     def counting_unpack_meta(meta):  # type: ignore[no-untyped-def]
         nonlocal decoded
         decoded += 1
         return unpack_meta(meta)
 
-    monkeypatch.setattr(segments, "_unpack_meta", counting_unpack_meta)
+    monkeypatch.setattr(deferred, "_unpack_meta", counting_unpack_meta)
     fast, reference, staged = recover_both(path, monkeypatch, SMALL)
     assert staged == 400 and len(reference["segments"]) >= 10
     # The fast read decoded the metas of the pending results only (the

@@ -15,16 +15,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from node.completion.base import (
-    LOC_OFFSET_BITS,
-    BufferedLog,
-    Checkpoint,
     CompletionConfig,
     LeaseEntry,
     LogUnavailable,
     RecoveryReport,
     Result,
-    _Retire,
 )
+from node.completion.buffered import BufferedLog, Checkpoint, _Retire
+from node.completion.pending import LOC_OFFSET_BITS
 
 # Estimated bytes of a record, to roll over where the files would (roughly).
 _RESULT_OVERHEAD = 64

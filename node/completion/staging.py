@@ -3,11 +3,11 @@
 Recovery cannot know whether a result is still pending until it has read
 every retire record after it, and those can be in any later segment. In a
 log that is mostly acknowledged (what an idle compactor leaves), the scan of
-the segment files (``segments.py``) therefore checks each result without
-decoding it and stages it here; each retire pass takes the retired ones out;
-only the ones left are decoded and indexed, once every record has been read
-(or earlier, when the scan must index a later result itself). Most results
-of such a log are never decoded, and never in the index.
+the segment files (``segments/deferred.py``) therefore checks each result
+without decoding it and stages it here; each retire pass takes the retired
+ones out; only the ones left are decoded and indexed, once every record has
+been read (or earlier, when the scan must index a later result itself). Most
+results of such a log are never decoded, and never in the index.
 
 A batch is one run of results of one segment, in id order, as parallel
 arrays of ids (read from the meta's fixed prefix) and record offsets, with

@@ -1,3 +1,4 @@
+# Over 650 lines: the ledger's completion path, which issue 16 (batching) rewrites and splits.
 """``python -m workers.ledger``: the ledger process, started by the supervisor.
 
 The single writer of the completion log. It takes results over local IPC

@@ -1,0 +1,271 @@
+"""The pending index: durable results not yet retired, by id and by job.
+
+What ``BufferedLog`` (``buffered.py``) offers from, retires from, and
+rebuilds in recovery: id -> (job, key, finished_at, segment, offset), in
+id order overall and per job, as arrays (payloads stay on disk).
+"""
+
+from __future__ import annotations
+
+import bisect
+from array import array
+from collections import Counter
+from itertools import compress, repeat
+from operator import not_, rshift
+
+from node.completion.base import Pending
+
+# A result's place: segment number in the high bits, byte offset of its record
+# in the low 40 (a segment may grow to 1 TiB). Never 0 (offset 0 is a header).
+LOC_OFFSET_BITS = 40
+LOC_OFFSET_MASK = (1 << LOC_OFFSET_BITS) - 1
+
+_DEAD = 0xFFFFFFFF  # a job code that marks a retired slot in the global arrays
+_SETTLE_MIN = 4096  # do not rebuild arrays for fewer dead slots than this
+
+
+class _JobQueue:
+    """One job's pending results, in id order, as parallel arrays.
+
+    A retired slot keeps its place (``locs[i] == 0``) until the dead slots
+    outnumber the live ones; then the arrays are rebuilt. Arrays, not a dict
+    of tuples: about 45 bytes an entry against 345 (the key aside), and
+    0.6 s less per million results to build in recovery
+    (``docs/completion-log.md``)."""
+
+    __slots__ = ("job", "code", "ids", "locs", "fins", "keys", "head", "dead")
+
+    def __init__(self, job: str, code: int) -> None:
+        self.job = job
+        self.code = code
+        self.ids = array("Q")
+        self.locs = array("Q")
+        self.fins = array("d")
+        self.keys: list[str | None] = []
+        self.head = 0  # slots before it are all dead
+        self.dead = 0  # dead slots at or after head
+
+    @property
+    def live(self) -> int:
+        return len(self.ids) - self.head - self.dead
+
+    def find(self, rid: int) -> int:
+        i = bisect.bisect_left(self.ids, rid, self.head)
+        if i < len(self.ids) and self.ids[i] == rid and self.locs[i]:
+            return i
+        return -1
+
+    def entry(self, i: int) -> Pending:
+        loc = self.locs[i]
+        return Pending(
+            self.ids[i],
+            self.job,
+            self.keys[i],  # type: ignore[arg-type]
+            self.fins[i],
+            loc >> LOC_OFFSET_BITS,
+            loc & LOC_OFFSET_MASK,
+        )
+
+    def kill(self, i: int) -> int:
+        loc = self.locs[i]
+        self.locs[i] = 0
+        self.keys[i] = None
+        self.dead += 1
+        n, locs = len(self.ids), self.locs
+        while self.head < n and not locs[self.head]:
+            self.head += 1
+            self.dead -= 1
+        if self.dead > max(_SETTLE_MIN, self.live) or self.head > max(_SETTLE_MIN, n // 2):
+            keep = [i for i in range(self.head, n) if locs[i]]
+            self.ids = array("Q", [self.ids[i] for i in keep])
+            self.fins = array("d", [self.fins[i] for i in keep])
+            self.keys = [self.keys[i] for i in keep]
+            self.locs = array("Q", [locs[i] for i in keep])
+            self.head = self.dead = 0
+        return loc
+
+
+class PendingIndex:
+    """Durable, unretired results: id → (job, key, finished_at, segment,
+    offset), in id order overall and per job. Memory is about 45 bytes plus
+    the key per pending result; payloads stay on disk.
+
+    Ids must be added in increasing order (the log assigns them so)."""
+
+    def __init__(self) -> None:
+        self.queues: dict[str, _JobQueue] = {}
+        self._by_code: list[_JobQueue] = []
+        self._ids = array("Q")  # every pending id, in order
+        self._codes = array("I")  # its job's code, or _DEAD
+        self._head = 0
+        self._dead = 0
+        self.last_id = 0  # the highest id ever added
+
+    def __len__(self) -> int:
+        return len(self._ids) - self._head - self._dead
+
+    def queue(self, job: str) -> _JobQueue:
+        q = self.queues.get(job)
+        if q is None:
+            q = self.queues[job] = _JobQueue(job, len(self._by_code))
+            self._by_code.append(q)
+        return q
+
+    def add(self, rid: int, job: str, key: str, finished_at: float, loc: int) -> None:
+        if rid <= self.last_id:
+            raise ValueError(f"result id {rid} is not above {self.last_id}")
+        q = self.queues.get(job) or self.queue(job)
+        q.ids.append(rid)
+        q.locs.append(loc)
+        q.fins.append(finished_at)
+        q.keys.append(key)
+        self._ids.append(rid)
+        self._codes.append(q.code)
+        self.last_id = rid
+
+    def loader(self, job: str) -> tuple:
+        """Bound appends for bulk loading one job's results, for the recovery
+        scan's hot loop: (ids, locs, fins, keys, all ids, all codes, code).
+        Call them in the order of ``add``, with ids above ``last_id`` (the
+        caller checks and then sets ``last_id``). Stale after ``remove()``."""
+        q = self.queues.get(job) or self.queue(job)
+        return (
+            q.ids.append,
+            q.locs.append,
+            q.fins.append,
+            q.keys.append,
+            self._ids.append,
+            self._codes.append,
+            q.code,
+        )
+
+    def retire_bulk(self, retired: dict[int, bool], any_discard: bool) -> Counter:
+        """Remove every pending id that is a key of ``retired`` (the value:
+        True for a discard, False for an ack) in a few C-speed passes over the
+        arrays: recovery meets ACK records by the thousand. Returns a Counter
+        of (segment, is_discard) over the ids removed; ids that are not
+        pending count nothing."""
+        counts: Counter = Counter()
+        if not retired or not len(self):
+            return counts
+        if self._head or self._dead or any(q.head or q.dead for q in self._by_code):
+            for rid, is_discard in retired.items():  # after removals: the slow, general way
+                loc = self.remove(rid)
+                if loc:
+                    counts[(loc >> LOC_OFFSET_BITS, is_discard)] += 1
+            return counts
+        hit_of = retired.__contains__
+        for q in self._by_code:
+            hit = list(map(hit_of, q.ids))
+            if not any(hit):
+                continue
+            if any_discard:
+                segments = map(rshift, compress(q.locs, hit), repeat(LOC_OFFSET_BITS))
+                kinds = map(retired.__getitem__, compress(q.ids, hit))
+                counts.update(zip(segments, kinds, strict=True))
+            else:
+                # locs grow with ids: each segment is one run of the queue.
+                locs, a = q.locs, 0
+                while a < len(locs):
+                    number = locs[a] >> LOC_OFFSET_BITS
+                    b = bisect.bisect_left(locs, (number + 1) << LOC_OFFSET_BITS, a)
+                    n = hit[a:b].count(True)
+                    if n:
+                        counts[(number, False)] += n
+                    a = b
+            # Positions of the survivors first: then each array costs what
+            # survives (often little), not what it held.
+            keep = list(compress(range(len(hit)), map(not_, hit)))
+            q.ids = array("Q", map(q.ids.__getitem__, keep))
+            q.locs = array("Q", map(q.locs.__getitem__, keep))
+            q.fins = array("d", map(q.fins.__getitem__, keep))
+            q.keys = list(map(q.keys.__getitem__, keep))
+        keep = list(compress(range(len(self._ids)), map(not_, map(hit_of, self._ids))))
+        self._ids = array("Q", map(self._ids.__getitem__, keep))
+        self._codes = array("I", map(self._codes.__getitem__, keep))
+        return counts
+
+    def _slot(self, rid: int) -> int:
+        i = bisect.bisect_left(self._ids, rid, self._head)
+        if i < len(self._ids) and self._ids[i] == rid and self._codes[i] != _DEAD:
+            return i
+        return -1
+
+    def get(self, rid: int) -> Pending | None:
+        i = self._slot(rid)
+        if i < 0:
+            return None
+        q = self._by_code[self._codes[i]]
+        return q.entry(q.find(rid))
+
+    def remove(self, rid: int) -> int:
+        """Retire ``rid``; returns its loc, or 0 when it was not pending."""
+        i = self._slot(rid)
+        if i < 0:
+            return 0
+        q = self._by_code[self._codes[i]]
+        self._codes[i] = _DEAD
+        self._dead += 1
+        self._settle()
+        return q.kill(q.find(rid))
+
+    def _settle(self) -> None:
+        n, codes = len(self._ids), self._codes
+        while self._head < n and codes[self._head] == _DEAD:
+            self._head += 1
+            self._dead -= 1
+        if self._dead > max(_SETTLE_MIN, len(self)) or self._head > max(_SETTLE_MIN, n // 2):
+            keep = [i for i in range(self._head, n) if codes[i] != _DEAD]
+            self._ids = array("Q", [self._ids[i] for i in keep])
+            self._codes = array("I", [codes[i] for i in keep])
+            self._head = self._dead = 0
+
+    def count(self, job: str | None = None) -> int:
+        if job is None:
+            return len(self)
+        q = self.queues.get(job)
+        return q.live if q else 0
+
+    def entries(self, job: str | None = None, limit: int | None = None) -> list[Pending]:
+        want = len(self) if limit is None else max(0, limit)
+        out: list[Pending] = []
+        if job is not None:
+            q = self.queues.get(job)
+            if q is None:
+                return out
+            locs = q.locs
+            for i in range(q.head, len(q.ids)):
+                if len(out) >= want:
+                    break
+                if locs[i]:
+                    out.append(q.entry(i))
+            return out
+        codes, by_code = self._codes, self._by_code
+        for i in range(self._head, len(self._ids)):
+            if len(out) >= want:
+                break
+            code = codes[i]
+            if code != _DEAD:
+                q = by_code[code]
+                out.append(q.entry(q.find(self._ids[i])))
+        return out
+
+    def older_than(self, job: str, finished_before: float, limit: int | None = None) -> list[int]:
+        """The job's pending ids from the oldest up to the first one finished
+        at or after ``finished_before`` (at most ``limit``). Costs what it
+        returns, plus retired slots not yet swept."""
+        q = self.queues.get(job)
+        out: list[int] = []
+        if q is None:
+            return out
+        want = len(q.ids) if limit is None else max(0, limit)
+        locs, fins, ids = q.locs, q.fins, q.ids
+        for i in range(q.head, len(ids)):
+            if len(out) >= want:
+                break
+            if not locs[i]:
+                continue
+            if fins[i] >= finished_before:
+                break
+            out.append(ids[i])
+        return out
