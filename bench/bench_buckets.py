@@ -1,4 +1,4 @@
-"""Benchmark of the keeper's buckets (keeper/buckets.py) against the issue's
+"""Benchmark of the keeper's buckets (keeper/buckets/) against the issue's
 targets, and against a plain dict-and-sets layout for comparison:
 
     .venv/bin/python bench/bench_buckets.py --rows 250000
@@ -81,7 +81,7 @@ best_columns, now built as columns, and ReadySet.publish_columns measured
 0.7 to 0.8 of best and ReadySet.publish, so the keeper publishes columns.
 ``--detached`` also times ``detach_many`` of 3,000 granted heads with the
 publish's candidates remembered (the keeper's) and by probing the key table.
-See keeper/buckets.py.
+See keeper/buckets/.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ from keeper.classes import ClassTable  # noqa: E402
 from node.config import Config, RouteConfig  # noqa: E402
 
 NOW = 1_700_000_000.0
-LOAD_CHUNK = 20_000  # rows per load_rows call, as keeper/process.py walks
+LOAD_CHUNK = 20_000  # rows per load_rows call, as keeper/feed.py walks
 SPREAD_S = 30 * 86400  # --spread-days
 ROUTES = [f"route-{i:02d}" for i in range(20)]
 # (cadence_s, sitemap): None takes the route default.

@@ -5,7 +5,7 @@
     .venv/bin/python bench/bench_state.py http --rows 250000 --procs 2 --batch 16 --seconds 10
     .venv/bin/python bench/bench_state.py http --claim-only --lease-capacity 524288
 
-- doc: ``Keeper.counts_doc(now)`` (keeper/process.py), the document the
+- doc: ``Keeper.counts_doc(now)`` (keeper/report.py), the document the
   keeper writes into the state buffer every ``state_interval_s``. A real
   Keeper over a memory store, its buckets loaded the way the keeper loads
   them (``reserve``, then ``load_rows`` 20,000 rows at a time, keys from
@@ -66,7 +66,7 @@ from bench.common import key_of  # noqa: E402
 RESULTS = ROOT / "bench" / "results"
 TARGET_MS = 1.0
 NOW = 1_800_000_000.0  # minute-aligned
-LOAD_CHUNK = 20_000  # rows per load_rows call, as keeper/process.py walks
+LOAD_CHUNK = 20_000  # rows per load_rows call, as keeper/feed.py walks
 # (route, the route's cadence): the classes' routes.
 ROUTES = (("pages", 3600), ("listings", 86400), ("feeds", 900))
 # Row cadences beside the route's own (None): 6 hours, 7 days.
@@ -127,7 +127,7 @@ def build_keeper(rows: int, late_days: float, ahead_days: float, seed: int = 1) 
             chunk.append((key_of(i), i + 1, route, cadence_s, sitemap, lo + rnd.random() * span))
         buckets.load_rows(chunk)
     load_s = time.perf_counter() - t0
-    # As at the end of a load (keeper/process.py _load_step).
+    # As at the end of a load (keeper/feed.py _load_step).
     keeper._loading = False
     keeper.status = "live"
     keeper.exact = True

@@ -1,4 +1,4 @@
-/* keeper._best: the merge at the heart of Buckets.best_columns (keeper/buckets.py).
+/* keeper._best: the merge at the heart of Buckets.best_columns (keeper/buckets/best.py).
  *
  * best_columns takes each active class's head run out of its order (order
  * values, ascending: minute << 32 | slot) and needs the k best of them all by
@@ -228,7 +228,7 @@ static PyMethodDef best_methods[] = {
 
 static struct PyModuleDef best_module = {
     PyModuleDef_HEAD_INIT, "keeper._best",
-    "The keeper's k-way merge of class runs by rank (keeper/buckets.py best_columns).", -1,
+    "The keeper's k-way merge of class runs by rank (keeper/buckets/best.py best_columns).", -1,
     best_methods,
 };
 

@@ -2,7 +2,7 @@
 
 Rows of one class share their cadence and boost, so inside a class the row
 due earliest always ranks highest and the keeper never rescores a row (see
-``keeper/buckets.py``). A row whose ``cadence_s`` is None takes its route's
+``keeper/buckets/``). A row whose ``cadence_s`` is None takes its route's
 default; that default comes from the configuration, so such a class is
 "route-sourced" and follows the configuration when it changes (SIGHUP),
 while a row-sourced class keeps the cadence its rows carry.

@@ -1,5 +1,5 @@
 """One class's rows in due-minute order: ``Order``, the sorted sequence the
-keeper's buckets (``keeper/buckets.py``) keep per class, and the minute
+keeper's buckets (``keeper/buckets/``) keep per class, and the minute
 arithmetic of lateness bounds.
 
 A value is ``minute << SLOT_BITS | slot``: sorted by value, a class is sorted

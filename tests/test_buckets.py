@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import keeper.buckets as buckets_module
+import keeper.buckets.best as best_module
 import keeper.classes as classes_module
 from keeper.buckets import Buckets, minute_of
 from keeper.classes import ClassInfo, ClassTable
@@ -35,7 +36,7 @@ CONFIG = Config(
     },
 )
 KEYS = [f"https://example.com/items/{i:04d}" for i in range(40)]
-# The keeper's lateness bins (keeper/process.py), and others whose boundaries
+# The keeper's lateness bins (keeper/report.py), and others whose boundaries
 # fall on exact minutes or between them.
 LATENESS_EDGES = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
 EDGE_SETS = [LATENESS_EDGES, (0.0,), (0.0, 0.1, 1 / 3, 0.7), (0.0, 1.0, 1.0000001, 40.0)]
@@ -253,7 +254,7 @@ def searching(search: tuple[int, int, int]) -> ExitStack:
     for name, value in zip(
         ("BEST_SLACK_MIN", "BEST_SLACK_SHIFT", "BEST_STEPS"), search, strict=True
     ):
-        stack.enter_context(patch.object(buckets_module, name, value))
+        stack.enter_context(patch.object(best_module, name, value))
     return stack
 
 

@@ -4,7 +4,7 @@ Eight processes claim through ``node.client.LocalClaimer`` (the ready set,
 the shared claim cursor, the lease table) from a running node whose keeper
 republishes as the set runs low, with every granted lease still live: each
 due row must be granted exactly once. The keeper's publish leaves leased keys
-out (detached from its class orders, ``keeper/buckets.py``), so a key granted
+out (detached from its class orders, ``keeper/buckets/detach.py``), so a key granted
 twice would mean either that exclusion or the lease table's compare-and-swap
 failed. 20,000 grants by default, 200,000 with ``--run-slow``.
 """

@@ -1,0 +1,168 @@
+"""The keeper's state: every field ``Keeper`` holds, set in one ``__init__``,
+and the few small steps every concern uses (the phase it reports, exactness,
+the pause flags).
+
+``Keeper`` (keeper/loop.py) is this state with one class of methods a
+concern on top: ``Feed`` (keeper/feed.py: the change feed and the load),
+``Publish`` (keeper/publish.py: best-K, the ready set, lease following),
+``Verify`` (keeper/verify.py: the top check, the verification walk) and
+``Report`` (keeper/report.py: the state document, flow, the received count).
+Each concern's class derives from ``KeeperBase``; a method one concern calls
+on another is named below for the type checker only (at run time the
+combined class has the real one), so the split costs no call anything.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Set as AbstractSet
+from typing import TYPE_CHECKING, Any
+
+from keeper.buckets import Buckets
+from keeper.classes import ClassTable
+from keeper.lag import LagWindow
+from node.config import Config
+from node.store.base import Store
+
+if TYPE_CHECKING:
+    from keeper.verify import VerifyWalk
+
+# Minutes of flow kept (the contract's "last hour").
+FLOW_MINUTES = 60
+
+
+class Stats:
+    """Figures the keeper reports in the trust group of queue-state."""
+
+    def __init__(self) -> None:
+        self.load: dict[str, Any] = {
+            "rows": 0,
+            "unreadable": 0,
+            "started_at": None,
+            "first_publish_s": None,
+            "done_s": None,
+        }
+        self.publish: dict[str, Any] = {"count": 0, "last_ms": None, "max_ms": 0.0, "size": 0}
+        self.verify: dict[str, Any] = {
+            "runs": 0,
+            "last_at": None,
+            "last_s": None,
+            "compared": 0,
+            "repairs": 0,
+            "repairs_feed_missed": 0,
+            "repairs_membership": 0,
+            "top_checked": 0,
+            "top_repairs": 0,
+        }
+        self.apply: dict[str, Any] = {
+            "changes": 0,
+            "invalid": 0,
+            "refused_classes": 0,
+            "feed_s": 0.0,  # time in drain_feed, reading the feed included
+        }
+        # Commit-to-applied lag of recent changes, by origin, for p50/p99.
+        self.lag_node = LagWindow()
+        self.lag_outside = LagWindow()
+
+    def lag_figures(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, window in (("node", self.lag_node), ("outside", self.lag_outside)):
+            figures = window.figures()
+            if figures is not None:
+                out[name] = figures
+        changes = self.apply["changes"]
+        out["apply_us"] = round(self.apply["feed_s"] * 1e6 / changes, 3) if changes else None
+        return out
+
+
+class KeeperBase:
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        ready: Any,
+        state: Any,
+        *,
+        test_hooks: bool = False,
+        leases: Any = None,
+    ) -> None:
+        self.config = config
+        # The lease table (shm/leases.py), once the work path runs: its
+        # leased, held and parked keys are left out of every publish.
+        self.leases = leases
+        self.store = store
+        self.ready = ready
+        self.state = state
+        self.test_hooks = test_hooks
+        self.classes = ClassTable(config)
+        self.buckets = Buckets(self.classes, remember_best=leases is not None)
+        self.status = "loading"
+        self.exact = False
+        self.feed_seq = 0
+        self.stats = Stats()
+        self.paused_routes: frozenset[str] = frozenset()
+        self.paused_node = False
+        # Occurrences that came due (``received``): the count saved by the
+        # last run plus what this run's buckets counted since its load.
+        self._received_base = 0
+        self._came_due_offset = 0
+        self._received_saved: dict[str, int] | None = None
+        # Counter values at the last flow sample: the deltas go to the minute.
+        self._came_due_mark = 0
+        self._grants_mark: int | None = None
+        # Keys left out of the last publish because they were leased, held or
+        # parked (the lease table's own record of what it reported, kept in
+        # step by excluded_changes): a new write of one clears its misses and hold.
+        self.exclude: AbstractSet[str] = leases.excluded if leases is not None else frozenset()
+        self._load_after: str | None = None
+        self._loading = True
+        self._tombstones: dict[str, int] = {}
+        self._verify: VerifyWalk | None = None
+        self._top_checked: dict[str, float] = {}
+        self._top_check_due = 0.0
+        self._top_trim_due = 0.0
+        # The sets claimers may still take from, by ready-set slot, best first:
+        # the active one and the next, published ahead (shm/ready.py), each
+        # as written. With a lease table their keys are detached while their
+        # set is live (``_out``), so that the next set leaves them out; a set
+        # claimers moved on from is retired at the next publish: its keys
+        # come back but for those the lease table now keeps out.
+        self._sets: dict[int, list[str]] = {}
+        self._out: set[str] = set()
+        # The keys of ``_out`` the lease table keeps out too (granted from a
+        # live set, nearly always): they stay detached when their set retires.
+        self._out_excluded: set[str] = set()
+        self._flow: deque[tuple[int, dict[str, int]]] = deque(maxlen=FLOW_MINUTES)
+        self._caught_up = False
+        self._t_start = 0.0  # perf_counter at ``start``
+        self.next_publish = 0.0
+        self.next_state = 0.0
+        self.next_trim = 0.0
+        self.next_verify = 0.0
+        self._published_at = 0.0
+
+    if TYPE_CHECKING:
+        # What one concern calls on another (the combined class has them).
+        def drain_feed(self, now: float) -> int: ...
+        def publish(self, now: float, ahead: bool = False) -> None: ...
+        def start_verify(self, now: float) -> None: ...
+        def _check_top(self, top: list[str], now: float) -> None: ...
+        def _flow_minute(self, now: float) -> dict[str, int]: ...
+        def _start_received(self, now: float) -> None: ...
+
+    def _phase(self) -> str:
+        if self._loading:
+            return f"walking {self.stats.load['rows']} rows"
+        if self._verify is not None:
+            done = self._verify.compared * 100 // self._verify.total
+            return f"verifying {min(done, 100)}%"
+        return "serving" if self.exact else "catching up"
+
+    def _set_exact(self, exact: bool, now: float) -> None:
+        if exact != self.exact:
+            self.exact = exact
+            self.state.heartbeat(now, self.status, self.exact, self._phase())
+
+    def _read_paused(self) -> None:
+        self.paused_routes = frozenset(self.store.get_meta("paused_routes", []) or [])
+        self.paused_node = bool(self.store.get_meta("paused_node", False))

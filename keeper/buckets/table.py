@@ -1,0 +1,256 @@
+"""The key table under ``Buckets`` (keeper/buckets/__init__.py): the rows' slots
+and columns, the hash table from key to slot, and how a slot's order value
+enters or leaves its class's order. ``KeyTable`` sets every field of the
+buckets in one ``__init__``; the other modules add methods.
+
+Layout, chosen for memory (``bench/bench_buckets.py`` measures it against a
+plain dict-and-sets layout; the numbers are in its docstring: about 156 to
+160 bytes a row at 1,000,000 rows with 54-character keys, where the plain
+layout takes 380 to 515, and 4 to 5 µs an applied change):
+
+- A row lives in a **slot**, an index into five parallel columns:
+  ``_keys`` (list of str), ``_vers`` (int64), ``_mins`` (int32 due minute),
+  ``_cids`` (int32 class id) and ``_det`` (a bytearray: 1 when the row is
+  detached, keeper/buckets/detach.py). No Python object is made per row
+  except the key string itself, which every structure shares.
+- ``_table`` maps a key to its slot: an open-addressing hash table (linear
+  probing, deletion by backward shift, so no tombstones) of int32 slot
+  numbers, kept at most 2/3 full. A dict would cost a per-row int object
+  for the slot on top of its own entry; this costs 8 to 16 bytes a row.
+- Each class keeps its rows as a sorted sequence of ``minute << 32 | slot``
+  in blocks of int64 arrays (``keeper.order.Order``, a SortedList with no per-item
+  objects). Sorted by minute, a class is already in rank order, so the best
+  rows are a head of each class and no row is rescored; a count of rows
+  between two minutes is two bisections, so counting follows classes, not
+  rows.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+
+from keeper.classes import ClassTable
+from keeper.order import BLOCK_LOAD, SLOT_BITS, Order
+
+# Smallest hash table (cells); it doubles when more than 2/3 full.
+MIN_TABLE = 8
+_EMPTY = -1
+
+Entry = tuple[str, int, int, int, float]  # (key, version, minute, class id, rank)
+# Order values read as two int32 halves of each int64 (``minute <<
+# SLOT_BITS | slot``, the minute signed), not by a shift and a mask a value:
+# which half is which follows the byte order.
+_SLOT_HALF, _MINUTE_HALF = (0, 1) if sys.byteorder == "little" else (1, 0)
+
+
+def minute_of(t: float) -> int:
+    """The due minute of a unix time: ``floor(t / 60)``."""
+    return int(t // 60)
+
+
+class KeyTable:
+    """The state of ``Buckets``, its key table and its class orders."""
+
+    def __init__(
+        self,
+        classes: ClassTable,
+        *,
+        capacity: int = 0,
+        block_load: int = BLOCK_LOAD,
+        remember_best: bool = False,
+    ) -> None:
+        self.classes = classes
+        self._block_load = max(2, block_load)
+        self._keys: list[str | None] = []
+        self._vers = array("q")
+        self._mins = array("i")
+        self._cids = array("i")
+        self._free = array("i")  # slots whose key is None, reused first
+        self._live = 0
+        self._table = array("i", [_EMPTY]) * MIN_TABLE
+        self._mask = MIN_TABLE - 1
+        self.reserve(capacity)
+        self._order: dict[int, Order] = {}
+        self._due: dict[int, int] = {}  # rows with minute <= _through, per class
+        # Detached rows (``detach``): a flag a slot, and per class their own
+        # order and due count, which ``best`` never reads. A class with a
+        # detached order always has an attached one too (maybe empty).
+        self._det = bytearray()
+        self._order_detached: dict[int, Order] = {}
+        self._due_detached: dict[int, int] = {}
+        self._detached = 0
+        self._through = -1
+        # Lifetime count of rows entering the due state (see ``advance``),
+        # and the highest minute ``advance`` has reached (None: never called).
+        self.came_due = 0
+        self._high: int | None = None
+        # Where the last ``best`` found its threshold, and how many
+        # excluded keys its candidates held: the next call starts from them.
+        self._best_hint: float | None = None
+        self._best_excluded = 0
+        # Rows ever added by ``apply`` (not by ``load_rows``), and the highest key
+        # ``load_rows`` took: while no row came another way and the walk
+        # ascends, a walked key cannot be held yet.
+        self._strays = 0
+        self._walk_last: str | None = None
+        self._dirty: dict[int, Order] = {}  # classes with pending values
+        # The candidates of the last ``best`` (``remember_best``), for
+        # ``detach_many``: their order values class by class (each class's
+        # run ascending) and their slots, where each class's run starts (and
+        # the last ends), the classes, and key → position.
+        # A key stays in ``_best_at`` only while its row has not been
+        # unplaced since (``_unplace`` drops it; ``reconfigure`` clears all),
+        # so its value there is its value now.
+        self._remember_best = remember_best
+        self._best_values = array("q")
+        self._best_slots = array("i")
+        self._best_starts: list[int] = [0]
+        self._best_cids: list[int] = []
+        self._best_at: dict[str, int] = {}
+
+    # -- the hash table --------------------------------------------------------
+
+    def reserve(self, rows: int) -> None:
+        """Size the key table for ``rows`` rows now, instead of doubling (and
+        rehashing in Python) while they arrive: no insert rehashes until more
+        than ``rows`` rows are held. Call it with the table's row count before
+        a load."""
+        cells = len(self._table)
+        while rows * 3 > cells * 2:
+            cells <<= 1
+        if cells != len(self._table):
+            self._rehash(cells)
+
+    def _rehash(self, cells: int) -> None:
+        # A plain loop: passes of ``map`` over the table cost three times
+        # as much here (each pass misses the cache again).
+        table = array("i", [_EMPTY]) * cells
+        mask = cells - 1
+        for slot, key in enumerate(self._keys):
+            if key is None:
+                continue
+            i = hash(key) & mask
+            while table[i] >= 0:
+                i = (i + 1) & mask
+            table[i] = slot
+        self._table = table
+        self._mask = mask
+
+    def _cell(self, key: str) -> int:
+        """The table cell holding ``key``'s slot, or the empty cell ending its
+        probe sequence."""
+        table, mask, keys = self._table, self._mask, self._keys
+        i = hash(key) & mask
+        slot = table[i]
+        while slot >= 0 and keys[slot] != key:
+            i = (i + 1) & mask
+            slot = table[i]
+        return i
+
+    def _clear_cell(self, i: int) -> None:
+        """Empty cell ``i`` and shift later members of its cluster back, so
+        every key stays reachable from its home cell without tombstones."""
+        table, mask, keys = self._table, self._mask, self._keys
+        j = i
+        while True:
+            j = (j + 1) & mask
+            slot = table[j]
+            if slot < 0:
+                break
+            home = hash(keys[slot]) & mask
+            # The entry at j may fill the hole at i unless its home lies in
+            # the cyclic range (i, j].
+            if (i < home <= j) if i < j else (home > i or home <= j):
+                continue
+            table[i] = slot
+            i = j
+        table[i] = _EMPTY
+
+    # -- placing order values --------------------------------------------------
+
+    def _pend(self, cid: int, values: Sequence[int]) -> None:
+        """Leave order values of class ``cid`` pending (a run of them, as one
+        exact-size array: a chunk's runs side by side in memory, freed
+        together by the flush)."""
+        order = self._dirty.get(cid)
+        if order is None:
+            order = self._order.get(cid)
+            if order is None:
+                order = self._order[cid] = Order(self._block_load)
+                self._due[cid] = 0
+            self._dirty[cid] = order
+        order.pending.append(array("q", values))
+        order.size += len(values)
+
+    def _flush(self) -> None:
+        """Merge every class's pending values into its order, and count those
+        already due (``_through`` has not moved since they came: ``advance``
+        flushes first)."""
+        due_below = (self._through + 1) << SLOT_BITS
+        due = self._due
+        for cid, order in self._dirty.items():
+            values = order.flush()
+            if values and values[0] < due_below:
+                due[cid] += bisect_left(values, due_below)
+        self._dirty.clear()
+
+    def _place(self, slot: int, cid: int, minute: int) -> None:
+        """Enter a slot's order value in its class's attached or detached
+        order, as the slot's flag says."""
+        if self._det[slot]:
+            order, due = self._order_detached.get(cid), self._due_detached
+            if order is None:
+                order = self._new_detached_order(cid)
+        else:
+            order, due = self._order.get(cid), self._due
+            if order is None:
+                order = self._order[cid] = Order(self._block_load)
+                due[cid] = 0
+        order.add(minute << SLOT_BITS | slot)
+        if minute <= self._through:
+            due[cid] += 1
+
+    def _unplace(self, slot: int, cid: int, minute: int) -> None:
+        if self._best_at:
+            self._best_at.pop(self._keys[slot], None)  # type: ignore[arg-type]  # a placed slot has a key
+        value = minute << SLOT_BITS | slot
+        if self._det[slot]:
+            self._order_detached[cid].remove(value)
+            if minute <= self._through:
+                self._due_detached[cid] -= 1
+        # A pending value was not counted as due yet.
+        elif self._order[cid].remove(value) and minute <= self._through:
+            self._due[cid] -= 1
+
+    def _new_detached_order(self, cid: int) -> Order:
+        if cid not in self._order:
+            self._order[cid] = Order(self._block_load)
+            self._due[cid] = 0
+        order = self._order_detached[cid] = Order(self._block_load)
+        self._due_detached[cid] = 0
+        return order
+
+    # -- reading ---------------------------------------------------------------
+
+    def get(self, key: str) -> tuple[int, int, int] | None:
+        """``(due minute, class id, version)`` of a row, or None."""
+        slot = self._table[self._cell(key)]
+        if slot < 0:
+            return None
+        return self._mins[slot], self._cids[slot], self._vers[slot]
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self._table[self._cell(key)] >= 0
+
+    def __len__(self) -> int:
+        return self._live
+
+    def items(self) -> Iterator[tuple[str, int, int, int]]:
+        """``(key, due minute, class id, version)`` of every row, in no order."""
+        mins, cids, vers = self._mins, self._cids, self._vers
+        for slot, key in enumerate(self._keys):
+            if key is not None:
+                yield key, mins[slot], cids[slot], vers[slot]

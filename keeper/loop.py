@@ -1,0 +1,95 @@
+"""``python -m keeper``: the keeper process's loop, started by the supervisor.
+It feeds ``Keeper.tick`` (keeper/process.py) the wall clock, waits on the
+wake semaphore between ticks, and answers workers' questions between them.
+
+Signal handlers only set flags; the loop acts on them between ticks. They
+are set before the keeper's modules are imported.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from node.config import load_run_config
+from node.core import log
+from node.core.proc import RET_OK, child_signals, die_with_parent, set_title
+
+_flags = {"stop": False, "reload": False}
+
+
+def _on_term(signum: int, frame: object) -> None:
+    _flags["stop"] = True
+
+
+def _on_hup(signum: int, frame: object) -> None:
+    _flags["reload"] = True
+
+
+def main() -> int:
+    die_with_parent()
+    child_signals()
+    set_title("qn-keeper")
+    signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGHUP, _on_hup)
+    config = load_run_config("keeper")
+    log.setup("keeper", verbose=bool(os.environ.get("QUEUE_NODE_VERBOSE")))
+
+    from keeper.ask import AskServer
+    from keeper.process import Keeper
+    from node.core import metrics
+    from node.store import open_store
+    from shm.leases import LeaseTable
+    from shm.ready import ReadySet
+    from shm.state import StateBuffer
+    from shm.wake import Wake
+
+    store = open_store(config.store_url)
+    ready = ReadySet.attach(config.name)
+    state = StateBuffer.attach(config.name)
+    wake = Wake.attach(config.name)
+    asks = AskServer(config.name)
+    leases = LeaseTable.attach(config.name)
+    keeper = Keeper(
+        config,
+        store,
+        ready,
+        state,
+        test_hooks=os.environ.get("QUEUE_NODE_TEST_HOOKS") == "1",
+        leases=leases,
+    )
+    metrics.start()  # made now, not on the first observation inside the hot loop
+    keeper.start(time.time())
+    log.log("keeper_start", feed_seq=keeper.feed_seq)
+    was_loading = True
+    while not _flags["stop"]:
+        now = time.time()
+        wait_s = keeper.tick(now)
+        if was_loading and keeper.status != "loading":
+            was_loading = False
+            log.log("keeper_live", held=len(keeper.buckets), **keeper.stats.load)
+        for request in asks.poll():
+            asks.answer(request, keeper.answer(request, time.time()))
+        if _flags["reload"]:
+            _flags["reload"] = False
+            new_config = load_run_config("keeper")
+            keeper.buckets.reconfigure(new_config)
+            keeper.config = new_config
+            keeper.next_publish = 0.0
+            log.log("keeper_reconfigured", classes=len(keeper.classes))
+            continue
+        if wait_s > 0:
+            wake.wait(wait_s)
+    state.heartbeat(time.time(), "stopped", False, "stopped")
+    log.log(
+        "keeper_stop",
+        rows=len(keeper.buckets),
+        changes_applied=keeper.stats.apply["changes"],
+        publishes=keeper.stats.publish["count"],
+        repairs=keeper.stats.verify["repairs"] + keeper.stats.verify["top_repairs"],
+    )
+    asks.close()
+    leases.close()
+    store.close()
+    return RET_OK

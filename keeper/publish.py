@@ -1,0 +1,148 @@
+"""The keeper's output: the best K due keys written into the ready set, once a
+second and, under claim load, the next set ahead while claimers drain the
+active one (``publish``); and the lease following that keeps the leased,
+held and parked keys, and the keys of live sets, out of every publish.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from keeper.base import KeeperBase
+from keeper.buckets import Columns
+from keeper.verify import TOP_CHECK
+from node.core import metrics
+
+# Claimers ask for the next set; after a set less than half full (a few
+# keys due: claimers would drain each at once), honoured at most this often.
+LOW_WATER_MIN_S = 0.01
+
+
+class Publish(KeeperBase):
+    # -- publishing -----------------------------------------------------------
+
+    def ready_low(self, now: float) -> bool:
+        """Claimers asked for the next set: honoured at once after a set at
+        least half full, else at most every LOW_WATER_MIN_S."""
+        if self._published_at + self._low_water_min_s() > now:
+            return False
+        return self.ready.take_low_water()
+
+    def _low_water_min_s(self) -> float:
+        """How soon after the last publish a request is honoured: at once
+        when that set was at least half full (claimers drain thousands a
+        request, and each next set is worth writing: the next set published
+        ahead must not wait), else LOW_WATER_MIN_S, against a storm of
+        publishes of a few keys each."""
+        if self.stats.publish["size"] * 2 >= self.config.ready_size:
+            return 0.0
+        return LOW_WATER_MIN_S
+
+    def publish(self, now: float, ahead: bool = False) -> None:
+        """Publish the best due keys: a fresh set claimers take from at once,
+        or (``ahead``, with a lease table) the next set, which leaves the
+        active set's keys out and which claimers switch to when the active
+        set is drained."""
+        t0 = time.perf_counter()
+        keep_out = self.leases is not None
+        if keep_out:
+            self._follow_leases(now)
+            self._retire(self.ready.active_slot if ahead else None)
+        if self.paused_node:
+            columns: Columns = ([], [], [], [], [])
+        else:
+            columns = self.buckets.best_columns(
+                now, self.config.ready_size, paused_routes=self.paused_routes, detach=keep_out
+            )
+        written = self.ready.publish_columns(*columns, now, ahead=ahead)
+        keys = columns[0]
+        if written < len(keys):
+            if keep_out:  # the heap was full: the rest were not published
+                self.buckets.attach_many(keys[written:])
+            del keys[written:]
+        if keep_out:
+            self._out.update(keys)
+        self._sets[self.ready.last_slot] = keys
+        spent = time.perf_counter() - t0
+        metrics.observe_publish(spent)
+        ms = spent * 1000
+        pub = self.stats.publish
+        pub["count"] += 1
+        pub["last_ms"] = round(ms, 3)
+        pub["max_ms"] = max(pub["max_ms"], round(ms, 3))
+        pub["size"] = len(keys)
+        if pub["count"] == 1:
+            self.stats.load["first_publish_s"] = round(time.perf_counter() - self._t_start, 4)
+        self._published_at = now
+        self.next_publish = now + self.config.publish_interval_s
+        self.state.heartbeat(now, self.status, self.exact, self._phase(), published=True)
+        if not self._loading:
+            self._check_top(keys[:TOP_CHECK], now)
+
+    # -- lease following ------------------------------------------------------
+
+    def _follow_leases(self, now: float) -> None:
+        """Keep the leased, held and parked keys out of the publish: a key
+        that became one since the last publish is detached from its class's
+        order (it stays in every count), one that no longer is comes back.
+        The lease table reports only what changed (``excluded_changes``), so
+        the cost follows the keys that changed, not the keys out; the grant
+        records claimers left in the live sets name the slots of most of
+        those, so the scan need not read them. A key of a live set is
+        detached already, and stays so until its set retires."""
+        hints = []
+        for slot, keys in self._sets.items():
+            records = self.ready.grant_records(slot)
+            if records is not None and keys:
+                view, count, tag = records
+                hints.append((view, keys, min(count, len(keys)), tag))
+        added, removed = self.leases.excluded_changes(now, hints)
+        out, both = self._out, self._out_excluded
+        if removed:  # no slot holds these out any more (first: a key can be in both)
+            ended = out.intersection(removed)
+            if ended:
+                both -= ended
+                removed = [key for key in removed if key not in ended]
+            self.buckets.attach_many(removed)
+        if added:
+            # The first keys added were settled from the live sets' grant
+            # records: the sets' own strs, detached already.
+            hinted = self.leases.hinted_added
+            both.update(added[:hinted] if hinted < len(added) else added)
+            if hinted == len(added):
+                return
+            rest = added[hinted:]
+            granted = out.intersection(rest)
+            if granted:
+                both |= granted
+                rest = [key for key in rest if key not in granted]
+            self.buckets.detach_many(rest)
+
+    def _retire(self, keep: int | None) -> None:
+        """Retire every live set but the one in slot ``keep``: claimers have
+        moved on from it (or a fresh set replaces them all). Its keys leave
+        ``_out`` and come back into the orders, but for those the lease table
+        keeps out (call after ``_follow_leases``)."""
+        out, both = self._out, self._out_excluded
+        for slot in [slot for slot in self._sets if slot != keep]:
+            keys = self._sets.pop(slot)  # no key twice
+            out.difference_update(keys)
+            before = len(both)
+            both.difference_update(keys)
+            if before - len(both) < len(keys):
+                # Not all granted (the common case is a set drained and all
+                # granted): the rest come back. Of a live set's keys, those
+                # in ``both`` are exactly those the lease table keeps out.
+                exclude = self.exclude
+                self.buckets.attach_many([key for key in keys if key not in exclude])
+
+    # -- pause and resume -----------------------------------------------------
+
+    def reload_paused(self, now: float) -> dict[str, Any]:
+        """Re-read pause and resume from the store and publish at once."""
+        self._read_paused()
+        self.publish(now)
+        self.next_state = 0.0  # queue-state shows it at the next tick
+        return {"ok": True, "paused_routes": sorted(self.paused_routes),
+                "paused_node": self.paused_node}

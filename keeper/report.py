@@ -1,0 +1,189 @@
+"""What the keeper reports: the state document it writes into the state
+buffer every ``state_interval_s`` (counts, what is coming, lateness, classes,
+flow, the trust figures), the flow of the last hour a minute at a time, and
+the lifetime received count, kept over restarts in the store's meta.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from keeper.base import KeeperBase
+from node.core import log
+from node.core.errors import NodeError
+
+# Class rows in the state document; more are summarised and flagged truncated.
+STATE_CLASS_ROWS = 1_000
+# Lateness bins of the state document, in lateness / cadence: bin i holds the
+# due rows with edges[i] <= ratio < edges[i + 1], the last bin the rest.
+LATENESS_EDGES = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
+LATENESS_LABELS = ("<0.25", "0.25-0.5", "0.5-1", "1-2", "2-4", ">=4")
+# Routes listed one by one in the lateness group (the busiest first).
+STATE_ROUTE_ROWS = 200
+# Flow counts per minute, in the order the document lists them.
+FLOW_FIELDS = ("came_due", "added", "updated", "triggered", "rescheduled", "removed")
+# The store meta entry that carries the lifetime received count over restarts.
+RECEIVED_META = "received"
+
+
+class Report(KeeperBase):
+    # -- the state document -----------------------------------------------------
+
+    def counts_doc(self, now: float) -> dict[str, Any]:
+        counts = self.buckets.counts(now)
+        per_class = counts["per_class"]
+        oldest = self.buckets.oldest_due(now)
+        class_rows = []
+        for cid, (rows, due) in per_class.items():
+            head = oldest.get(cid)
+            class_rows.append(
+                {
+                    **self._class_identity(cid),
+                    "rows": rows,
+                    "due": due,
+                    "oldest_due_minute": head,
+                    "oldest_lateness_ratio": (
+                        None
+                        if head is None
+                        else round((now - head * 60) / self.classes.info(cid).cadence_s, 4)
+                    ),
+                }
+            )
+        class_rows.sort(key=lambda c: (-(c["due"]), c["route"]))
+        truncated = len(class_rows) > STATE_CLASS_ROWS
+        return {
+            "now": {
+                "due": counts["due"],
+                "rows": len(self.buckets),
+                "classes": len(self.classes),
+                "paused": sorted(self.paused_routes),
+                "paused_node": self.paused_node,
+            },
+            "coming": self.buckets.coming(now),
+            "lateness": self._lateness_doc(now, oldest, per_class),
+            "classes": class_rows[:STATE_CLASS_ROWS],
+            "classes_truncated": truncated,
+            "flow": self._flow_doc(),
+            "counters": {"received": self.received()},
+            "trust": {
+                "phase": self._phase(),
+                "load": self.stats.load,
+                "publish": self.stats.publish,
+                "verify": self.stats.verify,
+                "apply": self.stats.apply,
+                "lag": self.stats.lag_figures(),
+                "feed_seq": self.feed_seq,
+            },
+        }
+
+    def _class_identity(self, cid: int) -> dict[str, Any]:
+        info = self.classes.info(cid)
+        return {"route": info.route, "cadence_s": info.cadence_s, "source": info.source,
+                "sitemap": info.sitemap, "boost": info.boost}
+
+    def _lateness_doc(
+        self, now: float, oldest: dict[int, int], per_class: dict[int, tuple[int, int]]
+    ) -> dict[str, Any]:
+        """Due rows by lateness / cadence (bins of LATENESS_EDGES), by kind
+        and by route, and the oldest due row of every class."""
+        bins = len(LATENESS_EDGES)
+        kinds = {"sitemap": [0] * bins, "discovered": [0] * bins}
+        routes: dict[str, list[int]] = {}
+        for cid, counts in self.buckets.lateness(now, LATENESS_EDGES).items():
+            info = self.classes.info(cid)
+            kind = kinds["sitemap" if info.sitemap else "discovered"]
+            route = routes.setdefault(info.route, [0] * bins)
+            for i, n in enumerate(counts):
+                kind[i] += n
+                route[i] += n
+        busiest = sorted(routes, key=lambda r: (-sum(routes[r]), r))
+        heads = []
+        for cid, minute in oldest.items():
+            info = self.classes.info(cid)
+            lateness_s = round(now - minute * 60, 3)
+            heads.append({**self._class_identity(cid), "due": per_class.get(cid, (0, 0))[1],
+                          "oldest_due_minute": minute, "lateness_s": lateness_s,
+                          "lateness_ratio": round(lateness_s / info.cadence_s, 4)})
+        heads.sort(key=lambda h: (-h["lateness_ratio"], h["route"]))
+        return {
+            "edges": list(LATENESS_EDGES),
+            "labels": list(LATENESS_LABELS),
+            **kinds,
+            "total": [a + b for a, b in zip(kinds["sitemap"], kinds["discovered"], strict=True)],
+            "by_route": {r: routes[r] for r in busiest[:STATE_ROUTE_ROWS]},
+            "by_route_truncated": len(busiest) > STATE_ROUTE_ROWS,
+            "oldest": heads[:STATE_CLASS_ROWS],
+            "oldest_truncated": len(heads) > STATE_CLASS_ROWS,
+        }
+
+    def _flow_doc(self) -> dict[str, Any]:
+        minutes = [{"minute": m, **c} for m, c in self._flow]
+        last_hour = dict.fromkeys(FLOW_FIELDS, 0)
+        for _m, c in self._flow:
+            for name in FLOW_FIELDS:
+                last_hour[name] += c[name]
+        return {"minutes": minutes, "last_hour": last_hour}
+
+    def write_state(self, now: float) -> None:
+        self.next_state = now + self.config.state_interval_s
+        self._read_paused()  # a pause written while no keeper was asked
+        self._sample_flow(now)
+        self.state.write_doc(self.counts_doc(now), now)
+        self._save_received(now)
+
+    # -- flow ---------------------------------------------------------------------
+
+    def _flow_minute(self, now: float) -> dict[str, int]:
+        minute = int(now // 60)
+        if not self._flow or self._flow[-1][0] != minute:
+            self._flow.append((minute, dict.fromkeys(FLOW_FIELDS, 0)))
+        return self._flow[-1][1]
+
+    def _sample_flow(self, now: float) -> None:
+        """Move what the buckets and the lease table counted since the last
+        sample into the current minute: rows that came due, leases granted."""
+        came_due = self.buckets.came_due
+        grants = self.leases.counters()["grants"] if self.leases is not None else 0
+        if self._grants_mark is None:
+            self._grants_mark = grants  # granted before this keeper started: not its flow
+        if came_due == self._came_due_mark and grants == self._grants_mark:
+            return
+        flow = self._flow_minute(now)
+        if not self._loading:  # a load's rows are restored, not new occurrences
+            flow["came_due"] += came_due - self._came_due_mark
+        flow["triggered"] += grants - self._grants_mark
+        self._came_due_mark, self._grants_mark = came_due, grants
+
+    # -- the received count -----------------------------------------------------
+
+    def _start_received(self, now: float) -> None:
+        """At the end of the load: the lifetime received count is the saved
+        one plus the rows that came due while no keeper counted them (due
+        minutes after the saved minute, through now). From here the buckets
+        count (``came_due``)."""
+        minute = int(now // 60)
+        self.buckets.advance(minute)
+        saved = self._received_saved or {}
+        since = int(saved.get("minute", -(2**31)))
+        self._received_base = int(saved.get("total", 0)) + (
+            self.buckets.count_due_between(since, minute) if since < minute else 0
+        )
+        self._came_due_offset = self.buckets.came_due
+        self._came_due_mark = self.buckets.came_due
+
+    def received(self) -> int:
+        """Occurrences that came due, lifetime (counted once the load is done)."""
+        if self._loading:
+            return int((self._received_saved or {}).get("total", 0))
+        return self._received_base + self.buckets.came_due - self._came_due_offset
+
+    def _save_received(self, now: float) -> None:
+        """Keep the received count over a restart: the count through the
+        current minute (the buckets have advanced to it)."""
+        if self._loading:
+            return
+        value = {"total": self.received(), "minute": int(now // 60)}
+        try:
+            self.store.set_meta(RECEIVED_META, value)
+        except NodeError as exc:  # a locked or full store: the next write catches up
+            log.warn("received_save_failed", error=str(exc))
