@@ -238,7 +238,7 @@ def test_a_run_of_keys_read_in_one_statement_finds_keys_json_must_escape(names, 
 
 
 def test_the_c_path_records_where_it_leased_each_entry_for_the_keeper(names, tmp_path):
-    """Each entry the C path leases gets a grant record (shm/ready.py): the
+    """Each entry the C path leases gets a grant record (shm/ready/layout.py): the
     slot and LEASED word of its lease, tagged with the publish. A keeper's
     scan given them settles those keys with its own strs, unread, and finds
     what a scan without them finds."""

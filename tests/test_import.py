@@ -16,7 +16,8 @@ import pytest
 from node import importer
 from node.config import Config, RouteConfig
 from node.core.errors import StoreError, TooManyClasses
-from node.importer import ImportFailed, ImportFileError, import_file, main
+from node.importer import ImportFailed, ImportFileError, bulk, import_file, main
+from node.importer import sitemap as sitemap_reader
 from node.store import open_store
 from node.store.memory import MemoryStore
 
@@ -310,7 +311,7 @@ def test_sitemap_with_a_dtd_is_refused(tmp_path: Path, store: MemoryStore, docum
 
 def test_the_parser_refuses_a_dtd_on_its_own(tmp_path: Path) -> None:
     """The byte scan is belt and braces; expat's handlers refuse too."""
-    reader = importer._SitemapReader(tmp_path / "x.xml", importer._Fill())
+    reader = sitemap_reader._SitemapReader(tmp_path / "x.xml", importer.Fill())
     with pytest.raises(ImportFileError, match=r"x\.xml:2: the document has a DTD"):
         reader.feed(b'<?xml version="1.0"?>\n<!DOCTYPE urlset []>\n<urlset/>', final=True)
 
@@ -318,7 +319,7 @@ def test_the_parser_refuses_a_dtd_on_its_own(tmp_path: Path) -> None:
 def test_dtd_split_across_chunks_is_refused(
     tmp_path: Path, store: MemoryStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(importer, "XML_CHUNK", 7)
+    monkeypatch.setattr(sitemap_reader, "XML_CHUNK", 7)
     path = write(tmp_path / "sitemap.xml", '<?xml version="1.0"?>\n<!DOCTYPE urlset>\n<urlset/>')
     with pytest.raises(ImportFileError, match="DTD"):
         import_file(path, store, now=NOW)
@@ -383,8 +384,8 @@ class RecordingStore(MemoryStore):
 
 
 def test_writes_in_batches_with_progress(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(importer, "BATCH_ROWS", 3)
-    monkeypatch.setattr(importer, "PROGRESS_EVERY", 3)
+    monkeypatch.setattr(bulk, "BATCH_ROWS", 3)
+    monkeypatch.setattr(bulk, "PROGRESS_EVERY", 3)
     path = jsonl(tmp_path / "rows.jsonl", *({"key": f"k{i}", "route": "r"} for i in range(7)))
     store = RecordingStore()
     said: list[str] = []
@@ -396,7 +397,7 @@ def test_writes_in_batches_with_progress(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def test_store_failure_part_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(importer, "BATCH_ROWS", 2)
+    monkeypatch.setattr(bulk, "BATCH_ROWS", 2)
     path = jsonl(tmp_path / "rows.jsonl", *({"key": f"k{i}", "route": "r"} for i in range(5)))
     store = RecordingStore(fail_after=1)
     with pytest.raises(ImportFailed, match="after 2 rows") as info:

@@ -546,7 +546,7 @@ def test_excluded_keys_in_c_agree_with_the_python_scan(node, seed):
 
 
 def _grant_records(t: LeaseTable, keys: list[str], tag: int, rnd: random.Random) -> array:
-    """Grant records for ``keys`` as the C claim path writes them (shm/ready.py)
+    """Grant records for ``keys`` as the C claim path writes them (shm/ready/layout.py)
     for the slot each key is in now, leased or not, and among them records a
     scan must pass over: another publish's tag, a seq the slot never had,
     none, nonsense."""

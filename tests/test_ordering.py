@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from shm import _atomic, leases, ready, segment, state
+from shm import _atomic, futex, leases, ready, segment, state
 from shm.leases import (
     COPY_AT,
     INLINE_KEY,
@@ -47,6 +47,7 @@ from shm.leases import (
     _Record,
 )
 from shm.ready import SLOT, ReadyEntry, ReadySet
+from shm.ready import take as ready_take
 from shm.segment import U32, segment_name
 from shm.state import DOC_HEADER, FIELDS, FIELDS_OFFSET, HEADER_SEQ_OFFSET, StateBuffer
 
@@ -245,8 +246,8 @@ def test_futex_syscall_number_is_this_machines():
     expected = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
     if expected is not None:
         assert segment.SYS_FUTEX == expected
-    assert segment._SYS_FUTEX_BY_MACHINE["aarch64"] == 98
-    assert segment._SYS_FUTEX_BY_MACHINE["x86_64"] == 202
+    assert futex._SYS_FUTEX_BY_MACHINE["aarch64"] == 98
+    assert futex._SYS_FUTEX_BY_MACHINE["x86_64"] == 202
 
 
 # -- the production paths use the fenced functions ------------------------------
@@ -294,7 +295,7 @@ def test_ready_publish_and_take_go_through_the_fences(node, monkeypatch):
         rs._view = view._inner
 
         module = _Recording(_atomic)
-        monkeypatch.setattr(ready, "_atomic", module)
+        monkeypatch.setattr(ready_take, "_atomic", module)  # the readers' module
         assert rs.snapshot() == _snapshot_py(rs)
         assert module.calls.count("seq_copy") == 3
         module.calls.clear()
