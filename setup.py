@@ -3,7 +3,7 @@
 ``shm._atomic`` gives the lease table compare-and-swap on shared memory
 (shm/leases.py; why and the figures: docs/leases.md). ``shm._claim`` is the
 claim path in C: the lease table's grant and a whole claim in one call
-(workers/claim.py; docs/internals.md). It builds with any C
+(workers/claim/path.py; docs/internals.md). It builds with any C
 compiler that has GCC's ``__atomic`` builtins (gcc, clang) and Python headers;
 ``pip install -e .`` builds it in place.
 

@@ -950,3 +950,60 @@ async def test_http_openapi_describes_the_work_routes(ready, leases):
 def test_ledger_address_is_abstract():
     assert ledger_address("n1") == "\0queue-node.n1.ledger"
     assert json.dumps(ERROR_CODES["not_ready"])
+
+
+def test_each_refusal_gets_the_same_status_from_http_and_from_local_claimer():
+    """The claim path refuses with domain errors (no HTTP status in them);
+    the HTTP workers answer each with its code's status in ERROR_CODES and
+    LocalClaimer with a ClientError: the two agree, code by code."""
+    from node.core.errors import ValidationError, WorkRefused
+    from node.local import refusal
+    from workers.claim import complete_outcome, ledger_error, refuse
+    from workers.http.work import _refused
+
+    refusals: list[WorkRefused | ValidationError] = [
+        refuse(outcome, "k") for outcome in Outcome if outcome.value not in ("renewed", "released")
+    ]
+    for status in ("conflict", "unknown", "log_unavailable", "what"):
+        try:
+            complete_outcome({"status": status}, "k")
+        except WorkRefused as exc:
+            refusals.append(exc)
+    assert complete_outcome({"status": "repeat", "id": 7}, "k") == 7
+    refusals += [
+        ledger_error(code, "m")
+        for code in ("never_offered", "result_too_large", "log_unavailable", "io")
+    ]
+    seen = set()
+    for exc in refusals:
+        local, http = refusal(exc), _refused(exc)
+        assert (local.status, local.code, local.message, local.field) == (
+            http.status, http.code, http.message, http.field
+        ), exc  # fmt: skip
+        seen.add((local.status, local.code))
+    assert seen == {
+        (409, "lease_ended"), (409, "lease_conflict"), (409, "lease_unknown"),
+        (503, "lease_busy"), (503, "log_unavailable"), (503, "ledger_unavailable"),
+        (409, "never_offered"), (400, "result_too_large"),
+    }  # fmt: skip
+
+
+def test_the_http_client_alone_loads_no_server_code():
+    """``node.client`` is the HTTP client: importing it loads neither the
+    shared memory nor the claim path; ``node.client.LocalClaimer`` (the
+    contract's path) brings them in when asked for."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import node.client\n"
+        "print(sorted(m for m in ('shm', 'workers', 'node.store') if m in sys.modules))\n"
+        "from node.client import LocalClaimer\n"
+        "from node.local import LocalClaimer as Local\n"
+        "print(LocalClaimer is Local, 'workers.claim' in sys.modules)\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.stdout.split("\n")[:2] == ["[]", "True True"], done.stderr

@@ -357,7 +357,7 @@ def test_a_sqlite_store_on_the_python_path_says_so_once(names, tmp_path, monkeyp
     logs one warning that says why, not one a claim."""
     import logging
 
-    from workers import claim as claim_mod
+    from workers.claim import path as claim_mod
 
     monkeypatch.setattr(claim_mod, "_claim", None)
     monkeypatch.setattr(claim_mod, "_warned_python_path", False)
@@ -423,3 +423,28 @@ def test_the_c_modules_layouts_are_checked_against_the_python_ones_at_import():
     moved = dict(_claim.LEASE_LAYOUT, SEALED=leases_py.SEALED + 4)
     with pytest.raises(ImportError, match="SEALED is 40 there, 36 here.*rebuild"):
         segment.check_layout("shm._claim", moved, vars(leases_py))
+
+
+def test_a_sqlite_failure_in_the_c_path_is_the_stores_own_error(names, tmp_path):
+    """A row read that fails in C raises what the SQLite store raises for
+    the same failure on the Python path (the store's error mapping, through
+    ``claim_source().error``), not a driver exception."""
+    from node.core.errors import StoreError, StoreUnavailable
+
+    db = tmp_path / "schedule.db"
+    keys = _schedule(db)
+    with _claimer_on(names[0], db, 100) as (claimer, ready, _leases):
+        assert claimer.on_c_path
+        ready.publish(_entries(db, keys), NOW)
+        conn = sqlite3.connect(db)
+        with conn:  # another program breaks the file under the node
+            conn.execute("ALTER TABLE schedule RENAME TO elsewhere")
+        conn.close()
+        with pytest.raises(StoreError) as in_c:
+            claimer.claim(5, 30.0, "c", NOW)
+        with pytest.raises(StoreError) as in_python:
+            claimer.store.get_many(keys[:5])
+    assert not isinstance(in_c.value, StoreUnavailable)
+    assert str(in_c.value) == str(in_python.value) == (
+        "SQLite store: get_many: no such table: schedule"
+    )

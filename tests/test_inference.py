@@ -18,6 +18,7 @@ from typing import Any
 import psutil
 import pytest
 
+from node.client import ClientError
 from node.config import Config, RouteConfig
 from node.handlers import (
     CPU_WORK_ROUNDS_ENV,
@@ -30,7 +31,6 @@ from node.handlers import (
 )
 from node.testing import NodeProcess, finish, wait_for
 from tests.handlers import read_records
-from workers.claim import WorkError
 from workers.inference import process as inference
 from workers.inference.process import (
     DRAIN_ERROR,
@@ -87,14 +87,14 @@ def test_cpu_work_rounds_from_the_environment() -> None:
 
 
 class MemoryClaimer:
-    """LocalClaimer's methods over plain lists; refusals as ``WorkError``."""
+    """LocalClaimer's methods over plain lists; refusals as ``ClientError``."""
 
     def __init__(self, grants: list[Any]) -> None:
         self.grants = list(grants)
         self.completed: dict[str, Any] = {}
         self.released: dict[str, str | None] = {}
         self.renewed: list[str] = []
-        self.complete_errors: list[WorkError] = []
+        self.complete_errors: list[ClientError] = []
 
     def claim(self, max: int, lease_s: float, consumer: str, wait_s: float = 0.0) -> list[Any]:
         taken, self.grants = self.grants[:max], self.grants[max:]
@@ -311,14 +311,14 @@ def test_drain_deadline_releases_a_batch_still_running_and_exits_0() -> None:
 
 def test_results_are_retried_while_the_ledger_cannot_take_them() -> None:
     inf, claimer, _ = _inference(lambda items: [{} for _ in items], _grants(["a", "b"]))
-    claimer.complete_errors = [WorkError(503, "ledger_unavailable", "restarting")]
+    claimer.complete_errors = [ClientError(503, "ledger_unavailable", "restarting")]
     inf.step()
     assert set(claimer.completed) == {"a", "b"} and claimer.released == {}
 
 
 def test_a_result_for_a_lease_granted_on_is_counted_lost() -> None:
     inf, claimer, _ = _inference(lambda items: [{} for _ in items], _grants(["a", "b"]))
-    claimer.complete_errors = [WorkError(409, "lease_conflict", "granted since")]
+    claimer.complete_errors = [ClientError(409, "lease_conflict", "granted since")]
     inf.step()
     assert set(claimer.completed) == {"b"}
     assert inf.stats.lost == 1 and claimer.released == {}

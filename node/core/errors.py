@@ -77,3 +77,36 @@ class NameTaken(ConfigError):
     """A name the node must own (a segment, a semaphore, a message queue, the
     ledger's socket) is held by another user or carries another data
     directory's identity. Refused at start: one line, exit 2."""
+
+
+class WorkRefused(NodeError):
+    """The work path refused a request it read (a claim, a renew or release
+    of a lease, a completion): ``code`` is the stable error code of
+    ``docs/api.md``, with ``message`` and the ``field`` it is about. The
+    subclass says what kind of refusal it is; each interface answers it its
+    own way (the HTTP workers with a status, ``LocalClaimer`` with a
+    ``ClientError``)."""
+
+    def __init__(self, code: str, message: str, field: str | None = None) -> None:
+        self.code = code
+        self.message = message
+        self.field = field
+        super().__init__(message)
+
+
+class LeaseConflict(WorkRefused):
+    """What the caller holds is not what the node has: the lease ended, was
+    granted to another since, or is unknown; result ids never offered.
+    Retrying the same request cannot succeed."""
+
+
+class WorkUnavailable(WorkRefused):
+    """The node cannot do it now (a lease slot busy, the ledger or its log
+    unable to take results); the caller retries."""
+
+
+class NotReady(WorkUnavailable):
+    """No claim before the keeper's first publish since the node started."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("not_ready", message)

@@ -10,9 +10,9 @@
 from __future__ import annotations
 
 from node.core.errors import UnsupportedStore
-from node.store.base import BadRow, Store
+from node.store.base import BadRow, ClaimSource, Store
 
-__all__ = ["BadRow", "Store", "open_store", "check_store_url"]
+__all__ = ["BadRow", "ClaimSource", "Store", "open_store", "check_store_url"]
 
 
 def check_store_url(url: str) -> str:

@@ -19,10 +19,31 @@ Rules every backend keeps:
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from node.core.errors import StoreError
 from node.core.rows import ORIGIN_NODE, Change, Row, RowWrite
+
+
+@dataclass(frozen=True)
+class ClaimSource:
+    """How the claim path in C (``shm._claim.ClaimPath``) reads a store's
+    rows itself, on a SQLite connection of its own: the file, the
+    connection's settings, the two statements it runs (``row_sql`` for one
+    key, ``rows_sql`` for a run of keys), how a stored payload is decoded,
+    and ``error(code, message, action)``: a SQLite failure in C (its result
+    code and message) as the store's own error, the one the store raises for
+    the same failure."""
+
+    db_path: str
+    busy_timeout_ms: int
+    cache_kib: int
+    row_sql: str
+    rows_sql: str
+    decode_payload: Callable[[Any], Any]
+    error: Callable[[int | None, str, str], StoreError]
 
 
 class Store(abc.ABC):
@@ -116,6 +137,14 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def set_meta(self, name: str, value: Any) -> None:
         """Store a JSON value under ``name``."""
+
+    # -- the claim path --------------------------------------------------------
+
+    def claim_source(self) -> ClaimSource | None:
+        """What the claim path in C needs to read this store's rows, or None
+        when it cannot (the claims then take the Python path, through
+        ``get`` and ``get_many``)."""
+        return None
 
     # -- lifecycle -----------------------------------------------------------
 

@@ -2,8 +2,8 @@
 
 The schedule table, its change log and the triggers that fill the log are a
 contract for programs that write the file directly; ``docs/schema.md``
-describes them. Everything SQL lives in this module's top half: the
-migrations (``MIGRATIONS``) and one named query per operation (``QUERIES``).
+describes them. Every statement run here is named in ``node/store/queries.py``
+(the migrations, ``MIGRATIONS``, and one constant per operation).
 
 Hazards this module handles:
 
@@ -48,7 +48,9 @@ from node.core.rows import (
     RowWrite,
     stored_row_is_valid,
 )
-from node.store.base import BadRow, Store
+from node.store import queries as q
+from node.store.base import BadRow, ClaimSource, Store
+from node.store.queries import MIGRATIONS, SCHEMA_VERSION  # also read here by tests
 
 # A writer holding the file's write lock (another node process, an importer)
 # is waited for this long before the operation fails as unavailable.
@@ -67,151 +69,6 @@ IN_CHUNK = 500
 # Connections a forked child inherited: kept referenced so the garbage
 # collector never closes them in the child (see the module docstring).
 _INHERITED: list[sqlite3.Connection] = []
-
-_NOW_SQL = "(julianday('now') - 2440587.5) * 86400.0"
-_ORIGIN_SQL = "COALESCE((SELECT origin FROM write_origin), 'external')"
-
-# -- schema ------------------------------------------------------------------
-# Each migration is a list of statements applied in one transaction with the
-# row that records it. Append new migrations; never edit an applied one.
-
-MIGRATIONS: list[tuple[int, str, list[str]]] = [
-    (
-        1,
-        "schedule, change log, origin, meta",
-        [
-            """CREATE TABLE schedule (
-                key       TEXT PRIMARY KEY NOT NULL,
-                route     TEXT NOT NULL,
-                cadence_s INTEGER,
-                sitemap   INTEGER NOT NULL DEFAULT 0,
-                due_at    REAL NOT NULL,
-                payload   TEXT,
-                job       TEXT NOT NULL DEFAULT 'default',
-                version   INTEGER NOT NULL DEFAULT 0
-            )""",
-            """CREATE TABLE changes (
-                seq       INTEGER PRIMARY KEY AUTOINCREMENT,
-                op        TEXT NOT NULL,
-                key       TEXT NOT NULL,
-                origin    TEXT NOT NULL,
-                route     TEXT,
-                cadence_s INTEGER,
-                sitemap   INTEGER,
-                due_at    REAL,
-                at        REAL NOT NULL
-            )""",
-            """CREATE TABLE write_origin (
-                id     INTEGER PRIMARY KEY CHECK (id = 0),
-                origin TEXT NOT NULL
-            )""",
-            "INSERT INTO write_origin (id, origin) VALUES (0, 'external')",
-            "CREATE TABLE meta (name TEXT PRIMARY KEY NOT NULL, value TEXT NOT NULL)",
-            f"""CREATE TRIGGER schedule_log_insert AFTER INSERT ON schedule
-            BEGIN
-                INSERT INTO changes (op, key, origin, route, cadence_s, sitemap, due_at, at)
-                VALUES ('I', NEW.key, {_ORIGIN_SQL}, NEW.route, NEW.cadence_s,
-                        NEW.sitemap, NEW.due_at, {_NOW_SQL});
-                UPDATE schedule SET version = last_insert_rowid() WHERE rowid = NEW.rowid;
-            END""",
-            # A key renamed in place (only another program can) is logged as
-            # the old key's delete and the new key's insert.
-            f"""CREATE TRIGGER schedule_log_update
-            AFTER UPDATE OF key, route, cadence_s, sitemap, due_at, payload, job ON schedule
-            BEGIN
-                INSERT INTO changes (op, key, origin, at)
-                SELECT 'D', OLD.key, {_ORIGIN_SQL}, {_NOW_SQL} WHERE OLD.key IS NOT NEW.key;
-                INSERT INTO changes (op, key, origin, route, cadence_s, sitemap, due_at, at)
-                VALUES (CASE WHEN OLD.key IS NEW.key THEN 'U' ELSE 'I' END, NEW.key,
-                        {_ORIGIN_SQL}, NEW.route, NEW.cadence_s, NEW.sitemap, NEW.due_at,
-                        {_NOW_SQL});
-                UPDATE schedule SET version = last_insert_rowid() WHERE rowid = NEW.rowid;
-            END""",
-            f"""CREATE TRIGGER schedule_log_delete AFTER DELETE ON schedule
-            BEGIN
-                INSERT INTO changes (op, key, origin, at)
-                VALUES ('D', OLD.key, {_ORIGIN_SQL}, {_NOW_SQL});
-            END""",
-            # Versions decide which of two events is newer; a writer that sets
-            # one by hand could make an old event win. The logging triggers
-            # only ever set the seq they just assigned, which passes.
-            # (sqlite_sequence would not do here: inside a trigger it still
-            # holds the value from before the outermost statement.)
-            """CREATE TRIGGER schedule_version_guard BEFORE UPDATE OF version ON schedule
-            WHEN NEW.version IS NOT (SELECT max(seq) FROM changes)
-            BEGIN
-                SELECT RAISE(ABORT, 'schedule.version is set by triggers, never by writers');
-            END""",
-        ],
-    ),
-]
-SCHEMA_VERSION = MIGRATIONS[-1][0]
-
-_ROW_COLUMNS = "key, route, cadence_s, sitemap, due_at, payload, job, version"
-_SCHEDULE_COLUMNS = (
-    "key, version, route, cadence_s, sitemap = 1, due_at, "
-    "(typeof(route) = 'text' AND route <> ''"
-    " AND (cadence_s IS NULL OR (typeof(cadence_s) = 'integer'"
-    " AND cadence_s BETWEEN 60 AND 31536000))"
-    " AND sitemap IN (0, 1)"
-    " AND typeof(due_at) IN ('real', 'integer') AND due_at BETWEEN 0 AND 32503680000.0)"
-)
-_CHANGE_COLUMNS = "seq, op, key, origin, route, cadence_s, sitemap, due_at, at"
-
-QUERIES: dict[str, str] = {
-    "create_migrations": """CREATE TABLE IF NOT EXISTS schema_migrations (
-        version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL NOT NULL)""",
-    "schema_version": "SELECT COALESCE(MAX(version), 0) FROM schema_migrations",
-    "record_migration": """INSERT INTO schema_migrations (version, name, applied_at)
-        VALUES (?, ?, ?)""",
-    "set_origin": "UPDATE write_origin SET origin = ?",
-    "reset_origin": "UPDATE write_origin SET origin = 'external'",
-    "delete": "DELETE FROM schedule WHERE key = ?",
-    "write_next_due": "UPDATE schedule SET due_at = ? WHERE key = ? AND version = ?",
-    "version": "SELECT version FROM schedule WHERE key = ?",
-    "get": f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key = ?",
-    "walk_all": f"SELECT {_ROW_COLUMNS} FROM schedule ORDER BY key LIMIT ?",
-    "walk_after": f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key > ? ORDER BY key LIMIT ?",
-    # Scheduling fields only, with a validity flag computed by SQLite (the
-    # same rules as node.rows.stored_row_is_valid); rows come back as
-    # (key, version, route, cadence_s, sitemap, due_at, ok).
-    "walk_schedule_all": f"SELECT {_SCHEDULE_COLUMNS} FROM schedule ORDER BY key LIMIT ?",
-    "walk_schedule_after": (
-        f"SELECT {_SCHEDULE_COLUMNS} FROM schedule WHERE key > ? ORDER BY key LIMIT ?"
-    ),
-    "count": "SELECT count(*) FROM schedule",
-    "changes": f"SELECT {_CHANGE_COLUMNS} FROM changes WHERE seq > ? ORDER BY seq LIMIT ?",
-    "last_seq": "SELECT seq FROM sqlite_sequence WHERE name = 'changes'",
-    "trim_changes": "DELETE FROM changes WHERE seq <= ?",
-    "get_meta": "SELECT value FROM meta WHERE name = ?",
-    "set_meta": """INSERT INTO meta (name, value) VALUES (?, ?)
-        ON CONFLICT (name) DO UPDATE SET value = excluded.value""",
-}
-
-
-def get_many_sql(n: int) -> str:
-    """The point read of ``n`` keys at once."""
-    marks = ", ".join("?" * n)
-    return f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key IN ({marks})"
-
-
-_UPSERT_SQL: dict[tuple[str, ...], str] = {}
-
-
-def upsert_sql(present: tuple[str, ...]) -> str:
-    """The upsert of a write carrying ``present`` optional fields: an insert
-    binds every column (defaults for the missing ones), a conflict updates
-    only the route and the fields the write carries."""
-    sql = _UPSERT_SQL.get(present)
-    if sql is None:
-        sets = ", ".join(f"{f} = excluded.{f}" for f in ("route", *present))
-        sql = (
-            "INSERT INTO schedule (key, route, cadence_s, sitemap, due_at, payload, job)"
-            f" VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (key) DO UPDATE SET {sets}"
-        )
-        _UPSERT_SQL[present] = sql
-    return sql
-
 
 # -- values in and out ---------------------------------------------------------
 
@@ -271,13 +128,18 @@ _UNAVAILABLE_CODES = frozenset(
 )
 
 
-def wrap_error(exc: sqlite3.Error, action: str) -> StoreError:
-    """A SQLite error as the store's: StoreUnavailable when it means "not
-    reachable now", else StoreError (also for the claim path in C)."""
-    code = getattr(exc, "sqlite_errorcode", None)
+def store_error(code: int | None, message: str, action: str) -> StoreError:
+    """A SQLite failure (its result code, when known, and message) as the
+    store's error: StoreUnavailable when it means "not reachable now", else
+    StoreError. The claim path in C reports its failures through this too."""
     if code is not None and code & 0xFF in _UNAVAILABLE_CODES:
-        return StoreUnavailable(f"SQLite store: {action}: {exc}")
-    return StoreError(f"SQLite store: {action}: {exc}")
+        return StoreUnavailable(f"SQLite store: {action}: {message}")
+    return StoreError(f"SQLite store: {action}: {message}")
+
+
+def wrap_error(exc: sqlite3.Error, action: str) -> StoreError:
+    """A SQLite error raised by Python's sqlite3 as the store's (store_error)."""
+    return store_error(getattr(exc, "sqlite_errorcode", None), str(exc), action)
 
 
 _wrap = wrap_error
@@ -291,7 +153,7 @@ def _set_wal(conn: sqlite3.Connection) -> str:
     delay = 0.001
     while True:
         try:
-            return conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            return conn.execute(q.JOURNAL_WAL).fetchone()[0]
         except sqlite3.OperationalError as exc:
             if "locked" not in str(exc) or time.monotonic() >= deadline:
                 raise
@@ -316,12 +178,12 @@ class _WriteTransaction:
         self.origin = origin
 
     def __enter__(self) -> sqlite3.Connection:
-        self.conn.execute("BEGIN IMMEDIATE")
+        self.conn.execute(q.BEGIN_WRITE)
         if self.origin is not None:
             try:
-                self.conn.execute(QUERIES["set_origin"], (self.origin,))
+                self.conn.execute(q.SET_ORIGIN, (self.origin,))
             except BaseException:
-                self.conn.execute("ROLLBACK")
+                self.conn.execute(q.ROLLBACK)
                 raise
         return self.conn
 
@@ -329,15 +191,15 @@ class _WriteTransaction:
         if exc_type is None:
             try:
                 if self.origin is not None:
-                    self.conn.execute(QUERIES["reset_origin"])
-                self.conn.execute("COMMIT")
+                    self.conn.execute(q.RESET_ORIGIN)
+                self.conn.execute(q.COMMIT)
                 return
             except BaseException:
                 if self.conn.in_transaction:
-                    self.conn.execute("ROLLBACK")
+                    self.conn.execute(q.ROLLBACK)
                 raise
         if self.conn.in_transaction:
-            self.conn.execute("ROLLBACK")
+            self.conn.execute(q.ROLLBACK)
 
 
 class SQLiteStore(Store):
@@ -378,10 +240,8 @@ class SQLiteStore(Store):
                     f"SQLite store: {self.path} cannot use WAL mode (got {mode!r}); "
                     "is it on a network file system?"
                 )
-            conn.execute("PRAGMA synchronous = NORMAL")
-            conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
-            conn.execute(f"PRAGMA cache_size = -{CACHE_KIB}")
-            conn.execute(f"PRAGMA mmap_size = {MMAP_SIZE}")
+            for pragma in q.tuning_pragmas(int(BUSY_TIMEOUT_S * 1000), CACHE_KIB, MMAP_SIZE):
+                conn.execute(pragma)
             self._migrate(conn)
         except sqlite3.Error as exc:
             conn.close()
@@ -396,8 +256,8 @@ class SQLiteStore(Store):
         it is there already. Two processes opening a new file at once
         serialise on BEGIN IMMEDIATE, and the second finds nothing to do."""
         with _WriteTransaction(conn, None):
-            conn.execute(QUERIES["create_migrations"])
-            current = conn.execute(QUERIES["schema_version"]).fetchone()[0]
+            conn.execute(q.CREATE_MIGRATIONS)
+            current = conn.execute(q.READ_SCHEMA_VERSION).fetchone()[0]
             if current > SCHEMA_VERSION:
                 raise StoreError(
                     f"SQLite store: {self.path} has schema version {current}, newer than "
@@ -408,7 +268,7 @@ class SQLiteStore(Store):
                     continue
                 for statement in statements:
                     conn.execute(statement)
-                conn.execute(QUERIES["record_migration"], (version, name, time.time()))
+                conn.execute(q.RECORD_MIGRATION, (version, name, time.time()))
 
     def _c(self) -> sqlite3.Connection:
         """This process's connection."""
@@ -435,12 +295,24 @@ class SQLiteStore(Store):
             except sqlite3.Error as exc:
                 raise _wrap(exc, "close") from exc
 
+    def claim_source(self) -> ClaimSource:
+        """The claim path in C reads this file on a connection of its own."""
+        return ClaimSource(
+            db_path=self.path,
+            busy_timeout_ms=int(BUSY_TIMEOUT_S * 1000),
+            cache_kib=CACHE_KIB,
+            row_sql=q.CLAIM_ROW_SQL,
+            rows_sql=q.CLAIM_ROWS_SQL,
+            decode_payload=decode_payload,
+            error=store_error,
+        )
+
     def schema_version(self) -> int:
         """The schema version recorded in the file."""
         conn = self._c()
         with self._lock:
             try:
-                return conn.execute(QUERIES["schema_version"]).fetchone()[0]
+                return conn.execute(q.READ_SCHEMA_VERSION).fetchone()[0]
             except sqlite3.Error as exc:
                 raise _wrap(exc, "schema_version") from exc
 
@@ -457,7 +329,7 @@ class SQLiteStore(Store):
             return 0
         # Encode before the transaction: a bad payload fails with nothing written.
         batches = [
-            (upsert_sql(present), [_params(w, now) for w in group])
+            (q.upsert_sql(present), [_params(w, now) for w in group])
             for present, group in groupby(rows, key=RowWrite.present)
         ]
         conn = self._c()
@@ -478,7 +350,7 @@ class SQLiteStore(Store):
         with self._lock:
             try:
                 with _WriteTransaction(conn, origin):
-                    cur = conn.executemany(QUERIES["delete"], [(k,) for k in keys])
+                    cur = conn.executemany(q.DELETE_ROW, [(k,) for k in keys])
             except sqlite3.Error as exc:
                 raise _wrap(exc, "delete") from exc
         return cur.rowcount
@@ -488,10 +360,10 @@ class SQLiteStore(Store):
         with self._lock:
             try:
                 with _WriteTransaction(conn, ORIGIN_WRITEBACK):
-                    cur = conn.execute(QUERIES["write_next_due"], (due_at, key, if_version))
+                    cur = conn.execute(q.WRITE_NEXT_DUE, (due_at, key, if_version))
                     if cur.rowcount == 0:
                         return None
-                    return conn.execute(QUERIES["version"], (key,)).fetchone()[0]
+                    return conn.execute(q.READ_VERSION, (key,)).fetchone()[0]
             except sqlite3.Error as exc:
                 raise _wrap(exc, "write_next_due") from exc
 
@@ -503,7 +375,7 @@ class SQLiteStore(Store):
         conn = self._c()
         with self._lock:
             try:
-                stored = conn.execute(QUERIES["get"], (key,)).fetchone()
+                stored = conn.execute(q.GET_ROW, (key,)).fetchone()
             except sqlite3.Error as exc:
                 raise _wrap(exc, "get") from exc
         return None if stored is None else _row(stored)
@@ -518,7 +390,7 @@ class SQLiteStore(Store):
             try:
                 for i in range(0, len(wanted), IN_CHUNK):
                     chunk = wanted[i : i + IN_CHUNK]
-                    found += conn.execute(get_many_sql(len(chunk)), chunk).fetchall()
+                    found += conn.execute(q.get_many_sql(len(chunk)), chunk).fetchall()
             except sqlite3.Error as exc:
                 raise _wrap(exc, "get_many") from exc
         return {stored[0]: _row(stored) for stored in found}
@@ -530,9 +402,9 @@ class SQLiteStore(Store):
         with self._lock:
             try:
                 if after is None:
-                    found = conn.execute(QUERIES["walk_all"], (limit,)).fetchall()
+                    found = conn.execute(q.WALK_ALL, (limit,)).fetchall()
                 else:
-                    found = conn.execute(QUERIES["walk_after"], (after, limit)).fetchall()
+                    found = conn.execute(q.WALK_AFTER, (after, limit)).fetchall()
             except sqlite3.Error as exc:
                 raise _wrap(exc, "walk") from exc
         return [_row(stored) for stored in found]
@@ -548,9 +420,9 @@ class SQLiteStore(Store):
         with self._lock:
             try:
                 if after is None:
-                    found = conn.execute(QUERIES["walk_schedule_all"], (limit,)).fetchall()
+                    found = conn.execute(q.WALK_SCHEDULE_ALL, (limit,)).fetchall()
                 else:
-                    found = conn.execute(QUERIES["walk_schedule_after"], (after, limit)).fetchall()
+                    found = conn.execute(q.WALK_SCHEDULE_AFTER, (after, limit)).fetchall()
             except sqlite3.Error as exc:
                 raise _wrap(exc, "walk") from exc
         bad: list[BadRow] = []
@@ -571,7 +443,7 @@ class SQLiteStore(Store):
         conn = self._c()
         with self._lock:
             try:
-                return conn.execute(QUERIES["count"]).fetchone()[0]
+                return conn.execute(q.COUNT_ROWS).fetchone()[0]
             except sqlite3.Error as exc:
                 raise _wrap(exc, "count") from exc
 
@@ -586,7 +458,7 @@ class SQLiteStore(Store):
         conn = self._c()
         with self._lock:
             try:
-                found = conn.execute(QUERIES["changes"], (after_seq, limit)).fetchall()
+                found = conn.execute(q.CHANGES_AFTER, (after_seq, limit)).fetchall()
             except sqlite3.Error as exc:
                 raise _wrap(exc, "changes") from exc
         valid = stored_row_is_valid
@@ -601,7 +473,7 @@ class SQLiteStore(Store):
         conn = self._c()
         with self._lock:
             try:
-                found = conn.execute(QUERIES["last_seq"]).fetchone()
+                found = conn.execute(q.LAST_SEQ).fetchone()
             except sqlite3.Error as exc:
                 raise _wrap(exc, "last_seq") from exc
         return 0 if found is None else found[0]
@@ -610,7 +482,7 @@ class SQLiteStore(Store):
         conn = self._c()
         with self._lock:
             try:
-                return conn.execute(QUERIES["trim_changes"], (through_seq,)).rowcount
+                return conn.execute(q.TRIM_CHANGES, (through_seq,)).rowcount
             except sqlite3.Error as exc:
                 raise _wrap(exc, "trim_changes") from exc
 
@@ -620,7 +492,7 @@ class SQLiteStore(Store):
         conn = self._c()
         with self._lock:
             try:
-                found = conn.execute(QUERIES["get_meta"], (name,)).fetchone()
+                found = conn.execute(q.GET_META, (name,)).fetchone()
             except sqlite3.Error as exc:
                 raise _wrap(exc, "get_meta") from exc
         return default if found is None else json.loads(found[0])
@@ -630,6 +502,6 @@ class SQLiteStore(Store):
         conn = self._c()
         with self._lock:
             try:
-                conn.execute(QUERIES["set_meta"], (name, encoded))
+                conn.execute(q.SET_META, (name, encoded))
             except sqlite3.Error as exc:
                 raise _wrap(exc, "set_meta") from exc

@@ -38,14 +38,13 @@ import msgpack
 from aiohttp import web
 
 from node.core import log, metrics
-from node.core.errors import NodeError, ValidationError
+from node.core.errors import NodeError, ValidationError, WorkRefused
 from node.core.rows import check_job, check_key
 from node.ipc import IpcError, RemoteError
 from workers.claim import (
     MAX_CLAIM,
     Claimer,
     Grant,
-    WorkError,
     check_claim,
     check_lease_id,
     check_lease_s,
@@ -59,6 +58,7 @@ from workers.claim import (
 )
 from workers.http.app import CTX, known_query, read_body
 from workers.http.errors import (
+    ERROR_CODES,
     MSGPACK_TYPES,
     ApiError,
     reply,
@@ -128,8 +128,10 @@ def _work(request: web.Request) -> WorkPath:
     return work
 
 
-def _refused(exc: WorkError) -> ApiError:
-    return ApiError(exc.status, exc.code, exc.message, exc.field)
+def _refused(exc: WorkRefused | ValidationError) -> ApiError:
+    """A refusal of the work path (``workers.claim.rules``) as the API's
+    error: its code's status in ``ERROR_CODES``."""
+    return ApiError(ERROR_CODES[exc.code][0], exc.code, exc.message, exc.field)
 
 
 async def _object(request: web.Request, allowed: Iterable[str]) -> dict[str, Any]:
@@ -424,7 +426,7 @@ async def complete(request: web.Request) -> web.Response:
     outcomes = answer.get("outcomes") or [{"status": None}]
     try:
         result_id = complete_outcome(outcomes[0], key)
-    except WorkError as exc:
+    except WorkRefused as exc:
         raise _refused(exc) from None
     return reply(request, {"id": result_id})
 

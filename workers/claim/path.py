@@ -1,6 +1,6 @@
 """The claim path: take due keys from the ready set and lease them.
 
-Shared by the HTTP workers (``POST /claim``) and ``node.client.LocalClaimer``
+Shared by the HTTP workers (``POST /claim``) and ``node.local.LocalClaimer``
 (inference processes on the host); see "A claim" in ``docs/internals.md``.
 A claim costs the entries it takes (invariant 7): one fetch-add on the ready
 set's cursor, one batched point read of the rows, one compare-and-swap grant
@@ -25,21 +25,18 @@ Hazards:
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import os
-import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
+from node.client import Grant
 from node.config import Config
-from node.core.errors import NodeError, NodeRestarted, ValidationError
+from node.core.errors import NodeRestarted, NotReady
 from node.core.log import warn
 from node.core.rows import MAX_CADENCE_S, MAX_DUE_AT, MIN_CADENCE_S, MIN_DUE_AT
-from node.names import ledger_address  # noqa: F401 - re-exported: where callers find it
-from node.store.base import BadRow, Store
+from node.store.base import BadRow, ClaimSource, Store
 from shm.leases import (
     C_STOP,
     CONSUMER_BYTES,
@@ -66,28 +63,6 @@ except ImportError:  # every claim takes the Python path
 # 0.12-0.29 s). Under a light load it costs one publish a second nobody may
 # take from: the timer's fresh set replaces it.
 LOW_WATER_FRACTION = 1.0
-
-# Limits from the contract (the HTTP layer and LocalClaimer check them).
-MAX_CLAIM = 10_000
-MAX_LEASE_S = 86_400
-MAX_CONSUMER_BYTES = 128
-
-
-class NotReady(NodeError):
-    """No claim before the keeper's first publish since the node started."""
-
-
-class Grant(NamedTuple):
-    """One lease granted by a claim: what the holder needs to do the work."""
-
-    lease_id: int
-    key: str
-    payload: Any
-    job: str
-    due_at: float
-    expires_at: float
-    route: str | None = None  # which handler an inference process runs it with
-    misses: int = 0  # misses in a row before this lease (a poison item shows here)
 
 
 @dataclass
@@ -118,154 +93,6 @@ class ClaimStats:
             "low_water": self.low_water,
             "switches": self.switches,
         }
-
-
-class WorkError(NodeError):
-    """A work-path request the node refuses after reading it (a lease that
-    ended, a ledger that cannot take a result): the HTTP status and the
-    stable error code, so HTTP and LocalClaimer answer alike."""
-
-    def __init__(self, status: int, code: str, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.field = field
-
-
-# -- the rules HTTP and LocalClaimer share ----------------------------------------------
-
-
-def check_claim(max_n: Any, lease_s: Any, consumer: Any) -> tuple[int, float, str]:
-    """Validate a claim's arguments (ValidationError naming the field)."""
-    if isinstance(max_n, bool) or not isinstance(max_n, int) or not 1 <= max_n <= MAX_CLAIM:
-        raise ValidationError("invalid_max", f"max must be an integer from 1 to {MAX_CLAIM}", "max")
-    lease_s = check_lease_s(lease_s)
-    if not isinstance(consumer, str) or not consumer:
-        raise ValidationError("invalid_consumer", "consumer must be a non-empty string", "consumer")
-    try:
-        size = len(consumer.encode())
-    except UnicodeEncodeError:
-        raise ValidationError(
-            "invalid_consumer", "consumer must be valid UTF-8", "consumer"
-        ) from None
-    if size > MAX_CONSUMER_BYTES:
-        raise ValidationError(
-            "invalid_consumer",
-            f"consumer is {size} bytes; at most {MAX_CONSUMER_BYTES}",
-            "consumer",
-        )
-    return max_n, lease_s, consumer
-
-
-def check_lease_s(lease_s: Any) -> float:
-    if (
-        isinstance(lease_s, bool)
-        or not isinstance(lease_s, int | float)
-        or not 1 <= lease_s <= MAX_LEASE_S
-    ):
-        raise ValidationError(
-            "invalid_lease_s", f"lease_s must be a number from 1 to {MAX_LEASE_S}", "lease_s"
-        )
-    return float(lease_s)
-
-
-def check_lease_id(lease_id: Any) -> int:
-    if isinstance(lease_id, bool) or not isinstance(lease_id, int) or not 0 < lease_id < 1 << 64:
-        raise ValidationError(
-            "invalid_lease_id", "lease_id must be the integer a claim answered", "lease_id"
-        )
-    return lease_id
-
-
-# Outcomes of renew/release that refuse, as (status, code, message).
-_REFUSALS = {
-    Outcome.ENDED: (409, "lease_ended", "the lease has ended (expired, released or completed)"),
-    Outcome.SUPERSEDED: (409, "lease_conflict", "the key was granted to another lease since"),
-    Outcome.UNKNOWN: (409, "lease_unknown", "no such lease for this key"),
-    Outcome.BUSY: (503, "lease_busy", "another process held the key's lease slot; retry"),
-}
-
-# The ledger's complete statuses that refuse, as (status, code, message).
-COMPLETE_REFUSALS = {
-    "conflict": (409, "lease_conflict", "the key was granted to another lease since"),
-    "unknown": (409, "lease_unknown", "no such lease for this key"),
-    "log_unavailable": (503, "log_unavailable", "the completion log cannot take results; retry"),
-}
-
-
-# The ledger's error codes that are answers to the caller, by HTTP status;
-# any other error is the ledger failing (503 ledger_unavailable, retry).
-LEDGER_REFUSALS = {"never_offered": 409, "result_too_large": 400, "log_unavailable": 503}
-
-
-def ledger_error(code: str, message: str) -> WorkError:
-    """An error the ledger answered, as the API's error."""
-    status = LEDGER_REFUSALS.get(code)
-    if status is not None:
-        return WorkError(status, code, message, "ids" if code == "never_offered" else None)
-    return WorkError(503, "ledger_unavailable", f"the ledger failed: {code}: {message}")
-
-
-def refuse(outcome: Outcome, key: str) -> WorkError:
-    status, code, message = _REFUSALS.get(
-        outcome, (409, "lease_unknown", f"unexpected outcome {outcome.value}")
-    )
-    return WorkError(status, code, f"{message} (key {key!r})", "lease_id")
-
-
-def complete_outcome(item: dict[str, Any], key: str) -> int | None:
-    """The result id of an accepted completion; raises WorkError otherwise."""
-    status = str(item.get("status"))
-    if status in ("ok", "repeat"):
-        return item.get("id")
-    code = COMPLETE_REFUSALS.get(
-        status, (503, "ledger_unavailable", f"the ledger answered status {status!r}")
-    )
-    field = "lease_id" if code[0] == 409 else None
-    raise WorkError(code[0], code[1], f"{code[2]} (key {key!r})", field)
-
-
-def encode_result(body: dict[str, Any], from_msgpack: bool) -> tuple[bytes, str]:
-    """A completion's result as the ledger takes it: (bytes, "json" | "bytes").
-
-    JSON value → its JSON text; ``{"result": "<base64>", "encoding":
-    "base64"}`` → the bytes; raw bytes (msgpack) → the bytes."""
-    if "result" not in body:
-        raise ValidationError("missing_field", "the body needs result", "result")
-    result = body["result"]
-    encoding = body.get("encoding", "json")
-    if encoding == "base64":
-        if not isinstance(result, str):
-            raise ValidationError("invalid_result", "a base64 result must be a string", "result")
-        try:
-            return base64.b64decode(result, validate=True), "bytes"
-        except (binascii.Error, ValueError):
-            raise ValidationError(
-                "invalid_result", "result is not valid base64", "result"
-            ) from None
-    if encoding != "json":
-        raise ValidationError(
-            "invalid_result", 'encoding must be "base64" or absent (a JSON value)', "encoding"
-        )
-    if isinstance(result, bytes | bytearray):
-        if not from_msgpack:
-            raise ValidationError("invalid_result", "bytes travel as base64 in JSON", "result")
-        return bytes(result), "bytes"
-    try:
-        text = json.dumps(result, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise ValidationError(
-            "invalid_result", f"result is not a JSON value: {exc}", "result"
-        ) from None
-    return text.encode(), "json"
-
-
-def decode_result(result: bytes, encoding: str) -> Any:
-    """A stored result back as a value: JSON parsed, bytes as bytes."""
-    if encoding == "json":
-        return json.loads(result)
-    return bytes(result)
 
 
 # Bumped in every child of os.fork: a claim path (its SQLite connection)
@@ -335,6 +162,7 @@ class Claimer:
         self._route_cadence: dict[str, float] = {}
         self.stats = ClaimStats()
         self._path: Any = None  # shm._claim.ClaimPath, opened at the first claim
+        self._source: ClaimSource | None = None  # the store's, for the C path
         self._path_forks = -1  # _forks[0] when it was opened; -1: not tried
         self._c_path = c_path  # False: always the Python path (tests compare the two)
         self._holder: tuple[str, bytes] = ("", b"")  # the last consumer and its bytes
@@ -364,19 +192,15 @@ class Claimer:
         return self._path
 
     def _open_path(self) -> Any:
-        from node.store.sqlite import BUSY_TIMEOUT_S, CACHE_KIB, SQLiteStore, decode_payload
         from shm.ready import ReadySet
 
-        if (
-            not self._c_path
-            or not isinstance(self.store, SQLiteStore)
-            or not isinstance(self.ready, ReadySet)
-            or self.ready.segment.read_only
-        ):
+        source = self.store.claim_source() if self._c_path else None
+        if source is None or not isinstance(self.ready, ReadySet) or self.ready.segment.read_only:
             return None  # not asked for, or a store it is not for
         if _claim is None:
             return _python_path("shm._claim is not built (pip install -e . builds it)")
-        if getattr(self.leases, "_granter", None) is None:
+        granter = getattr(self.leases, "_granter", None)  # lead: public accessor
+        if granter is None:
             return _python_path("the lease table has no C grant")
         try:
             import _sqlite3  # the module whose SQLite the C path must share
@@ -388,20 +212,21 @@ class Claimer:
                 self.ready.capacity,
                 self.ready.heap_size,
                 LOW_WATER_FRACTION,
-                self.leases._granter,
+                granter,
                 getattr(_sqlite3, "__file__", None),
-                self.store.path,
-                int(BUSY_TIMEOUT_S * 1000),
-                CACHE_KIB,
+                source.db_path,
+                source.busy_timeout_ms,
+                source.cache_kib,
                 (MIN_CADENCE_S, MAX_CADENCE_S, MIN_DUE_AT, MAX_DUE_AT),
                 Grant,
-                decode_payload,
+                source.decode_payload,
                 self._route_cadence,
                 self._cadence_of,
                 json.decoder.JSONDecoder().scan_once,  # type: ignore[attr-defined]
             )
         except (ImportError, BufferError, ValueError, _claim.RowError) as exc:
             return _python_path(f"{type(exc).__name__}: {exc}")  # the Python path serves
+        self._source = source
         self.ready.on_close(self.close)
         self.leases.on_close(self.close)
         return path
@@ -461,12 +286,9 @@ class Claimer:
             if grants:
                 return grants
             if isinstance(exc, _claim.RowError):
-                from node.store.sqlite import wrap_error
-
-                code, message = exc.args
-                error = sqlite3.OperationalError(message)
-                error.sqlite_errorcode = code  # type: ignore[attr-defined]
-                raise wrap_error(error, "get_many") from None
+                code, message = exc.args  # SQLite's result code and message
+                assert self._source is not None  # opened with the path
+                raise self._source.error(code, message, "get_many") from None
             if str(exc) == "unstable":
                 raise SnapshotUnstable(
                     f"{self.ready.segment.name}: no consistent take; the keeper "
@@ -503,8 +325,8 @@ class Claimer:
     ) -> None:
         """The entries the C grant handed back (a slot mid-change, a long key,
         a full first pass): the Python grant, which knows every case."""
-        from node.store.sqlite import decode_payload
-
+        assert self._source is not None  # opened with the path
+        decode_payload = self._source.decode_payload
         for key, version, cadence_s, payload, job, due_at, route in slow:
             lease = self._grant(key, consumer, lease_s, now, cadence_s, version)
             if lease is None:
@@ -606,66 +428,3 @@ class Claimer:
     def release(self, key: str, lease_id: int, now: float, error: str | None = None) -> Outcome:
         """RELEASED, ENDED, SUPERSEDED, UNKNOWN or BUSY."""
         return self.leases.release(key, lease_id, now, error)
-
-
-# -- explain: a key's lease state, for GET /rows?key= ----------------------------------
-
-
-def lease_view(leases: LeaseTable, key: str, now: float) -> dict[str, Any]:
-    """The lease table's view of one key: its live lease, or its hold or
-    parking with misses, held_until and the last error."""
-    found = _lookup(leases, key)
-    if found is None:
-        return {"state": "none"}
-    state, rec = found
-    out: dict[str, Any] = {"state": state, "lease_id": rec.lease_id, "misses": rec.misses}
-    if state == "leased":
-        out.update(
-            consumer=rec.consumer_str,
-            granted_at=rec.granted_at,
-            expires_at=rec.expires_at,
-            expired=rec.expires_at <= now,
-        )
-    elif state in ("held", "parked"):
-        out.update(held_until=rec.held_until, last_error=rec.error_str or None)
-    return out
-
-
-def _lookup(leases: LeaseTable, key: str) -> tuple[str, Any] | None:
-    """(state name, current record) of ``key``'s slot, or None.
-
-    Uses the table's private lookup: shm/leases.py has no public read of one
-    key yet (ask: ``LeaseTable.lookup(key)``). A slot held mid-change counts
-    as what it was; its current record still stands."""
-    from shm import leases as mod
-
-    kb = mod._key_bytes(key)
-    found = leases._lookup(kb, mod._hash(kb))
-    if found is None:
-        return None
-    _idx, w, rec = found
-    code = (w >> 4) & 15 if w & 15 == mod.UPDATING else w & 15
-    return mod.CODE_NAMES[code], rec
-
-
-def why_not_granted(
-    row: Any, lease: dict[str, Any], keeper: dict[str, Any] | None, now: float
-) -> str | None:
-    """Why a claim would not grant this row now; None when it would (as far
-    as one look can tell)."""
-    state = lease.get("state")
-    if state == "leased" and not lease.get("expired"):
-        return "leased"
-    if state == "held" and lease.get("held_until", 0) > now:
-        return f"held until {lease['held_until']}"
-    if state == "parked":
-        return "parked"
-    if keeper and keeper.get("paused"):
-        return "paused"
-    if row is not None and getattr(row, "due_at", now) > now:
-        return "not due"
-    if keeper and keeper.get("held") and not keeper.get("in_ready_set"):
-        return "not in the ready set"
-    if keeper is not None and keeper.get("held") is False:
-        return "not in the ready set"
-    return None

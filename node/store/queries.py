@@ -1,0 +1,197 @@
+"""Every SQL statement of the SQLite store, by name.
+
+The schema (``MIGRATIONS``) is a contract for programs that write the file
+directly (``docs/schema.md``): append new migrations, never edit an applied
+one. ``node/store/sqlite.py`` runs these statements and nothing else; the
+claim path in C runs ``CLAIM_ROW_SQL`` and ``CLAIM_ROWS_SQL``, handed to it
+through ``SQLiteStore.claim_source()``.
+"""
+
+from __future__ import annotations
+
+_NOW_SQL = "(julianday('now') - 2440587.5) * 86400.0"
+_ORIGIN_SQL = "COALESCE((SELECT origin FROM write_origin), 'external')"
+
+# -- schema ---------------------------------------------------------------------
+# Each migration is a list of statements applied in one transaction with the
+# row that records it. Append new migrations; never edit an applied one.
+
+MIGRATIONS: list[tuple[int, str, list[str]]] = [
+    (
+        1,
+        "schedule, change log, origin, meta",
+        [
+            """CREATE TABLE schedule (
+                key       TEXT PRIMARY KEY NOT NULL,
+                route     TEXT NOT NULL,
+                cadence_s INTEGER,
+                sitemap   INTEGER NOT NULL DEFAULT 0,
+                due_at    REAL NOT NULL,
+                payload   TEXT,
+                job       TEXT NOT NULL DEFAULT 'default',
+                version   INTEGER NOT NULL DEFAULT 0
+            )""",
+            """CREATE TABLE changes (
+                seq       INTEGER PRIMARY KEY AUTOINCREMENT,
+                op        TEXT NOT NULL,
+                key       TEXT NOT NULL,
+                origin    TEXT NOT NULL,
+                route     TEXT,
+                cadence_s INTEGER,
+                sitemap   INTEGER,
+                due_at    REAL,
+                at        REAL NOT NULL
+            )""",
+            """CREATE TABLE write_origin (
+                id     INTEGER PRIMARY KEY CHECK (id = 0),
+                origin TEXT NOT NULL
+            )""",
+            "INSERT INTO write_origin (id, origin) VALUES (0, 'external')",
+            "CREATE TABLE meta (name TEXT PRIMARY KEY NOT NULL, value TEXT NOT NULL)",
+            f"""CREATE TRIGGER schedule_log_insert AFTER INSERT ON schedule
+            BEGIN
+                INSERT INTO changes (op, key, origin, route, cadence_s, sitemap, due_at, at)
+                VALUES ('I', NEW.key, {_ORIGIN_SQL}, NEW.route, NEW.cadence_s,
+                        NEW.sitemap, NEW.due_at, {_NOW_SQL});
+                UPDATE schedule SET version = last_insert_rowid() WHERE rowid = NEW.rowid;
+            END""",
+            # A key renamed in place (only another program can) is logged as
+            # the old key's delete and the new key's insert.
+            f"""CREATE TRIGGER schedule_log_update
+            AFTER UPDATE OF key, route, cadence_s, sitemap, due_at, payload, job ON schedule
+            BEGIN
+                INSERT INTO changes (op, key, origin, at)
+                SELECT 'D', OLD.key, {_ORIGIN_SQL}, {_NOW_SQL} WHERE OLD.key IS NOT NEW.key;
+                INSERT INTO changes (op, key, origin, route, cadence_s, sitemap, due_at, at)
+                VALUES (CASE WHEN OLD.key IS NEW.key THEN 'U' ELSE 'I' END, NEW.key,
+                        {_ORIGIN_SQL}, NEW.route, NEW.cadence_s, NEW.sitemap, NEW.due_at,
+                        {_NOW_SQL});
+                UPDATE schedule SET version = last_insert_rowid() WHERE rowid = NEW.rowid;
+            END""",
+            f"""CREATE TRIGGER schedule_log_delete AFTER DELETE ON schedule
+            BEGIN
+                INSERT INTO changes (op, key, origin, at)
+                VALUES ('D', OLD.key, {_ORIGIN_SQL}, {_NOW_SQL});
+            END""",
+            # Versions decide which of two events is newer; a writer that sets
+            # one by hand could make an old event win. The logging triggers
+            # only ever set the seq they just assigned, which passes.
+            # (sqlite_sequence would not do here: inside a trigger it still
+            # holds the value from before the outermost statement.)
+            """CREATE TRIGGER schedule_version_guard BEFORE UPDATE OF version ON schedule
+            WHEN NEW.version IS NOT (SELECT max(seq) FROM changes)
+            BEGIN
+                SELECT RAISE(ABORT, 'schedule.version is set by triggers, never by writers');
+            END""",
+        ],
+    ),
+]
+SCHEMA_VERSION = MIGRATIONS[-1][0]
+
+# -- the columns read ------------------------------------------------------------
+
+_ROW_COLUMNS = "key, route, cadence_s, sitemap, due_at, payload, job, version"
+_SCHEDULE_COLUMNS = (
+    "key, version, route, cadence_s, sitemap = 1, due_at, "
+    "(typeof(route) = 'text' AND route <> ''"
+    " AND (cadence_s IS NULL OR (typeof(cadence_s) = 'integer'"
+    " AND cadence_s BETWEEN 60 AND 31536000))"
+    " AND sitemap IN (0, 1)"
+    " AND typeof(due_at) IN ('real', 'integer') AND due_at BETWEEN 0 AND 32503680000.0)"
+)
+_CHANGE_COLUMNS = "seq, op, key, origin, route, cadence_s, sitemap, due_at, at"
+
+# -- the node's own tables ---------------------------------------------------------
+
+CREATE_MIGRATIONS = """CREATE TABLE IF NOT EXISTS schema_migrations (
+        version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL NOT NULL)"""
+READ_SCHEMA_VERSION = "SELECT COALESCE(MAX(version), 0) FROM schema_migrations"
+RECORD_MIGRATION = """INSERT INTO schema_migrations (version, name, applied_at)
+        VALUES (?, ?, ?)"""
+GET_META = "SELECT value FROM meta WHERE name = ?"
+SET_META = """INSERT INTO meta (name, value) VALUES (?, ?)
+        ON CONFLICT (name) DO UPDATE SET value = excluded.value"""
+
+# -- connections and transactions ----------------------------------------------------
+
+JOURNAL_WAL = "PRAGMA journal_mode = WAL"
+BEGIN_WRITE = "BEGIN IMMEDIATE"
+COMMIT = "COMMIT"
+ROLLBACK = "ROLLBACK"
+# The node's write sets its origin for the triggers, and puts it back before COMMIT.
+SET_ORIGIN = "UPDATE write_origin SET origin = ?"
+RESET_ORIGIN = "UPDATE write_origin SET origin = 'external'"
+
+
+def tuning_pragmas(busy_timeout_ms: int, cache_kib: int, mmap_size: int) -> tuple[str, ...]:
+    """The settings each connection runs once it is in WAL mode, in order."""
+    return (
+        "PRAGMA synchronous = NORMAL",
+        f"PRAGMA busy_timeout = {busy_timeout_ms}",
+        f"PRAGMA cache_size = -{cache_kib}",
+        f"PRAGMA mmap_size = {mmap_size}",
+    )
+
+
+# -- the schedule ---------------------------------------------------------------------
+
+DELETE_ROW = "DELETE FROM schedule WHERE key = ?"
+WRITE_NEXT_DUE = "UPDATE schedule SET due_at = ? WHERE key = ? AND version = ?"
+READ_VERSION = "SELECT version FROM schedule WHERE key = ?"
+GET_ROW = f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key = ?"
+WALK_ALL = f"SELECT {_ROW_COLUMNS} FROM schedule ORDER BY key LIMIT ?"
+WALK_AFTER = f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key > ? ORDER BY key LIMIT ?"
+# Scheduling fields only, with a validity flag computed by SQLite (the
+# same rules as node.rows.stored_row_is_valid); rows come back as
+# (key, version, route, cadence_s, sitemap, due_at, ok).
+WALK_SCHEDULE_ALL = f"SELECT {_SCHEDULE_COLUMNS} FROM schedule ORDER BY key LIMIT ?"
+WALK_SCHEDULE_AFTER = (
+    f"SELECT {_SCHEDULE_COLUMNS} FROM schedule WHERE key > ? ORDER BY key LIMIT ?"
+)
+COUNT_ROWS = "SELECT count(*) FROM schedule"
+
+
+def get_many_sql(n: int) -> str:
+    """The point read of ``n`` keys at once."""
+    marks = ", ".join("?" * n)
+    return f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key IN ({marks})"
+
+
+_UPSERT_SQL: dict[tuple[str, ...], str] = {}
+
+
+def upsert_sql(present: tuple[str, ...]) -> str:
+    """The upsert of a write carrying ``present`` optional fields: an insert
+    binds every column (defaults for the missing ones), a conflict updates
+    only the route and the fields the write carries."""
+    sql = _UPSERT_SQL.get(present)
+    if sql is None:
+        sets = ", ".join(f"{f} = excluded.{f}" for f in ("route", *present))
+        sql = (
+            "INSERT INTO schedule (key, route, cadence_s, sitemap, due_at, payload, job)"
+            f" VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (key) DO UPDATE SET {sets}"
+        )
+        _UPSERT_SQL[present] = sql
+    return sql
+
+
+# -- the change log -------------------------------------------------------------------
+
+CHANGES_AFTER = f"SELECT {_CHANGE_COLUMNS} FROM changes WHERE seq > ? ORDER BY seq LIMIT ?"
+LAST_SEQ = "SELECT seq FROM sqlite_sequence WHERE name = 'changes'"
+TRIM_CHANGES = "DELETE FROM changes WHERE seq <= ?"
+
+# -- the claim path (shm/_claim_path.c, on its own connection) -------------------------
+
+# One key's row: the columns the claim reads, in this order.
+CLAIM_ROW_SQL = (
+    "SELECT route, cadence_s, sitemap, due_at, payload, job, version FROM schedule WHERE key = ?1"
+)
+# A run of keys in one statement: ?1 is a JSON array of them, and each row
+# comes with its key's index in the array (column 0), then the columns of
+# CLAIM_ROW_SQL. CROSS JOIN keeps the array the outer loop, so the rows come
+# in the array's order and each seek reuses the open cursors.
+CLAIM_ROWS_SQL = (
+    "SELECT j.key, s.route, s.cadence_s, s.sitemap, s.due_at, s.payload, s.job, s.version"
+    " FROM json_each(?1) AS j CROSS JOIN schedule AS s ON s.key = j.value"
+)
