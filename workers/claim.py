@@ -39,6 +39,7 @@ from node.core.errors import NodeError, NodeRestarted, ValidationError
 from node.core.log import warn
 from node.core.rows import MAX_CADENCE_S, MAX_DUE_AT, MIN_CADENCE_S, MIN_DUE_AT
 from node.names import ledger_address  # noqa: F401 - re-exported: where callers find it
+from node.store import queries
 from node.store.base import BadRow, Store
 from shm.leases import (
     C_STOP,
@@ -399,6 +400,8 @@ class Claimer:
                 self._route_cadence,
                 self._cadence_of,
                 json.decoder.JSONDecoder().scan_once,  # type: ignore[attr-defined]
+                queries.CLAIM_ROW_SQL,
+                queries.CLAIM_ROWS_SQL,
             )
         except (ImportError, BufferError, ValueError, _claim.RowError) as exc:
             return _python_path(f"{type(exc).__name__}: {exc}")  # the Python path serves
