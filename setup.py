@@ -1,11 +1,13 @@
-"""Only the C extension lives here; everything else is in pyproject.toml.
+"""Only the C extensions live here; everything else is in pyproject.toml.
 
 ``shm._atomic`` gives the lease table compare-and-swap on shared memory
 (shm/leases.py; why and the figures: docs/leases.md). ``shm._claim`` is the
 claim path in C: the lease table's grant and a whole claim in one call
-(workers/claim/path.py; docs/internals.md). It builds with any C
+(workers/claim/path.py; docs/internals.md). Both take their shared-memory offsets
+from shm/layout.h and export them (``LEASE_LAYOUT``, ``READY_LAYOUT``), which
+shm/layout.py checks against the Python side at import. They build with any C
 compiler that has GCC's ``__atomic`` builtins (gcc, clang) and Python headers;
-``pip install -e .`` builds it in place.
+``pip install -e .`` builds them in place.
 
 ``QUEUE_NODE_TEST_STOPS=1`` builds, instead, the test build of ``shm._atomic``
 and ``shm._claim``: the same code with the lease table's test stops compiled
@@ -21,18 +23,32 @@ from setuptools import Extension, setup
 
 TEST_STOPS = os.environ.get("QUEUE_NODE_TEST_STOPS") == "1"
 STOPS = [("QUEUE_NODE_TEST_STOPS", "1")] if TEST_STOPS else []
+SHARED = ["shm/layout.h", "shm/_publish.h"]  # the offsets; the counted publish and the stops
 
 atomic = Extension(
     "shm._atomic",
-    sources=["shm/_atomic.c"],
-    depends=["shm/_claim.h"],  # the counted publish and the stops are shared
+    sources=[
+        "shm/_atomic.c",  # the module, the View, single-word atomics
+        "shm/_atomic_scan.c",  # the lease table's scans
+        "shm/_atomic_excluded.c",  # the keeper's excluded keys
+        "shm/_atomic_seq.c",  # seqlocks, publication, the ready set's entry writer
+    ],
+    depends=[*SHARED, "shm/_atomic.h"],
     define_macros=STOPS,
     extra_compile_args=["-O2"],
 )
 claim = Extension(
     "shm._claim",
-    sources=["shm/_claim.c", "shm/_claim_path.c"],
-    depends=["shm/_claim.h"],
+    sources=[
+        "shm/_claim.c",  # the module and its Granter type
+        "shm/_grant.c",  # the lease table's grant
+        "shm/_blake2b.c",  # the key hash
+        "shm/_claim_path.c",  # ClaimPath: a whole claim in one call
+        "shm/_claim_take.c",  # its take from the ready set
+        "shm/_claim_grant.c",  # its rows and grants
+        "shm/_claim_sqlite.c",  # SQLite, from the library Python's sqlite3 loaded
+    ],
+    depends=[*SHARED, "shm/_claim.h", "shm/_claim_path.h"],
     define_macros=STOPS,
     extra_compile_args=["-O2"],
     libraries=["dl"],  # dlopen/dlsym (in libc itself from glibc 2.34)

@@ -1,10 +1,15 @@
-# Type stub for the C extension shm/_atomic.c (see its comments).
+# Type stub for the C extension shm/_atomic.c and its parts (see their comments).
 from typing import Any
 
 # 1 in the test build (setup.py with QUEUE_NODE_TEST_STOPS=1), 0 otherwise.
 TEST_STOPS: int
 # The futex syscall's number on this machine (<sys/syscall.h>).
 SYS_futex: int
+# The offsets and codes it was built with (shm/layout.h; shm/layout.py checks them).
+LEASE_LAYOUT: dict[str, int]
+LEASE_STRUCTS: dict[str, int]
+READY_LAYOUT: dict[str, int]
+READY_STRUCTS: dict[str, int]
 
 # On any buffer (a read-only mapping too); fences: docs/shm.md, "Memory ordering".
 def acquire32(buffer: Any, off: int, /) -> int: ...

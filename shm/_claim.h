@@ -1,7 +1,11 @@
-/* shm._claim's pieces, shared between its C files (shm/_claim.c: the grant
- * and the key hash; shm/_claim_path.c: the ready-set take, the row read and
- * the claim loop), and the lease table's counted publish and test stops,
- * which shm/_atomic.c includes too (one protocol, one copy). */
+/* shm._claim's pieces, shared between its C files: shm/_claim.c (the module
+ * and its Granter type), shm/_grant.c (the lease table's grant),
+ * shm/_blake2b.c (the key hash), and the claim path (shm/_claim_path.h). The
+ * layouts are shm/layout.h's; the counted publish and the test stops are
+ * shm/_publish.h's.
+ *
+ * Functions shared between the files are hidden (INTERNAL): called directly,
+ * never through the PLT, as a static function is. */
 
 #ifndef QUEUE_NODE_CLAIM_H
 #define QUEUE_NODE_CLAIM_H
@@ -10,125 +14,14 @@
 #include <Python.h>
 #include <stdint.h>
 
-/* -- test stops: only in a build with -DQUEUE_NODE_TEST_STOPS --------------------
- *
- * A stop is `point | how << 4` (shm/leases.py _c_stop, from
- * QUEUE_NODE_TEST_LEASE_STOP). The production build compiles every stop to
- * nothing: the grant reads no stop variable and takes no branch for it.
- * tests/test_lease_counters.py builds the test build into a temporary
- * directory and its children load it (QUEUE_NODE_TEST_BUILD). */
+#include "_publish.h"
+#include "layout.h"
 
-enum {
-    P_INSERT = 1,    /* an insert's slot taken (CLAIMING) */
-    P_KEYED = 2,     /* an insert's slot keyed, ticket drawn */
-    P_UPDATE = 3,    /* an existing slot taken (UPDATING) */
-    P_WRITTEN = 4,   /* the new record copy written */
-    P_PUBLISHED = 5, /* a counted publish: swapped, not yet counted */
-    P_JOURNALED = 6, /* a counted publish: journal written, not yet swapped */
-    P_COUNTED = 7,   /* a counted publish: counted, journal not yet cleared */
-};
+#define INTERNAL __attribute__((visibility("hidden")))
 
-#ifdef QUEUE_NODE_TEST_STOPS
-#include <signal.h>
-#include <unistd.h>
-#define LEASE_TEST_STOPS 1
-
-static inline void
-lease_test_stop(int stop, int point)
-{
-    if ((stop & 15) != point)
-        return;
-    switch ((stop >> 4) & 15) {
-    case 1: /* exit */
-        _exit(17);
-    case 2: /* pause: widens a race window */
-        usleep(500);
-        break;
-    default: /* stop: the test kills it, or lets it go on */
-        kill(getpid(), SIGSTOP);
-    }
-}
-#define LEASE_STOP(stop, point) lease_test_stop((stop), (point))
-#else
-#define LEASE_TEST_STOPS 0
-#define LEASE_STOP(stop, point) ((void)0)
-#endif
-
-/* -- the lease table's seal and counter shards (shm/leases.py's layout) ----------
- *
- * SEALED: a u32 in the table's header, 1 once the node that owns the table
- * has stopped granting from it. A process checks it after it has taken a
- * slot (its compare-and-swap is a full barrier), so either it sees the seal
- * or the sealer's wait sees its slot mid-change (Dekker).
- *
- * Counter shards: one 64-byte line per process (owner word, then the counts
- * of COUNT_GRANTS .. COUNT_LATE_RELEASED at 8 * k, then the journal). Only
- * its process writes a shard while that process lives; the table's counters
- * are the header's base plus every shard's counts. */
-#define SEALED 36
-#define SHARD_JOURNAL 56
-enum {
-    COUNT_GRANTS = 1,
-    COUNT_COMPLETED = 2,
-    COUNT_RELEASED = 3,
-    COUNT_EXPIRED = 4,
-    COUNT_LATE_EXPIRED = 5,
-    COUNT_LATE_RELEASED = 6,
-};
-
-/* The journal of one counted publish: counter k (bits 0-2), the slot (3-24),
-   the published word's seq (25-44), and the low 19 bits of the count it
-   brings counter k to (45-63). */
-static inline uint64_t
-lease_journal(int k, Py_ssize_t idx, uint64_t new_word, uint64_t target)
-{
-    return (uint64_t)k | (uint64_t)idx << 3 | ((new_word >> 44) & 0xFFFFFULL) << 25 |
-           target << 45;
-}
-
-/* Publish `new_word` over the held word `own` of slot idx and count it in
- * counter k of this process's shard, as one step for whoever survives a
- * kill at any instruction:
- *
- *   journal = (k, idx, new seq, count + 1)   a kill here: not published;
- *                                            whoever rolls the slot back
- *                                            clears the journal first
- *   publish (compare-and-swap)               a kill here (P_PUBLISHED):
- *                                            published, not counted; the
- *                                            journal says so, and whoever
- *                                            settles the dead shard counts it
- *   count = count + 1                        a kill here: counted; the
- *                                            journal's target says so
- *   journal = 0
- *
- * The shard's counts are written by its process only (the GIL holds across
- * this call, so its threads never interleave here): a plain store, no lock.
- * 0 when the swap failed (the slot was taken while held). */
-static inline int
-lease_publish_counted(uint64_t *state, Py_ssize_t idx, uint64_t own, uint64_t new_word,
-                      char *shard, int k, int stop)
-{
-    uint64_t *count = (uint64_t *)(shard + 8 * k);
-    uint64_t *journal = (uint64_t *)(shard + SHARD_JOURNAL);
-    uint64_t c = __atomic_load_n(count, __ATOMIC_RELAXED);
-    /* Relaxed: the swap below is a full barrier, so the journal is seen
-       before the publish. */
-    __atomic_store_n(journal, lease_journal(k, idx, new_word, c + 1), __ATOMIC_RELAXED);
-    LEASE_STOP(stop, P_JOURNALED);
-    if (!__atomic_compare_exchange_n(state, &own, new_word, 0, __ATOMIC_SEQ_CST,
-                                     __ATOMIC_SEQ_CST)) {
-        __atomic_store_n(journal, 0, __ATOMIC_RELEASE);
-        return 0;
-    }
-    LEASE_STOP(stop, P_PUBLISHED);
-    (void)stop;
-    __atomic_store_n(count, c + 1, __ATOMIC_RELEASE);
-    LEASE_STOP(stop, P_COUNTED);
-    __atomic_store_n(journal, 0, __ATOMIC_RELEASE);
-    return 1;
-}
-
-uint64_t blake2b64(const uint8_t *data, size_t len);
+/* hashlib.blake2b(data, digest_size=8) as a little-endian integer (RFC 7693):
+   the lease table's key hash (shm/_blake2b.c). */
+INTERNAL uint64_t blake2b64(const uint8_t *data, size_t len);
 
 /* A lease table mapping with its layout (shm/leases.py). */
 typedef struct {
@@ -146,7 +39,7 @@ typedef struct {
     uint64_t shard_owner;
 } GranterObject;
 
-extern PyTypeObject GranterType;
+INTERNAL extern PyTypeObject GranterType;
 
 typedef struct {
     const char *key; /* UTF-8, 1..1024 bytes */
@@ -165,7 +58,7 @@ typedef struct {
     int looked;
     Py_ssize_t slot;
     uint64_t word;
-    char record[144];
+    char record[RECORD_SIZE];
 } GrantArgs;
 
 /* What lease_grant answers (and, as ints, Granter.grant). */
@@ -183,22 +76,22 @@ enum {
 
 /* *slot and *word: where a grant leased the key and the LEASED word it left
    there (on G_GRANTED). */
-int lease_grant(GranterObject *g, const GrantArgs *a, uint64_t *lease_id, uint32_t *misses,
+INTERNAL int lease_grant(GranterObject *g, const GrantArgs *a, uint64_t *lease_id, uint32_t *misses,
                 Py_ssize_t *slot, uint64_t *word);
 
 /* Whether the key's slot refuses a grant now, read without taking it:
    G_LEASED, G_HELD, G_PARKED, or 0 (no slot, grantable, or not sure: the
    grant decides). Sets a->h64 and a->hashed (hashes the key unless
    a->hashed says a->h64 holds its hash), and what it found (a->looked). */
-int lease_refusal(GranterObject *g, GrantArgs *a);
+INTERNAL int lease_refusal(GranterObject *g, GrantArgs *a);
 
 /* The key's hash (blake2b64), after asking the CPU for the lines a grant of
    it touches at its home slot (state word, hash, maxdist, the slot): a claim
    calls it for a run of keys first, so that their cache misses overlap
    instead of each grant waiting out its own. Only a hint: nothing changes. */
-uint64_t lease_prefetch(GranterObject *g, const char *key, Py_ssize_t key_len);
+INTERNAL uint64_t lease_prefetch(GranterObject *g, const char *key, Py_ssize_t key_len);
 
 /* Adds ClaimPath and RowError to the module (shm/_claim_path.c). */
-int claim_path_add(PyObject *m);
+INTERNAL int claim_path_add(PyObject *m);
 
 #endif

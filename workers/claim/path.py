@@ -223,6 +223,8 @@ class Claimer:
                 self._route_cadence,
                 self._cadence_of,
                 json.decoder.JSONDecoder().scan_once,  # type: ignore[attr-defined]
+                source.row_sql,
+                source.rows_sql,
             )
         except (ImportError, BufferError, ValueError, _claim.RowError) as exc:
             return _python_path(f"{type(exc).__name__}: {exc}")  # the Python path serves
