@@ -137,6 +137,41 @@ def test_peek_says_what_complete_would_and_changes_nothing(table):
     assert table.peek("k", again.lease_id)[0] is Outcome.REPEAT
 
 
+def test_lookup_names_a_keys_state_and_record_and_changes_nothing(table):
+    assert table.lookup("nobody") is None
+    lease = _grant(table, "k", T0)
+    state, rec = table.lookup("k")
+    assert state == "leased" and rec.lease_id == lease.lease_id
+    assert rec.consumer_str == "tester" and rec.expires_at == lease.expires_at
+    assert table.release("k", lease.lease_id, T0 + 1, error="boom") is Outcome.RELEASED
+    state, rec = table.lookup("k")
+    assert state == "held" and rec.misses == 1 and rec.error_str == "boom"
+    assert table.lookup("k") == (state, rec)  # a read: nothing changed
+    # What workers/claim.py's explain read through the private lookup before.
+    kb = b"k"
+    _idx, w, same = table._lookup(kb, leases._hash(kb))
+    assert same == rec and leases.CODE_NAMES[w & 15] == state
+
+
+def test_the_granter_is_the_c_grant_on_this_mapping(table):
+    from shm import _claim
+
+    assert table.granter is table._granter
+    assert isinstance(table.granter, _claim.Granter)
+
+
+def test_no_stop_is_bound_outside_a_test_that_asks_for_one():
+    """Production pays nothing for the test stops: no stop function is
+    bound to the Python paths, and the C paths get stop 0."""
+    from shm.leases import test_stops
+
+    assert os.environ.get("QUEUE_NODE_TEST_LEASE_STOP") is None
+    assert test_stops.stop is None and leases.C_STOP == 0
+    for method in (LeaseTable._take, LeaseTable._update, LeaseTable._insert):
+        assert method.__defaults__[-1] is None, method
+    assert LeaseTable._claim_free.__defaults__ == (None,)
+
+
 def test_counters_survive_save_and_load(node, tmp_path):
     with LeaseTable.create(node, capacity=64) as t:
         lease = t.grant("k", "t", 10, T0, 3600, version=3)
@@ -381,7 +416,7 @@ _HEADER_DOC = {"format": "queue-node.leases", "version": 1, "next_lease_id": 5, 
 
 
 def test_missing_extension_is_a_clear_error(node, monkeypatch):
-    monkeypatch.setattr(leases, "_atomic", None)
+    monkeypatch.setattr(leases.protocol, "_atomic", None)
     with pytest.raises(AtomicsMissing, match="pip install -e"):
         LeaseTable.create(node)
     assert not Path("/dev/shm", segment_name(node, "leases").lstrip("/")).exists()
