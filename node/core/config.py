@@ -2,6 +2,11 @@
 environment (``QUEUE_NODE_<OPTION>``), then the command line, each winning over
 the one before. Everything is validated here, before any process starts, and
 every error names the option, where it came from and what is allowed.
+
+Part of the core: it imports nothing else of the project, so the checks that
+need more (that a handler's module can be found, that the store opens) are
+the application's, after these (``node.handlers.check_spec``,
+``node.store.open_store``). ``node.config`` names the same objects.
 """
 
 from __future__ import annotations
@@ -10,17 +15,24 @@ import dataclasses
 import json
 import os
 import re
-import socket
 import ssl
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from node.core.errors import ConfigError
+from node.core.errors import ConfigError, NodeError, UnsupportedStore
+from node.core.names import NAME_RE, check_name, host_node_name
+from node.core.proc import ENV_CONFIG
 from node.core.rows import JOB_RE, MAX_CADENCE_S, MIN_CADENCE_S
 
-NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+__all__ = [
+    "ENV_PREFIX", "HANDLER_SPEC_RE", "MAX_RETENTION_S", "NAME_RE", "OPTIONS", "UNIX_PREFIX",
+    "Config", "JobConfig", "RouteConfig", "check_name", "check_store_url",
+    "load_config", "load_run_config", "parse_duration", "parse_handler_spec",
+    "tls_context", "validate",
+]  # fmt: skip
+
 # ``--http unix:PATH``: serve on a UNIX socket file instead of TCP. Its path
 # must fit sockaddr_un's sun_path (108 bytes with the terminating NUL).
 UNIX_PREFIX = "unix:"
@@ -483,20 +495,9 @@ def tls_context(config: Config) -> ssl.SSLContext | None:
     return context
 
 
-def check_name(name: str) -> str:
-    if not NAME_RE.fullmatch(name):
-        raise ConfigError(
-            f"node name {name!r} is not valid: use [A-Za-z0-9._-], 1 to 64 characters"
-        )
-    return name
-
-
 def load_run_config(role: str) -> Config:
     """A child's configuration: the resolved JSON the supervisor wrote, named
     by QUEUE_NODE_RUN_CONFIG. ``role`` only words the error."""
-    from node.core.errors import NodeError
-    from node.core.proc import ENV_CONFIG
-
     path = os.environ.get(ENV_CONFIG)
     if not path:
         raise NodeError(f"{ENV_CONFIG} is not set: the {role} is started by the node supervisor")
@@ -505,11 +506,6 @@ def load_run_config(role: str) -> Config:
             return Config.from_json(json.load(f))
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise NodeError(f"cannot read the run configuration {path}: {exc}") from None
-
-
-def _clean_host_name() -> str:
-    name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:64]
-    return name or "node"
 
 
 def load_config(
@@ -551,10 +547,8 @@ def load_config(
 def validate(config: Config) -> Config:
     """Checks that span several options. Returns the config with derived
     defaults filled in (the name)."""
-    name = check_name(config.name or _clean_host_name())
+    name = check_name(config.name or host_node_name())
     http = _check_http(config.http)
-    from node.store import check_store_url
-
     check_store_url(config.store_url)
     if config.gpus and config.inference_procs:
         raise ConfigError("give either --inference-procs or --gpus, not both")
@@ -571,14 +565,12 @@ def validate(config: Config) -> Config:
             f"binding {host} needs a token: set --token or QUEUE_NODE_TOKEN "
             "(the node binds 127.0.0.1 without one)"
         )
-    from node.handlers import parse_spec
-
     if config.handler is not None:
-        parse_spec(config.handler)
+        parse_handler_spec(config.handler)
     for route_name, route in config.routes.items():
         if route.handler is None:
             continue
-        parse_spec(route.handler)
+        parse_handler_spec(route.handler)
         if config.handler is None:
             raise ConfigError(
                 f"routes.{route_name}.handler needs a default --handler too: without one "
@@ -588,6 +580,44 @@ def validate(config: Config) -> Config:
     if timeout is None:
         timeout = max(60.0, 10 * config.lease_s)
     return dataclasses.replace(config, name=name, http=http, handler_timeout_s=timeout)
+
+
+def check_store_url(url: str) -> str:
+    """A store URL's form, checked before anything starts (UnsupportedStore
+    otherwise); returns it unchanged. Opening it is ``node.store.open_store``."""
+    if url.startswith("memory://"):
+        return url
+    if url.startswith("sqlite:///"):
+        if len(url) == len("sqlite:///"):
+            raise UnsupportedStore(f"store URL {url!r} names no file")
+        return url
+    if url.startswith(("postgresql://", "postgres://")):
+        raise UnsupportedStore(
+            "the PostgreSQL fleet backend is not available in this build yet; "
+            "use sqlite:///<file> (the default)"
+        )
+    raise UnsupportedStore(
+        f"unknown store URL {url!r}: expected sqlite:///<file> or postgresql://…"
+    )
+
+
+# A handler: ``MODULE:CALLABLE``, dotted on both sides.
+HANDLER_SPEC_RE = re.compile(
+    r"([A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)*):([A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*)"
+)
+
+
+def parse_handler_spec(spec: str) -> tuple[str, str]:
+    """``MODULE:CALLABLE`` → (module, attribute path); ConfigError when the
+    text has another form. Whether the module exists is
+    ``node.handlers.check_spec``'s question."""
+    m = HANDLER_SPEC_RE.fullmatch(spec.strip()) if isinstance(spec, str) else None
+    if not m:
+        raise ConfigError(
+            f"handler {spec!r} is not valid: expected MODULE:CALLABLE "
+            "(like node.handlers:cpu_work or mypkg.models:Embedder)"
+        )
+    return m.group(1), m.group(2)
 
 
 def _check_http(http: str) -> str:
