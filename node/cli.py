@@ -79,7 +79,7 @@ _RUN_OPTIONS = (
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from node.config import load_config
+    from node.core.config import load_config
     from node.supervisor import run
 
     flags = {name: getattr(args, name, None) for name in _RUN_OPTIONS}
@@ -88,9 +88,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _state_name(name: str | None) -> str:
-    from node.config import _clean_host_name, check_name
+    from node.core.config import ENV_PREFIX
+    from node.core.names import check_name, host_node_name
 
-    return check_name(name or os.environ.get("QUEUE_NODE_NAME") or _clean_host_name())
+    return check_name(name or os.environ.get(ENV_PREFIX + "NAME") or host_node_name())
 
 
 def _cmd_state(args: argparse.Namespace) -> int:
@@ -155,7 +156,7 @@ def _cmd_clear(args: argparse.Namespace) -> int:
     """Remove a node's host-wide names when no process holds them: the way
     out of a start refused for a stale or foreign name. Exit 0 (what was
     removed, one line each), 2 when they are in use or not this user's."""
-    from node.config import check_name
+    from node.core.names import check_name
     from node.names import clear
 
     removed = clear(check_name(args.name))

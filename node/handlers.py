@@ -26,13 +26,11 @@ import importlib.util
 import inspect
 import json
 import os
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from node.core.config import parse_handler_spec
 from node.core.errors import ConfigError
-
-SPEC_RE = re.compile(r"([A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)*):([A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*)")
 
 Items = Sequence[dict[str, Any]]
 
@@ -42,14 +40,13 @@ class HandlerError(ConfigError):
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
-    """``MODULE:CALLABLE`` → (module, attribute path)."""
-    m = SPEC_RE.fullmatch(spec.strip()) if isinstance(spec, str) else None
-    if not m:
-        raise HandlerError(
-            f"handler {spec!r} is not valid: expected MODULE:CALLABLE "
-            "(like node.handlers:cpu_work or mypkg.models:Embedder)"
-        )
-    return m.group(1), m.group(2)
+    """``MODULE:CALLABLE`` → (module, attribute path); HandlerError when the
+    text has another form (the configuration checked it already: this is
+    for a spec that did not come through it)."""
+    try:
+        return parse_handler_spec(spec)
+    except ConfigError as exc:
+        raise HandlerError(str(exc)) from None
 
 
 def check_spec(spec: str) -> None:

@@ -1,5 +1,7 @@
-"""The host-wide names a node owns, who holds them, and clearing stale ones.
+"""Who holds a node's host-wide names, and clearing stale ones.
 
+The names themselves are computed in ``node/core/names.py`` (pure strings);
+this module looks them up on the host, so it may import shm and the keeper.
 A node named N owns, on its host:
 
 | name | kind | made by |
@@ -25,31 +27,36 @@ from pathlib import Path
 import posix_ipc
 
 from node.core.errors import NameTaken, NodeError
-from shm.segment import owner_name, pid_alive, segment_name
+from node.core.names import (
+    SEGMENT_KINDS,
+    ask_queue_name,
+    ledger_address,
+    owner_name,
+    reply_queue_prefix,
+    shm_segment_name,
+    wake_name,
+)
+from shm.segment import pid_alive
 
-SEGMENT_KINDS = ("ready", "leases", "state")
+# Re-exported: workers/claim.py imports ledger_address from here.
+__all__ = ["SEGMENT_KINDS", "NamesHeld", "check_all", "clear", "holders", "ledger_address"]
 
 
 class NamesHeld(NodeError):
     """``clear`` found live processes still holding the node's names."""
 
 
-def ledger_address(node: str) -> str:
-    """The ledger's abstract socket name (a leading NUL: no file, no mode)."""
-    return f"\0queue-node.{node}.ledger"
-
-
 def check_all(node: str, data_dir_id: bytes, layouts: dict[str, int]) -> None:
     """Refuse (NameTaken, StaleLayout) unless every name of ``node`` is absent
     or this data directory's node's; changes nothing. ``layouts``: kind ->
     the layout version this build writes."""
-    from keeper.ask import ask_queue_name, check_queue
+    from keeper.ask import check_queue
     from shm import segment
     from shm.wake import check_semaphore, semaphore_owner
 
     for kind in SEGMENT_KINDS:
-        segment.vet(segment_name(node, kind), layouts[kind], data_dir_id)
-    wake = segment_name(node, "wake")
+        segment.vet(shm_segment_name(node, kind), layouts[kind], data_dir_id)
+    wake = wake_name(node)
     check_semaphore(wake, semaphore_owner(wake), absent_ok=True)
     check_queue(ask_queue_name(node))
     check_ledger_name(node)
@@ -75,7 +82,7 @@ def check_ledger_name(node: str) -> None:
         sock.close()
     if uid != os.getuid():
         raise NameTaken(
-            f"the ledger socket @queue-node.{node}.ledger is bound by pid {pid} of "
+            f"the ledger socket @{ledger_address(node)[1:]} is bound by pid {pid} of "
             f"{owner_name(uid)}, not this node's user ({owner_name(os.getuid())}): refusing "
             "to start; stop that process or pick another --name"
         )
@@ -83,15 +90,13 @@ def check_ledger_name(node: str) -> None:
 
 def _present(node: str) -> list[tuple[str, str]]:
     """``(name, path in /dev/shm or "")`` for each of the node's names that exists."""
-    from keeper.ask import ask_queue_name
-
     found = []
     for kind in SEGMENT_KINDS:
-        name = segment_name(node, kind)
+        name = shm_segment_name(node, kind)
         path = f"/dev/shm{name}"
         if os.path.exists(path):
             found.append((name, path))
-    wake = segment_name(node, "wake")
+    wake = wake_name(node)
     if os.path.exists(f"/dev/shm/sem.{wake.lstrip('/')}"):
         found.append((wake, f"/dev/shm/sem.{wake.lstrip('/')}"))
     ask = ask_queue_name(node)
@@ -112,7 +117,7 @@ def holders(node: str) -> dict[int, list[str]]:
     present = _present(node)
     paths = {path for _name, path in present if path}
     queues = {name for name, path in present if not path}
-    prefix = f"/queue-node.{node}."
+    replies = reply_queue_prefix(node)
     held: dict[int, list[str]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -127,7 +132,7 @@ def holders(node: str) -> dict[int, list[str]]:
                         names.add(path.removesuffix(" (deleted)"))
             for fd in (entry / "fd").iterdir():
                 target = os.readlink(fd)
-                if target in queues or target.startswith(prefix + "reply."):
+                if target in queues or target.startswith(replies):
                     names.add(target)
         except OSError:
             continue
@@ -151,7 +156,7 @@ def clear(node: str) -> list[str]:
     except NodeError:
         owner = 0
     if owner and owner not in held and pid_alive(owner):
-        held[owner] = [segment_name(node, "state") + " (its supervisor)"]
+        held[owner] = [shm_segment_name(node, "state") + " (its supervisor)"]
     if held:
         said = "; ".join(f"pid {pid}: {', '.join(names)}" for pid, names in sorted(held.items()))
         raise NamesHeld(f"node {node!r} is still in use ({said}): stop it first")

@@ -41,8 +41,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from node.config import Config, tls_context
 from node.core import log, metrics
+from node.core.config import Config, tls_context
 from node.core.errors import ConfigError, NodeError
 from node.core.identity import data_dir_id, new_boot_id
 from node.core.proc import ENV_CONFIG, ENV_STARTED_AT, ENV_SUPERVISOR, python_argv
@@ -483,7 +483,7 @@ class Supervisor:
         memory. Options that need a restart (ports, sizes) keep their values."""
         import dataclasses
 
-        from node.config import load_config
+        from node.core.config import load_config
 
         if self.config.config_file is None:
             log.log("reload_skipped", reason="no config file")

@@ -63,6 +63,12 @@ from typing import Any
 import posix_ipc
 
 from node.core.errors import LayoutMismatch, NameTaken, NodeError, NodeNotRunning
+from node.core.names import node_of_segment, owner_name, shm_segment_name
+
+# The old name of shm_segment_name, kept while shm/leases.py, shm/ready.py and
+# tests still import it from here (the completion log's segment_name(number)
+# is another thing: a file name).
+segment_name = shm_segment_name
 
 # The futexes live in shm/futex.py; their names are re-exported here.
 from shm.futex import FUTEX_WAIT as FUTEX_WAIT
@@ -91,11 +97,6 @@ U32 = struct.Struct("<I")
 
 class SnapshotUnstable(NodeError):
     """A seqlocked region kept changing under the reader for too many tries."""
-
-
-def segment_name(node: str, kind: str) -> str:
-    """The host-wide name of ``node``'s segment (or semaphore) of ``kind``."""
-    return f"/queue-node.{node}.{kind}"
 
 
 def pid_alive(pid: int) -> bool:
@@ -263,16 +264,6 @@ def _write_identity(mm: Any, size: int, data_dir_id: bytes, boot_id: bytes) -> N
     IDENTITY.pack_into(
         mm, size - IDENTITY_SIZE, IDENTITY_MAGIC, IDENTITY_VERSION, data_dir_id, boot_id
     )
-
-
-def owner_name(uid: int) -> str:
-    """``uid 1000 (alice)``, for refusals."""
-    import pwd
-
-    try:
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except KeyError:
-        return f"uid {uid}"
 
 
 def check_owner(name: str, uid: int) -> None:
@@ -454,21 +445,17 @@ def vet(name: str, layout_version: int, data_dir_id: bytes) -> str | None:
         )
         raise NameTaken(
             f"{name} {what}: refusing to reuse it; if no node uses it, remove it with "
-            f"'python -m node clear {_node_of(name)}'"
+            f"'python -m node clear {node_of_segment(name)}'"
         )
     if layout != layout_version:
         raise StaleLayout(
             f"{name} has layout {layout} but this build writes {layout_version}: a crash left "
             "it with what it held (live leases). Start the build that made it and stop it "
             "cleanly (its leases are saved and carried across), or run "
-            f"'python -m node clear {_node_of(name)}' and accept that its leased keys may be "
-            "granted again"
+            f"'python -m node clear {node_of_segment(name)}' and accept that its leased keys "
+            "may be granted again"
         )
     return "ours"
-
-
-def _node_of(name: str) -> str:
-    return name.removeprefix("/queue-node.").rsplit(".", 1)[0]
 
 
 def create_or_reattach(

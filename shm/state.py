@@ -56,6 +56,7 @@ from typing import Any
 import msgpack
 
 from node.core.errors import NodeError, NodeNotRunning
+from node.core.names import shm_segment_name
 from shm import segment
 
 try:
@@ -65,7 +66,7 @@ except ImportError as _exc:  # reported when a buffer is opened, with what to do
     _ATOMIC_IMPORT_ERROR: ImportError | None = _exc
 else:
     _ATOMIC_IMPORT_ERROR = None
-from shm.segment import HEADER_SIZE, U32, Segment, SnapshotUnstable, pid_alive, segment_name
+from shm.segment import HEADER_SIZE, U32, Segment, SnapshotUnstable, pid_alive
 
 LAYOUT_VERSION = 1
 KIND = "state"
@@ -139,7 +140,7 @@ class StateBuffer:
             DOC_INFO.pack_into(mm, DOC_INFO_OFFSET, 0, doc_capacity)
 
         seg = segment.create_or_reattach(
-            segment_name(node, KIND),
+            shm_segment_name(node, KIND),
             size,
             LAYOUT_VERSION,
             group=group,
@@ -160,14 +161,17 @@ class StateBuffer:
         member of the buffer's group may do. With ``data_dir_id``, only the
         buffer of the node of that data directory (NameTaken otherwise)."""
         seg = segment.attach(
-            segment_name(node, KIND), LAYOUT_VERSION, read_only=read_only, data_dir_id=data_dir_id
+            shm_segment_name(node, KIND),
+            LAYOUT_VERSION,
+            read_only=read_only,
+            data_dir_id=data_dir_id,
         )
         return cls(seg)
 
     @staticmethod
     def unlink(node: str) -> bool:
         """Supervisor only."""
-        return segment.unlink(segment_name(node, KIND))
+        return segment.unlink(shm_segment_name(node, KIND))
 
     def close(self) -> None:
         self.segment.close()
@@ -507,7 +511,7 @@ def read_state(node: str, now: float | None = None) -> dict:
     if not pid_alive(owner):
         raise NodeNotRunning(
             f"node {node!r} is not running: its supervisor (pid {owner}) is gone "
-            f"and left {segment_name(node, KIND)} behind"
+            f"and left {shm_segment_name(node, KIND)} behind"
         )
     counts = lease_counts(node)
     answer = queue_state(state, time.time() if now is None else now, counts)

@@ -16,7 +16,8 @@ import stat
 import posix_ipc
 
 from node.core.errors import NameTaken, NodeNotRunning
-from shm.segment import check_owner, segment_name
+from node.core.names import wake_name
+from shm.segment import check_owner
 
 # A post while the value is already this high is dropped: the keeper will wake
 # anyway, and the value must not grow without bound while nobody waits.
@@ -59,7 +60,7 @@ class Wake:
     @classmethod
     def create(cls, node: str) -> Wake:
         """Supervisor: create the semaphore, or reuse (and drain) one a crash left."""
-        name = segment_name(node, "wake")
+        name = wake_name(node)
         try:
             # The umask can only narrow 0600, never widen it.
             sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
@@ -79,7 +80,7 @@ class Wake:
 
     @classmethod
     def attach(cls, node: str) -> Wake:
-        name = segment_name(node, "wake")
+        name = wake_name(node)
         try:
             sem = posix_ipc.Semaphore(name)
         except posix_ipc.ExistentialError:
@@ -133,7 +134,7 @@ class Wake:
     def unlink(node: str) -> bool:
         """Supervisor only. False when it did not exist."""
         try:
-            posix_ipc.unlink_semaphore(segment_name(node, "wake"))
+            posix_ipc.unlink_semaphore(wake_name(node))
         except posix_ipc.ExistentialError:
             return False
         return True

@@ -23,6 +23,33 @@ def test_node_errors_names_every_exception_of_the_core_as_the_same_class() -> No
         assert getattr(errors, name) is getattr(core_errors, name)
 
 
+def test_node_config_names_the_cores_configuration_as_the_same_objects() -> None:
+    import node.config
+    import node.core.config
+
+    assert set(node.config.__all__) == set(node.core.config.__all__)
+    for name in node.config.__all__:
+        assert getattr(node.config, name) is getattr(node.core.config, name)
+
+
+def test_every_host_wide_name_comes_from_the_core() -> None:
+    """node/core/names.py computes them; the modules that use them name the
+    same functions (the old spellings are the same objects)."""
+    from keeper import ask
+    from node import names
+    from node.core import names as core_names
+    from shm import segment
+
+    assert segment.segment_name is core_names.shm_segment_name
+    assert segment.owner_name is core_names.owner_name
+    assert names.ledger_address is core_names.ledger_address
+    assert core_names.shm_segment_name("n1", "ready") == "/queue-node.n1.ready"
+    assert core_names.wake_name("n1") == "/queue-node.n1.wake"
+    assert core_names.ledger_address("n1") == "\0queue-node.n1.ledger"
+    assert core_names.ask_queue_name("n1") == ask.ask_queue_name("n1") == "/queue-node.n1.ask"
+    assert core_names.reply_queue_prefix("n1") == ask.reply_queue_prefix("n1")
+
+
 def test_the_keeper_and_the_workers_see_one_class_identity() -> None:
     """One definition (node/core/classes.py): the class a worker checks a
     write against is the class the keeper files the row in."""

@@ -175,8 +175,8 @@ def test_a_ledger_name_another_user_bound_first_is_refused(
 def test_an_ipc_client_refuses_a_ledger_of_another_uid(node_name: str) -> None:
     """The check every client makes, whoever started first: a worker or a
     LocalClaimer never sends a result to a socket another user serves."""
+    from node.core.names import ledger_address
     from node.ipc import Client, IpcError
-    from node.names import ledger_address
 
     code = (
         "import socket, time\n"

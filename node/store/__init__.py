@@ -9,28 +9,11 @@
 
 from __future__ import annotations
 
-from node.core.errors import UnsupportedStore
+# The URL's form is checked with the rest of the configuration (the core).
+from node.core.config import check_store_url
 from node.store.base import BadRow, ClaimSource, Store
 
 __all__ = ["BadRow", "ClaimSource", "Store", "open_store", "check_store_url"]
-
-
-def check_store_url(url: str) -> str:
-    """Validate a store URL before anything starts; returns it unchanged."""
-    if url.startswith("memory://"):
-        return url
-    if url.startswith("sqlite:///"):
-        if len(url) == len("sqlite:///"):
-            raise UnsupportedStore(f"store URL {url!r} names no file")
-        return url
-    if url.startswith(("postgresql://", "postgres://")):
-        raise UnsupportedStore(
-            "the PostgreSQL fleet backend is not available in this build yet; "
-            "use sqlite:///<file> (the default)"
-        )
-    raise UnsupportedStore(
-        f"unknown store URL {url!r}: expected sqlite:///<file> or postgresql://…"
-    )
 
 
 def open_store(url: str) -> Store:

@@ -39,8 +39,8 @@ from typing import Any
 
 from aiohttp import web
 
-from node.config import Config, load_run_config, tls_context
 from node.core import log
+from node.core.config import Config, load_run_config, tls_context
 from node.core.errors import NodeError
 from node.core.proc import (
     ENV_STARTED_AT,
@@ -149,11 +149,12 @@ class _WorkSide:
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="claim")
 
     async def start(self, ctx: Any, config: Config, wake: Any) -> Any:
+        from node.core.names import ledger_address
         from node.ipc import AsyncClient
         from node.store import open_store
         from shm.leases import LeaseTable
         from shm.ready import ReadySet
-        from workers.claim import Claimer, ledger_address
+        from workers.claim import Claimer
         from workers.http.app import readiness
         from workers.http.work import WorkPath
 

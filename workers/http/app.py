@@ -40,8 +40,8 @@ import msgpack
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from node.config import Config
 from node.core import log
+from node.core.config import Config
 from node.core.errors import ValidationError
 from node.core.rows import ORIGIN_NODE, RowWrite, check_key, parse_row
 from node.store.base import BadRow, Store

@@ -40,7 +40,7 @@ from typing import Any
 from node.core.errors import NodeError
 
 FILE_NAME = "accounting.json"
-FILE_FORMAT = "queue-workers.ledger.accounting"
+FILE_FORMAT = "queue-node.accounting"
 FILE_VERSION = 1
 # How often the ledger checkpoints the table's counters: what a host reboot
 # after a crash can lose (plus the leases live at the crash).

@@ -31,12 +31,12 @@ from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
-from node.config import Config, load_run_config
 from node.core import log
+from node.core.config import Config, load_run_config
 from node.core.errors import NodeError
+from node.core.names import ledger_address
 from node.core.proc import RET_ERROR, RET_OK, child_signals, die_with_parent, set_title
 from node.ipc import MAX_FRAME, IpcError, RemoteError, pack, peer_uid, read_frame
-from node.names import ledger_address
 
 # Segments of the completion log live in <data-dir>/LOG_DIR.
 LOG_DIR = "log"
