@@ -30,6 +30,7 @@ import msgpack
 import posix_ipc
 
 from node.core.errors import NameTaken
+from node.core.names import ask_queue_name, reply_queue_prefix
 from shm.segment import check_owner
 
 MAX_MESSAGES = 4
@@ -37,14 +38,6 @@ MAX_MESSAGES = 4
 REPLY_MESSAGES = 1
 MAX_MESSAGE_BYTES = 8192
 _MODE = 0o600
-
-
-def ask_queue_name(node: str) -> str:
-    return f"/queue-node.{node}.ask"
-
-
-def reply_queue_prefix(node: str) -> str:
-    return f"/queue-node.{node}.reply."
 
 
 _ids = itertools.count(1)
@@ -196,7 +189,7 @@ def unlink_all(node: str) -> None:
     crashed askers."""
     names = [ask_queue_name(node)]
     try:
-        prefix = f"queue-node.{node}.reply."
+        prefix = reply_queue_prefix(node).lstrip("/")
         names += ["/" + n for n in os.listdir("/dev/mqueue") if n.startswith(prefix)]
     except OSError:
         pass

@@ -22,10 +22,11 @@ import os
 import socket
 import threading
 import urllib.parse
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from node.config import UNIX_PREFIX
-from node.core.errors import NodeError
+from node.core.errors import ClientError
+from node.core.rows import Grant
 
 if TYPE_CHECKING:
     from node.local import LocalClaimer
@@ -34,41 +35,6 @@ __all__ = ["Client", "ClientError", "Grant", "LocalClaimer"]
 
 # A call that is not a long poll should be answered well within this.
 TIMEOUT_S = 30.0
-
-
-class Grant(NamedTuple):
-    """One lease granted by a claim: what the holder needs to do the work.
-    The claim path (``workers.claim``) makes them, in C as in Python."""
-
-    lease_id: int
-    key: str
-    payload: Any
-    job: str
-    due_at: float
-    expires_at: float
-    route: str | None = None  # which handler an inference process runs it with
-    misses: int = 0  # misses in a row before this lease (a poison item shows here)
-
-
-class ClientError(NodeError):
-    """The node refused a request: ``status`` (the HTTP status), ``code``
-    (the stable error code of ``docs/api.md``), ``message``, ``field``;
-    ``body`` is the whole answer when there was one."""
-
-    def __init__(
-        self,
-        status: int,
-        code: str,
-        message: str,
-        field: str | None = None,
-        body: Any = None,
-    ) -> None:
-        super().__init__(f"{status} {code}: {message}" + (f" ({field})" if field else ""))
-        self.status = status
-        self.code = code
-        self.message = message
-        self.field = field
-        self.body = body
 
 
 def _grant(doc: dict[str, Any]) -> Grant:
@@ -119,9 +85,7 @@ class Client:
         else:
             parts = urllib.parse.urlsplit(base_url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(
-                    f"base_url {base_url!r} is not http(s)://host:port or unix:/path"
-                )
+                raise ValueError(f"base_url {base_url!r} is not http(s)://host:port or unix:/path")
         self.base_url = base_url.rstrip("/")
         self._https = parts.scheme == "https"
         self._host = parts.hostname or "localhost"

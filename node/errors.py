@@ -3,6 +3,7 @@
 ``node/core/errors.py``; this module names the same classes."""
 
 from node.core.errors import (
+    ClientError,
     ConfigError,
     LayoutMismatch,
     LeaseConflict,
@@ -21,6 +22,7 @@ from node.core.errors import (
 )
 
 __all__ = [
+    "ClientError",
     "ConfigError",
     "LayoutMismatch",
     "LeaseConflict",

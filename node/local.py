@@ -25,9 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from node.client import ClientError, Grant
 from node.config import Config
 from node.core.errors import (
+    ClientError,
     LeaseConflict,
     NodeError,
     NodeNotRunning,
@@ -36,9 +36,9 @@ from node.core.errors import (
     ValidationError,
     WorkRefused,
 )
+from node.core.names import ledger_address
 from node.core.proc import ENV_CONFIG
-from node.core.rows import check_key
-from node.names import ledger_address
+from node.core.rows import Grant, check_key
 from shm.leases import SlotTakenOver
 from workers.claim import (
     Claimer,
@@ -199,9 +199,7 @@ class LocalClaimer:
             return False
         if self.leases.sealed:
             return True
-        return not all(
-            seg.segment.still_named() for seg in (self.state, self.ready, self.leases)
-        )
+        return not all(seg.segment.still_named() for seg in (self.state, self.ready, self.leases))
 
     def _reattach(self) -> None:
         """Move to the new node's segments, or ClientError 503 node_restarted
@@ -217,8 +215,11 @@ class LocalClaimer:
             ) from None  # fmt: skip
         if self.leases.sealed or self.boot_id == old_boot:
             self._detach()
-            raise ClientError(503, "node_restarted",
-                              f"node {self.name!r} is stopping; its next start is not up yet")
+            raise ClientError(
+                503,
+                "node_restarted",
+                f"node {self.name!r} is stopping; its next start is not up yet",
+            )
 
     def _current(self) -> None:
         """Reattach first when the last call found the node gone."""
@@ -301,8 +302,9 @@ class LocalClaimer:
             answer = self.ledger.call("complete", items=request)
         except IpcError as exc:
             if self._opened and self._restarted():
-                raise ClientError(503, "node_restarted",
-                                  f"node {self.name!r} restarted: {exc}; send it again") from None
+                raise ClientError(
+                    503, "node_restarted", f"node {self.name!r} restarted: {exc}; send it again"
+                ) from None
             raise ClientError(503, "ledger_unavailable", str(exc)) from None
         except RemoteError as exc:
             raise refusal(ledger_error(exc.code, exc.message)) from None

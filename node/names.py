@@ -38,7 +38,7 @@ from node.core.names import (
 )
 from shm.segment import pid_alive
 
-# Re-exported: workers/claim.py imports ledger_address from here.
+# ledger_address is the core's (node/core/names.py), re-exported here.
 __all__ = ["SEGMENT_KINDS", "NamesHeld", "check_all", "clear", "holders", "ledger_address"]
 
 

@@ -63,12 +63,7 @@ from typing import Any
 import posix_ipc
 
 from node.core.errors import LayoutMismatch, NameTaken, NodeError, NodeNotRunning
-from node.core.names import node_of_segment, owner_name, shm_segment_name
-
-# The old name of shm_segment_name, kept while shm/leases.py, shm/ready.py and
-# tests still import it from here (the completion log's segment_name(number)
-# is another thing: a file name).
-segment_name = shm_segment_name
+from node.core.names import node_of_segment, owner_name
 
 # The futexes live in shm/futex.py; their names are re-exported here.
 from shm.futex import FUTEX_WAIT as FUTEX_WAIT
@@ -233,20 +228,6 @@ def populate(mm: mmap.mmap) -> bool:
     except (OSError, ValueError):
         return False
     return True
-
-
-def check_layout(module: str, exported: dict[str, int], ours: dict[str, Any]) -> None:
-    """ImportError unless every offset and code a C module was compiled with
-    (``exported``, by the Python names) is the one the Python side defines:
-    the layouts are written in both, and a build of another layout must fail
-    at import, never read the wrong bytes."""
-    wrong = [f"{name} is {value} there, {ours.get(name)} here"
-             for name, value in exported.items() if ours.get(name) != value]  # fmt: skip
-    if wrong:
-        raise ImportError(
-            f"{module} was built from another layout ({'; '.join(wrong)}): rebuild it "
-            "(pip install -e . or scripts/setup)"
-        )
 
 
 def read_identity(mm: Any, size: int) -> tuple[bytes, bytes] | None:

@@ -27,13 +27,13 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from node.config import Config, RouteConfig
+from node.core.names import shm_segment_name
 from node.core.rows import RowWrite
 from node.ipc import IpcError, RemoteError
 from node.store import open_store
 from shm import segment
 from shm.leases import LeaseTable, Outcome
 from shm.ready import ReadySet
-from shm.segment import segment_name
 from workers.claim import Claimer, Grant, NotReady, ledger_address
 from workers.http.app import WorkerContext, make_app
 from workers.http.errors import ERROR_CODES
@@ -52,7 +52,7 @@ def name():
     node = f"tc{uuid.uuid4().hex[:12]}"
     yield node
     ReadySet.unlink(node)
-    segment.unlink(segment_name(node, "leases"))
+    segment.unlink(shm_segment_name(node, "leases"))
 
 
 @pytest.fixture

@@ -24,13 +24,13 @@ from pathlib import Path
 import pytest
 
 from node.config import Config, RouteConfig
+from node.core.names import shm_segment_name
 from node.core.rows import RowWrite
 from node.store import open_store
+from shm import layout, segment
 from shm import leases as leases_mod
-from shm import segment
 from shm.leases import LeaseTable, Refuse, Refused
 from shm.ready import RECORD_TAG_SHIFT, ReadySet
-from shm.segment import segment_name
 from workers.claim import Claimer, Grant
 
 pytestmark = pytest.mark.timeout(60)
@@ -46,7 +46,7 @@ def names():
     yield pair
     for node in pair:
         ReadySet.unlink(node)
-        segment.unlink(segment_name(node, "leases"))
+        segment.unlink(shm_segment_name(node, "leases"))
 
 
 def _config() -> Config:
@@ -422,7 +422,7 @@ def test_the_c_modules_layouts_are_checked_against_the_python_ones_at_import():
     assert _claim.READY_LAYOUT["ENTRY_SIZE"] == ready.ENTRY_SIZE
     moved = dict(_claim.LEASE_LAYOUT, SEALED=leases_py.SEALED + 4)
     with pytest.raises(ImportError, match="SEALED is 40 there, 36 here.*rebuild"):
-        segment.check_layout("shm._claim", moved, vars(leases_py))
+        layout.check("shm._claim", moved, vars(leases_py))
 
 
 def test_a_sqlite_failure_in_the_c_path_is_the_stores_own_error(names, tmp_path):

@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from node.core.names import shm_segment_name
 from shm import _claim, leases, segment
 from shm.leases import LeaseTable, Outcome, Refuse, Refused
-from shm.segment import segment_name
 
 T0 = 1_700_000_000.0
 
@@ -51,7 +51,7 @@ def pair():
     yield tables
     for t, n in zip(tables, names, strict=True):
         t.close()
-        segment.unlink(segment_name(n, "leases"))
+        segment.unlink(shm_segment_name(n, "leases"))
 
 
 KEYS = ["a", "b", "key-ü", "c" * 208, "d" * 209, "e" * 300 + "ö" * 100] + [
@@ -138,7 +138,7 @@ def node_table():
     t = LeaseTable.create(name, capacity=64, max_misses=3, now=T0)
     yield t
     t.close()
-    segment.unlink(segment_name(name, "leases"))
+    segment.unlink(shm_segment_name(name, "leases"))
 
 
 def test_a_full_table_refuses_through_the_python_path(node_table):

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import pytest
 
+from node.core.names import shm_segment_name
 from shm import leases, segment
 from shm.leases import Lease, LeaseTable, Outcome
-from shm.segment import segment_name
 from tests.procs import proc_state, wait_until
 from workers.ledger.accounting import LogCounts, build
 
@@ -52,7 +52,7 @@ pytestmark = pytest.mark.timeout(90)
 def node():
     name = f"t{uuid.uuid4().hex[:12]}"
     yield name
-    segment.unlink(segment_name(name, "leases"))
+    segment.unlink(shm_segment_name(name, "leases"))
 
 
 

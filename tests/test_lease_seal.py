@@ -33,12 +33,12 @@ import pytest
 
 from node.config import Config, RouteConfig
 from node.core.errors import NodeError, NodeRestarted
+from node.core.names import shm_segment_name
 from node.core.rows import RowWrite
 from node.store import open_store
 from shm import segment
 from shm.leases import SEALED, Lease, LeaseTable, Outcome, Refuse, Refused, owner_bits
 from shm.ready import ReadySet
-from shm.segment import segment_name
 from tests.procs import proc_state, wait_until
 from workers.claim import Claimer
 
@@ -55,7 +55,7 @@ pytestmark = pytest.mark.timeout(90)
 def node():
     name = f"t{uuid.uuid4().hex[:12]}"
     yield name
-    segment.unlink(segment_name(name, "leases"))
+    segment.unlink(shm_segment_name(name, "leases"))
     ReadySet.unlink(name)
 
 

@@ -28,6 +28,7 @@ import msgpack
 import pytest
 
 from node.core.errors import NodeError
+from node.core.names import shm_segment_name
 from shm import leases, segment
 from shm.leases import (
     AtomicsMissing,
@@ -39,7 +40,6 @@ from shm.leases import (
     hold_s,
 )
 from shm.ready import RECORD_TAG_MASK, RECORD_TAG_SHIFT
-from shm.segment import segment_name
 from tests.procs import proc_state, wait_until
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -53,7 +53,7 @@ LATER = T0 + 1e6  # every hold in these tests has passed
 def node():
     name = f"t{uuid.uuid4().hex[:12]}"
     yield name
-    segment.unlink(segment_name(name, "leases"))
+    segment.unlink(shm_segment_name(name, "leases"))
 
 
 @pytest.fixture
@@ -419,7 +419,7 @@ def test_missing_extension_is_a_clear_error(node, monkeypatch):
     monkeypatch.setattr(leases.protocol, "_atomic", None)
     with pytest.raises(AtomicsMissing, match="pip install -e"):
         LeaseTable.create(node)
-    assert not Path("/dev/shm", segment_name(node, "leases").lstrip("/")).exists()
+    assert not Path("/dev/shm", shm_segment_name(node, "leases").lstrip("/")).exists()
 
 
 def test_the_atomics_check_offsets():

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+from node.core.names import shm_segment_name
 from shm import _atomic, futex, leases, ready, segment, state
 from shm.leases import (
     COPY_AT,
@@ -48,7 +49,7 @@ from shm.leases import (
 )
 from shm.ready import SLOT, ReadyEntry, ReadySet
 from shm.ready import take as ready_take
-from shm.segment import U32, segment_name
+from shm.segment import U32
 from shm.state import DOC_HEADER, FIELDS, FIELDS_OFFSET, HEADER_SEQ_OFFSET, StateBuffer
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -67,7 +68,7 @@ def node():
     name = _new_node()
     yield name
     for kind in ("ready", "state", "leases"):
-        segment.unlink(segment_name(name, kind))
+        segment.unlink(shm_segment_name(name, kind))
 
 
 def _anon(size: int = 4096) -> mmap.mmap:
@@ -361,7 +362,7 @@ def test_state_buffer_bytes_match_the_python_writer(node):
             assert DOC_HEADER.unpack_from(ours.segment.mm, base) == (2, 4, 11.5)
             assert ours.read()["doc"] == {"a": 1}
     finally:
-        segment.unlink(segment_name(other, "state"))
+        segment.unlink(shm_segment_name(other, "state"))
 
 
 # -- torn reads: a writer process rewrites in a loop, this process reads --------

@@ -23,9 +23,10 @@ from pathlib import Path
 import pytest
 
 from node.core.errors import LayoutMismatch, NodeError, NodeNotRunning
+from node.core.names import shm_segment_name
 from shm import segment
 from shm.ready import ReadySet, heap_size_for
-from shm.segment import futex_wait, futex_wake, pid_alive, segment_name
+from shm.segment import futex_wait, futex_wake, pid_alive
 from shm.state import HEARTBEAT_MAX_AGE_S, StateBuffer, read_state
 from shm.wake import WAKE_CAP, Wake
 from tests.procs import wait_until
@@ -42,7 +43,7 @@ def _new_node() -> str:
 
 def _unlink_all(name: str) -> None:
     for kind in ("ready", "state", "leases"):
-        segment.unlink(segment_name(name, kind))
+        segment.unlink(shm_segment_name(name, kind))
     Wake.unlink(name)
 
 
@@ -61,7 +62,7 @@ def other_node():
 
 
 def _shm_path(name: str, kind: str) -> Path:
-    return Path("/dev/shm") / segment_name(name, kind).lstrip("/")
+    return Path("/dev/shm") / shm_segment_name(name, kind).lstrip("/")
 
 
 
@@ -420,7 +421,7 @@ def test_segments_are_private_to_the_user(node):
     try:
         assert stat.S_IMODE(_shm_path(node, "ready").stat().st_mode) == 0o600
         assert stat.S_IMODE(_shm_path(node, "state").stat().st_mode) == 0o600
-        sem_path = Path("/dev/shm") / f"sem.{segment_name(node, 'wake').lstrip('/')}"
+        sem_path = Path("/dev/shm") / f"sem.{shm_segment_name(node, 'wake').lstrip('/')}"
         assert stat.S_IMODE(sem_path.stat().st_mode) == 0o600
     finally:
         for handle in (ready, state, wake):
@@ -477,7 +478,7 @@ def test_another_layout_is_layout_mismatch_and_create_refuses_it(node):
     never replaced behind the operator's back."""
     from shm.segment import StaleLayout
 
-    name = segment_name(node, "ready")
+    name = shm_segment_name(node, "ready")
     segment.create(name, 4096, layout_version=99).close()
     with pytest.raises(LayoutMismatch, match="layout version 99"):
         ReadySet.attach(node)
@@ -492,7 +493,7 @@ def test_another_layout_is_layout_mismatch_and_create_refuses_it(node):
 
 
 def test_only_one_creator_and_a_half_made_segment_is_not_running(node):
-    name = segment_name(node, "ready")
+    name = shm_segment_name(node, "ready")
     seg = segment.create(name, 4096, layout_version=1)
     with pytest.raises(NodeError, match="already exists"):
         segment.create(name, 4096, layout_version=1)
@@ -505,7 +506,7 @@ def test_only_one_creator_and_a_half_made_segment_is_not_running(node):
 
 
 def test_foreign_bytes_are_layout_mismatch(node):
-    name = segment_name(node, "ready")
+    name = shm_segment_name(node, "ready")
     seg = segment.create(name, 4096, layout_version=1)
     seg.mm[0:4] = b"NOPE"
     seg.close()

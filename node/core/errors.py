@@ -6,6 +6,8 @@ exc``); callers above that point only ever see these names.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class NodeError(Exception):
     """Base of every error the node raises on purpose."""
@@ -110,3 +112,25 @@ class NotReady(WorkUnavailable):
 
     def __init__(self, message: str) -> None:
         super().__init__("not_ready", message)
+
+
+class ClientError(NodeError):
+    """The node refused a request (``node.client.Client`` over HTTP,
+    ``node.local.LocalClaimer`` in shared memory, alike): ``status`` (the HTTP status), ``code``
+    (the stable error code of ``docs/api.md``), ``message``, ``field``;
+    ``body`` is the whole answer when there was one."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        field: str | None = None,
+        body: Any = None,
+    ) -> None:
+        super().__init__(f"{status} {code}: {message}" + (f" ({field})" if field else ""))
+        self.status = status
+        self.code = code
+        self.message = message
+        self.field = field
+        self.body = body

@@ -11,7 +11,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from node.core.errors import ValidationError
 
@@ -245,3 +245,18 @@ def stored_row_is_valid(route: Any, cadence_s: Any, sitemap: Any, due_at: Any) -
     if isinstance(due_at, bool) or not isinstance(due_at, int | float):
         return False
     return math.isfinite(due_at) and MIN_DUE_AT <= due_at <= MAX_DUE_AT
+
+
+class Grant(NamedTuple):
+    """One lease granted by a claim: what the holder needs to do the work.
+    The claim path (``workers.claim``) makes them, in C as in Python; both
+    clients (``node.client.Client``, ``node.local.LocalClaimer``) return them."""
+
+    lease_id: int
+    key: str
+    payload: Any
+    job: str
+    due_at: float
+    expires_at: float
+    route: str | None = None  # which handler an inference process runs it with
+    misses: int = 0  # misses in a row before this lease (a poison item shows here)

@@ -78,7 +78,7 @@ are checked against protocol.py's at import (below).
 
 from __future__ import annotations
 
-from shm import segment
+from shm import layout
 from shm.leases import protocol
 from shm.leases.answers import Expired, Hold, Lease, Outcome, Refuse, Refused
 from shm.leases.persist import FILE_FORMAT, FILE_VERSION
@@ -126,7 +126,6 @@ from shm.leases.protocol import (
     AtomicsMissing,
     Ended,
     SlotTakenOver,
-    _claim,
     _copy,
     _hash,
     _key_bytes,
@@ -206,14 +205,6 @@ __all__ = [
     "truncated",
 ]
 
-if _claim is not None:  # the C grant's offsets are these (shm/_claim.c, LEASE_LAYOUT)
-    segment.check_layout(
-        "shm._claim",
-        _claim.LEASE_LAYOUT,
-        {
-            **vars(protocol),
-            "RECORD_SIZE": RECORD.size,
-            "COPY_AT_0": COPY_AT[0],
-            "COPY_AT_1": COPY_AT[1],
-        },
-    )
+# Every built C module's lease-table offsets are these (shm/layout.h, checked
+# by shm/layout.py): a build of another layout fails here, at import.
+layout.check_leases(vars(protocol))

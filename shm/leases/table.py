@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from node.core.errors import NodeError
+from node.core.names import shm_segment_name
 from shm import segment
 from shm.leases.answers import Hold, Lease, Outcome, Refused
 from shm.leases.grant import Grants
@@ -65,7 +66,6 @@ from shm.leases.protocol import (
     truncated,
 )
 from shm.leases.scan import Scans
-from shm.segment import segment_name
 
 
 class LeaseTable(Grants, Scans):
@@ -97,7 +97,7 @@ class LeaseTable(Grants, Scans):
             raise ValueError(f"max_misses {max_misses} is not between 1 and 1000")
         capacity = max(16, 1 << (capacity - 1).bit_length())
         blocks = capacity // 8 if long_blocks is None else long_blocks
-        name = segment_name(node, KIND)
+        name = shm_segment_name(node, KIND)
         try:
             with segment.attach(name, LAYOUT_VERSION) as old:
                 capacity, blocks, _ = TABLE_FIELDS.unpack_from(old.mm, TABLE_FIELDS_OFFSET)
@@ -131,14 +131,14 @@ class LeaseTable(Grants, Scans):
         claim bench. It costs ~11 ms for the default 65,536 slots at attach,
         ~80 ms for 524,288."""
         _require_atomics()
-        table = cls(segment.attach(segment_name(node, KIND), LAYOUT_VERSION))
+        table = cls(segment.attach(shm_segment_name(node, KIND), LAYOUT_VERSION))
         segment.populate(table.segment.mm)
         return table
 
     @staticmethod
     def unlink(node: str) -> bool:
         """Supervisor only, after ``save``."""
-        return segment.unlink(segment_name(node, KIND))
+        return segment.unlink(shm_segment_name(node, KIND))
 
     def on_close(self, release) -> None:
         """Call ``release`` first when this table is closed (a claim path

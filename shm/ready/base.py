@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Self
 
 from node.core.errors import NodeError
+from node.core.names import shm_segment_name
 from shm import segment
 from shm.ready.layout import (
     ACTIVE_OFFSET,
@@ -28,7 +29,7 @@ from shm.ready.layout import (
     heap_size_for,
     segment_size_for,
 )
-from shm.segment import Segment, segment_name
+from shm.segment import Segment
 
 try:
     from shm import _atomic
@@ -92,7 +93,7 @@ class ReadySetBase:
             READY_FIELDS.pack_into(mm, READY_FIELDS_OFFSET, capacity, heap_size_for(capacity))
 
         seg = segment.create_or_reattach(
-            segment_name(node, KIND),
+            shm_segment_name(node, KIND),
             segment_size_for(capacity),
             LAYOUT_VERSION,
             init=init,
@@ -102,12 +103,12 @@ class ReadySetBase:
 
     @classmethod
     def attach(cls, node: str) -> Self:
-        return cls(segment.attach(segment_name(node, KIND), LAYOUT_VERSION))
+        return cls(segment.attach(shm_segment_name(node, KIND), LAYOUT_VERSION))
 
     @staticmethod
     def unlink(node: str) -> bool:
         """Supervisor only."""
-        return segment.unlink(segment_name(node, KIND))
+        return segment.unlink(shm_segment_name(node, KIND))
 
     def on_close(self, release) -> None:
         """Call ``release`` first when this set is closed (a claim path in C

@@ -131,7 +131,7 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
-from shm import segment
+from shm import layout as _layout
 from shm.segment import HEADER_SIZE
 
 LAYOUT_VERSION = 4  # 2: tagged claim cursor, low_water; 3: grant records; 4: sets ahead
@@ -212,13 +212,6 @@ def segment_size_for(capacity: int) -> int:
     return FIRST_SLOT + 2 * _slot_stride(capacity, heap_size_for(capacity))
 
 
-def _check_c_layout() -> None:
-    """The C claim path's offsets are these (shm/_claim_path.c, READY_LAYOUT)."""
-    try:
-        from shm import _claim  # type: ignore[attr-defined]
-    except ImportError:
-        return  # no C claim path: nothing else reads the set by offsets
-    segment.check_layout("shm._claim", _claim.READY_LAYOUT, globals())
-
-
-_check_c_layout()
+# Every built C module's ready-set offsets are these (shm/layout.h, checked by
+# shm/layout.py): a build of another layout fails here, at import.
+_layout.check_ready(globals())

@@ -8,9 +8,9 @@ see "A claim" in ``docs/internals.md``.
 The names below are where the rest of the node and the tests import them from.
 """
 
-from node.client import Grant
 from node.core.errors import NotReady
-from node.names import ledger_address
+from node.core.names import ledger_address
+from node.core.rows import Grant
 from workers.claim.explain import lease_view, why_not_granted
 from workers.claim.path import LOW_WATER_FRACTION, Claimer, ClaimStats
 from workers.claim.rules import (

@@ -11,7 +11,7 @@ from shm.leases import LeaseTable
 def lease_view(leases: LeaseTable, key: str, now: float) -> dict[str, Any]:
     """The lease table's view of one key: its live lease, or its hold or
     parking with misses, held_until and the last error."""
-    found = _lookup(leases, key)
+    found = leases.lookup(key)
     if found is None:
         return {"state": "none"}
     state, rec = found
@@ -26,23 +26,6 @@ def lease_view(leases: LeaseTable, key: str, now: float) -> dict[str, Any]:
     elif state in ("held", "parked"):
         out.update(held_until=rec.held_until, last_error=rec.error_str or None)
     return out
-
-
-def _lookup(leases: LeaseTable, key: str) -> tuple[str, Any] | None:
-    """(state name, current record) of ``key``'s slot, or None.
-
-    Uses the table's private lookup: shm/leases.py has no public read of one
-    key yet (ask: ``LeaseTable.lookup(key)``). A slot held mid-change counts
-    as what it was; its current record still stands."""
-    from shm import leases as mod
-
-    kb = mod._key_bytes(key)
-    found = leases._lookup(kb, mod._hash(kb))  # lead: public accessor
-    if found is None:
-        return None
-    _idx, w, rec = found
-    code = (w >> 4) & 15 if w & 15 == mod.UPDATING else w & 15
-    return mod.CODE_NAMES[code], rec
 
 
 def why_not_granted(

@@ -31,11 +31,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from node.client import Grant
 from node.config import Config
 from node.core.errors import NodeRestarted, NotReady
 from node.core.log import warn
-from node.core.rows import MAX_CADENCE_S, MAX_DUE_AT, MIN_CADENCE_S, MIN_DUE_AT
+from node.core.rows import MAX_CADENCE_S, MAX_DUE_AT, MIN_CADENCE_S, MIN_DUE_AT, Grant
 from node.store.base import BadRow, ClaimSource, Store
 from shm.leases import (
     C_STOP,
@@ -199,7 +198,7 @@ class Claimer:
             return None  # not asked for, or a store it is not for
         if _claim is None:
             return _python_path("shm._claim is not built (pip install -e . builds it)")
-        granter = getattr(self.leases, "_granter", None)  # lead: public accessor
+        granter = self.leases.granter
         if granter is None:
             return _python_path("the lease table has no C grant")
         try:

@@ -8,7 +8,7 @@ resolved configuration comes from ``QUEUE_NODE_RUN_CONFIG``.
 Pull-based: the process claims a batch (``batch_size``) only when it has
 nothing running, so nothing it holds ever waits in a queue behind other work;
 a drained ready set is waited out on the keeper's next publish, never spun on.
-Claims come straight from shared memory (``node.client.LocalClaimer``),
+Claims come straight from shared memory (``node.local.LocalClaimer``),
 results go to the ledger over local IPC. See docs/inference.md.
 
 One batch, step by step:
@@ -514,7 +514,7 @@ def _store_routes(config: Config) -> Callable[[list[str]], dict[str, str]]:
 
 
 def open_claimer(config: Config, consumer: str) -> Any:
-    from node.client import LocalClaimer
+    from node.local import LocalClaimer
 
     # Finds the node's run configuration through QUEUE_NODE_RUN_CONFIG.
     return LocalClaimer(config.name, consumer=consumer)
