@@ -641,3 +641,20 @@ def test_retention_discards_only_what_outlived_it_and_drops_offers(tmp_path, nod
         ledger.close()
         table.close()
         LeaseTable.unlink(node_name)
+
+
+def test_an_accounting_file_an_earlier_build_wrote_is_read(tmp_path):
+    """tests/data/accounting-before-layout.json is the file the build before
+    the layout change (issue 15) wrote: its format tag and fields must still
+    read, or an upgraded node would refuse its own lifetime counters."""
+    from workers.ledger.accounting import AccountingFile
+
+    data = Path(__file__).parent / "data" / "accounting-before-layout.json"
+    (tmp_path / "accounting.json").write_bytes(data.read_bytes())
+    acct = AccountingFile.open(tmp_path)
+    assert acct.since == 1764000000.0
+    assert acct.checkpoint == {"received": 12, "routed": 10, "finished": 9, "acknowledged": 8}
+    acct.save()  # and it writes the same format back
+    assert (
+        json.loads((tmp_path / "accounting.json").read_text())["format"] == "queue-node.accounting"
+    )
