@@ -1,7 +1,7 @@
 """Only the C extensions live here; everything else is in pyproject.toml.
 
 ``shm._atomic`` gives the lease table compare-and-swap on shared memory
-(shm/leases.py; why and the figures: docs/leases.md). ``shm._claim`` is the
+(shm/leases/; why and the figures: docs/leases.md). ``shm._claim`` is the
 claim path in C: the lease table's grant and a whole claim in one call
 (workers/claim/path.py; docs/internals.md). Both take their shared-memory offsets
 from shm/layout.h and export them (``LEASE_LAYOUT``, ``READY_LAYOUT``), which

@@ -107,7 +107,7 @@ from sortedcontainers import SortedList  # noqa: E402
 
 from keeper.buckets import Buckets  # noqa: E402
 from keeper.classes import ClassTable  # noqa: E402
-from node.config import Config, RouteConfig  # noqa: E402
+from node.core.config import Config, RouteConfig  # noqa: E402
 
 NOW = 1_700_000_000.0
 LOAD_CHUNK = 20_000  # rows per load_rows call, as keeper/feed.py walks

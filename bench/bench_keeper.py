@@ -66,7 +66,7 @@ def _copy(src: Path, dst_dir: Path) -> Path:
 
 def bench_feed(args: argparse.Namespace) -> None:
     from keeper.process import Keeper
-    from node.config import Config
+    from node.core.config import Config
     from node.core.rows import RowWrite
     from node.store import open_store
     from shm.ready import ReadySet

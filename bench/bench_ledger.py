@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from node.config import Config
+from node.core.config import Config
 from node.core.rows import RowWrite
 from node.ipc import Client, IpcError
 from node.store import open_store

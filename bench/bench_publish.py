@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:
 
 from bench import bench_claims  # noqa: E402
 from keeper.process import Keeper  # noqa: E402
-from node.config import Config  # noqa: E402
+from node.core.config import Config  # noqa: E402
 from node.store import open_store  # noqa: E402
 from shm.leases import LeaseTable  # noqa: E402
 from shm.ready import ReadySet  # noqa: E402

@@ -107,7 +107,7 @@ def build_keeper(rows: int, late_days: float, ahead_days: float, seed: int = 1) 
     """A live Keeper holding ``rows`` rows in 18 classes, with full lag rings
     and an hour of flow, over a memory store (counts_doc reads no store)."""
     from keeper.process import FLOW_FIELDS, Keeper
-    from node.config import Config, RouteConfig
+    from node.core.config import Config, RouteConfig
     from node.store import open_store
 
     routes = {name: RouteConfig(cadence_s=cadence) for name, cadence in ROUTES}

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from keeper.buckets import Buckets
 from keeper.classes import ClassTable
 from keeper.lag import LagWindow
-from node.config import Config
+from node.core.config import Config
 from node.store.base import Store
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ class KeeperBase:
         leases: Any = None,
     ) -> None:
         self.config = config
-        # The lease table (shm/leases.py), once the work path runs: its
+        # The lease table (shm/leases/), once the work path runs: its
         # leased, held and parked keys are left out of every publish.
         self.leases = leases
         self.store = store
@@ -122,7 +122,7 @@ class KeeperBase:
         self._top_check_due = 0.0
         self._top_trim_due = 0.0
         # The sets claimers may still take from, by ready-set slot, best first:
-        # the active one and the next, published ahead (shm/ready.py), each
+        # the active one and the next, published ahead (shm/ready/), each
         # as written. With a lease table their keys are detached while their
         # set is live (``_out``), so that the next set leaves them out; a set
         # claimers moved on from is retired at the next publish: its keys

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from node.config import Config
 from node.core.classes import SOURCE_ROUTE, ClassId, class_id
+from node.core.config import Config
 from node.core.errors import TooManyClasses
 
 

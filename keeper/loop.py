@@ -12,8 +12,8 @@ import os
 import signal
 import time
 
-from node.config import load_run_config
 from node.core import log
+from node.core.config import load_run_config
 from node.core.proc import RET_OK, child_signals, die_with_parent, set_title
 
 _flags = {"stop": False, "reload": False}

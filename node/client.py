@@ -24,7 +24,7 @@ import threading
 import urllib.parse
 from typing import TYPE_CHECKING, Any
 
-from node.config import UNIX_PREFIX
+from node.core.config import UNIX_PREFIX
 from node.core.errors import ClientError
 from node.core.rows import Grant
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from node.config import Config
+from node.core.config import Config
 from node.core.errors import (
     ClientError,
     LeaseConflict,

@@ -1,4 +1,4 @@
-/* shm._atomic: 64-bit atomics on a shared-memory mapping, for shm/leases.py.
+/* shm._atomic: 64-bit atomics on a shared-memory mapping, for shm/leases/.
  *
  * Python has no compare-and-swap on shared memory. This module gives the lease
  * table the few it needs, as methods of a View that holds a writable buffer
@@ -377,7 +377,7 @@ PyInit__atomic(void)
     if (m == NULL)
         return NULL;
     /* Every offset and code this module was built with, by the names
-     * shm/leases.py and shm/ready.py give them: shm/layout.py checks them. */
+     * shm/leases/protocol.py and shm/ready/layout.py give them: shm/layout.py checks them. */
     if (PyModule_AddIntConstant(m, "TEST_STOPS", LEASE_TEST_STOPS) < 0 ||
         PyModule_AddIntConstant(m, "SYS_futex", SYS_futex) < 0 || layout_export(m) < 0) {
         Py_DECREF(m);

@@ -1,6 +1,6 @@
 /* shm._atomic's View.excluded_keys: the keeper's excluded keys read and
  * decoded in one pass (about 1 us a key in Python), or only what changed
- * since the last pass (shm/leases.py excluded_changes). */
+ * since the last pass (shm/leases/scan.py excluded_changes). */
 
 #include "_atomic.h"
 
@@ -53,7 +53,7 @@
  *
  * With a 19th argument `hints`, a tuple of up to four (records, keys, n,
  * tag, leased, seq_shift), one a published set (the keeper's active and
- * retiring sets): grant records a claimer wrote (shm/ready.py's layout: u64 each, lease slot
+ * retiring sets): grant records a claimer wrote (shm/ready/layout.py's layout: u64 each, lease slot
  * + 1 in bits 0-22, the word's copy bit at 23 and seq at 24-43, `tag` at
  * 44-63) for keys[0:n], read before the scan. A record whose tag matches and
  * whose slot still has the word it names (code `leased`, that copy and seq:

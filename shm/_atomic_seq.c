@@ -8,7 +8,7 @@
 /* write_entries(entries_off, heap_off, heap_size, n, keys, versions, dues,
  *               cids, ranks) -> (written, heap_used, all_ascii)
  *
- * The ready set's writer (shm/ready.py, ReadySet.publish_columns): entries
+ * The ready set's writer (shm/ready/, ReadySet.publish_columns): entries
  * 0..n-1 of the columns (lists) as 32-byte entries at entries_off (key
  * offset u32, key length u16, class id u16, version u64, due minute i64,
  * rank f64) and their keys' UTF-8 into the heap at heap_off, in order. Stops

@@ -1,11 +1,11 @@
-/* shm._claim: the claim path's hot loop in C, for shm/leases.py. This file is
+/* shm._claim: the claim path's hot loop in C, for shm/leases/. This file is
  * the module and its Granter type; the grant itself is shm/_grant.c, the key
  * hash shm/_blake2b.c, the whole claim shm/_claim_path.c (shm/_claim.h).
  *
  * A grant in Python costs 7-25 us (a dozen calls into shm._atomic, struct
  * packing, blake2b through hashlib); here it is one call. `Granter.grant` is
  * the lease table's grant for the common cases, the same protocol step for
- * step as LeaseTable.grant in shm/leases.py (read that docstring first: the
+ * step as LeaseTable.grant in shm/leases/grant.py (read that docstring first: the
  * state word, the two record copies, the insert's ticket):
  *
  *   - the key's slot is found (IDLE, or HELD past its hold): take it
@@ -75,7 +75,7 @@ granter_init(GranterObject *self, PyObject *args, PyObject *kwds)
     if (PyObject_GetBuffer(obj, &self->view, PyBUF_WRITABLE) < 0)
         return -1;
     self->held = 1;
-    /* The layout must be the one shm/leases.py computes, inside the buffer. */
+    /* The layout must be the one shm/leases/protocol.py computes, inside the buffer. */
     if (((uintptr_t)self->view.buf) % 8 || size > self->view.len ||
         hashes != STATES + 8 * capacity || maxdist != hashes + 8 * capacity ||
         owners < maxdist + 4 * capacity || slots < owners + 8 * long_blocks || slots % 8 ||
@@ -244,7 +244,7 @@ PyInit__claim(void)
     if (m == NULL)
         return NULL;
     /* Every offset and code this module was built with, by the names
-     * shm/leases.py and shm/ready.py give them: shm/layout.py checks them. */
+     * shm/leases/protocol.py and shm/ready/layout.py give them: shm/layout.py checks them. */
     if (layout_export(m) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -23,7 +23,7 @@
    the lease table's key hash (shm/_blake2b.c). */
 INTERNAL uint64_t blake2b64(const uint8_t *data, size_t len);
 
-/* A lease table mapping with its layout (shm/leases.py). */
+/* A lease table mapping with its layout (shm/leases/). */
 typedef struct {
     PyObject_HEAD
     Py_buffer view;

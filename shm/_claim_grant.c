@@ -358,7 +358,7 @@ grant_row(ClaimPathObject *self, const Taken *t, GrantArgs *a, Py_ssize_t i, Row
                          __ATOMIC_RELEASE);
     if (got == G_SEALED) {
         /* The node stopped granting from this table: end the claim here
-           (workers/claim.py answers NodeRestarted; what was granted before
+           (workers/claim/path.py answers NodeRestarted; what was granted before
            is handed back with the error, as for any error). */
         PyErr_SetString(PyExc_RuntimeError, "sealed");
         return -1;

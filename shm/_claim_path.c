@@ -1,7 +1,7 @@
-/* shm._claim.ClaimPath: a whole claim in one call (workers/claim.py).
+/* shm._claim.ClaimPath: a whole claim in one call (workers/claim/path.py).
  *
  * The same steps as Claimer.claim's Python path, in the same order: take
- * entries from the ready set (shm/ready.py's take: the tagged claim cursor,
+ * entries from the ready set (shm/ready/'s take: the tagged claim cursor,
  * the slot's seqlock), raise the low-water flag when the set runs low, read
  * each entry's row by key (one read transaction per take; a run of keys in
  * one statement, their array in JSON), skip the entries

@@ -121,7 +121,7 @@ INTERNAL int next_pending(ClaimPathObject *self);
 
 /* -- the grants (shm/_claim_grant.c) ------------------------------------------- */
 
-/* Counters a claim returns, in this order (workers/claim.py reads them). */
+/* Counters a claim returns, in this order (workers/claim/path.py reads them). */
 enum {
     K_TAKEN, K_GONE, K_MOVED, K_NOT_DUE, K_LEASED, K_HELD, K_PARKED, K_DRAINED,
     K_LOW_WATER, K_LAST_COUNT, K_LAST_LEFT, K_RETRIES, K_SWITCHES, K_N

@@ -1,4 +1,4 @@
-/* The claim path's take from the ready set: shm/ready.py's ReadySet.take in C
+/* The claim path's take from the ready set: shm/ready/take.py's ReadySet.take in C
  * (the tagged claim cursor, the slot's seqlock, the switch to a set published
  * ahead). The offsets are shm/layout.h's. */
 
@@ -12,7 +12,7 @@
 #include <unistd.h>
 
 /* Reads of a slot torn by the keeper's publish before a take gives up
-   (shm/ready.py READ_RETRIES). */
+   (shm/ready/layout.py READ_RETRIES). */
 #define READ_RETRIES 1000
 
 /* The slot at base once the publish tagged `tag` finished: 1 with its count

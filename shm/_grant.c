@@ -1,6 +1,6 @@
 /* The lease table's grant in C (shm._claim's Granter.grant and the claim
  * path's grants): the protocol step for step as LeaseTable.grant in
- * shm/leases.py; what it does and when it answers SLOW: shm/_claim.c. The
+ * shm/leases/; what it does and when it answers SLOW: shm/_claim.c. The
  * offsets and codes are shm/layout.h's. */
 
 #define PY_SSIZE_T_CLEAN

@@ -13,7 +13,7 @@
 
 /* -- test stops: only in a build with -DQUEUE_NODE_TEST_STOPS --------------------
  *
- * A stop is `point | how << 4` (shm/leases.py _c_stop, from
+ * A stop is `point | how << 4` (shm/leases/test_stops.py _c_stop, from
  * QUEUE_NODE_TEST_LEASE_STOP). The production build compiles every stop to
  * nothing: the grant reads no stop variable and takes no branch for it.
  * tests/test_lease_counters.py builds the test build into a temporary

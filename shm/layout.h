@@ -5,7 +5,7 @@
  *
  *     X(C name, Python name, value)
  *
- * where the Python name is the one shm/leases.py or shm/ready.py gives it,
+ * where the Python name is the one shm/leases/protocol.py or shm/ready/layout.py gives it,
  * or, for a field of a struct the Python side has no constant for,
  * "STRUCT.field" (shm/layout.py works those out from the struct's format).
  * The lists make the C names (enum constants) and, through layout_export,
@@ -28,7 +28,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* -- the lease table (shm/leases.py) --------------------------------------------- */
+/* -- the lease table (shm/leases/) --------------------------------------------- */
 
 /* The table's header and its counter shards. */
 #define LEASE_TABLE_FIELDS(X)                                                   \
@@ -97,7 +97,7 @@
     LEASE_SLOT_FIELDS(X)    \
     LEASE_RECORD_FIELDS(X)
 
-/* -- the ready set (shm/ready.py) ------------------------------------------------ */
+/* -- the ready set (shm/ready/) ------------------------------------------------ */
 
 /* The segment's header, a slot's header (two slots from FIRST_SLOT, one the
    active set), an entry, a grant record. */
@@ -148,11 +148,11 @@ static const Py_ssize_t COPY_AT[2] = {COPY_AT_0, COPY_AT_1};
 #define WORD_COPY_SHIFT 8 /* a state word's copy bit */
 /* A counter shard's journal: counter k (bits 0-2), the slot (3-24), the
    published word's seq (25-44), the low 19 bits of the count it brings
-   counter k to (45-63); shm/leases.py _settle_shard reads it. */
+   counter k to (45-63); shm/leases/slots.py _settle_shard reads it. */
 #define JOURNAL_SLOT_SHIFT 3
 #define JOURNAL_SEQ_SHIFT 25
 #define JOURNAL_TARGET_SHIFT 45
-/* A grant record (shm/ready.py): lease slot + 1 (bits 0-22), the lease word's
+/* A grant record (shm/ready/): lease slot + 1 (bits 0-22), the lease word's
    copy bit (23) and seq (24-43), the tag (RECORD_TAG_SHIFT on). */
 #define GRANT_SLOT_MASK 0x7FFFFFULL
 #define GRANT_COPY_SHIFT 23

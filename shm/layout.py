@@ -1,10 +1,10 @@
 """The C modules' shared-memory layouts, checked against the Python side's.
 
 The offsets, sizes and codes of the lease table and the ready set are written
-twice: in Python (shm/leases.py, shm/ready.py) and in C, once, in
-shm/layout.h. Each C module (``shm._atomic``, ``shm._claim``) exports what it
-was built with, by the Python names: ``LEASE_LAYOUT`` and ``READY_LAYOUT``,
-the constants shm/leases.py and shm/ready.py define, and ``LEASE_STRUCTS`` and
+twice: in Python (shm/leases/protocol.py, shm/ready/layout.py) and in C, once,
+in shm/layout.h. Each C module (``shm._atomic``, ``shm._claim``) exports what
+it was built with, by the Python names: ``LEASE_LAYOUT`` and ``READY_LAYOUT``,
+the constants those two Python modules define, and ``LEASE_STRUCTS`` and
 ``READY_STRUCTS``, the fields of a struct the Python side has no constant for,
 named ``STRUCT.field`` (``RECORD.lease_id``, ``SLOT.count``), their offsets
 worked out here from the Python struct's format. A build of another layout must fail
@@ -29,8 +29,8 @@ __all__ = ["MODULES", "check", "check_all", "check_leases", "check_ready", "leas
 MODULES = ("shm._atomic", "shm._claim")
 
 # The fields of the structs whose offsets the C code uses by name, in order
-# (padding bytes, "x", have none): shm/leases.py's RECORD and KEY_META,
-# shm/ready.py's SLOT and ENTRY.
+# (padding bytes, "x", have none): shm/leases/protocol.py's RECORD and KEY_META,
+# shm/ready/layout.py's SLOT and ENTRY.
 RECORD_FIELDS = (
     "lease_id", "granted_at", "expires_at", "held_until", "lease_s", "cadence_s", "misses",
     "ended", "consumer_len", "error_len", "consumer", "error", "version",
@@ -78,7 +78,7 @@ def field_offsets(name: str, layout: struct.Struct, fields: Sequence[str]) -> di
 
 
 def lease_side(ns: Mapping[str, Any]) -> dict[str, Any]:
-    """shm/leases.py's names (``ns``: its globals) and what is worked out from
+    """shm/leases/protocol.py's names (``ns``: its globals) and what is worked out from
     them, as LEASE_LAYOUT and LEASE_STRUCTS name their fields."""
     record, key_meta = ns["RECORD"], ns["KEY_META"]
     return {
@@ -92,7 +92,7 @@ def lease_side(ns: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def ready_side(ns: Mapping[str, Any]) -> dict[str, Any]:
-    """shm/ready.py's names (``ns``: its globals) and what is worked out from
+    """shm/ready/layout.py's names (``ns``: its globals) and what is worked out from
     them, as READY_LAYOUT and READY_STRUCTS name their fields."""
     return {
         **ns,
@@ -103,7 +103,7 @@ def ready_side(ns: Mapping[str, Any]) -> dict[str, Any]:
 
 def built() -> dict[str, ModuleType]:
     """The C modules that are built, by name (the ones already loaded first:
-    shm/leases.py loads the test build, QUEUE_NODE_TEST_BUILD, under these
+    shm/leases/test_stops.py loads the test build, QUEUE_NODE_TEST_BUILD, under these
     names)."""
     found = {}
     for name in MODULES:
@@ -115,7 +115,7 @@ def built() -> dict[str, ModuleType]:
 
 
 def check_leases(ns: Mapping[str, Any]) -> None:
-    """Every built C module's LEASE_LAYOUT against shm/leases.py (``ns``: its
+    """Every built C module's LEASE_LAYOUT against shm/leases/protocol.py (``ns``: its
     globals, once its layout constants are defined)."""
     ours = lease_side(ns)
     for name, module in built().items():
@@ -123,7 +123,7 @@ def check_leases(ns: Mapping[str, Any]) -> None:
 
 
 def check_ready(ns: Mapping[str, Any]) -> None:
-    """Every built C module's READY_LAYOUT against shm/ready.py (``ns``: its
+    """Every built C module's READY_LAYOUT against shm/ready/layout.py (``ns``: its
     globals, once its layout constants are defined)."""
     ours = ready_side(ns)
     for name, module in built().items():

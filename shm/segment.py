@@ -28,7 +28,7 @@ where they were)::
     offset  size  field            format
     0       4     magic            4s   b"QNID"
     4       4     version          I    1
-    8       16    data_dir_id      16s  the data directory's identity (node/identity.py)
+    8       16    data_dir_id      16s  the data directory's identity (node/core/identity.py)
     24      16    boot_id          16s  random, new at every start of the supervisor
     40      24    reserved
 

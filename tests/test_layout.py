@@ -1,5 +1,5 @@
 """The C modules' shared-memory layouts (shm/layout.h) against the Python
-side's (shm/leases.py, shm/ready.py), through shm/layout.py."""
+side's (shm/leases/, shm/ready/), through shm/layout.py."""
 
 from __future__ import annotations
 

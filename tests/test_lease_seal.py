@@ -198,7 +198,7 @@ def test_wait_settled_before_seal_is_an_error_and_create_unseals(node):
         assert table.grant("k", "c", 60, T0, 3600)
 
 
-# -- the batched claim path (workers/claim.py's Claimer) ----------------------------
+# -- the batched claim path (workers/claim/path.py's Claimer) ----------------------------
 
 
 @contextlib.contextmanager

@@ -147,7 +147,7 @@ def test_lookup_names_a_keys_state_and_record_and_changes_nothing(table):
     state, rec = table.lookup("k")
     assert state == "held" and rec.misses == 1 and rec.error_str == "boom"
     assert table.lookup("k") == (state, rec)  # a read: nothing changed
-    # What workers/claim.py's explain read through the private lookup before.
+    # What workers/claim/path.py's explain read through the private lookup before.
     kb = b"k"
     _idx, w, same = table._lookup(kb, leases._hash(kb))
     assert same == rec and leases.CODE_NAMES[w & 15] == state

@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from node.config import Config
 from node.core.classes import ClassId
 from node.core.classes import class_id as core_class_id
+from node.core.config import Config
 from node.core.errors import TooManyClasses
 from node.core.rows import MISSING, Row, RowWrite
 

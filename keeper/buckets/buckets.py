@@ -26,7 +26,7 @@ from keeper.buckets.best import Best
 from keeper.buckets.counts import Counts
 from keeper.buckets.detach import Detach
 from keeper.order import SLOT_BITS, SLOT_MASK, Order
-from node.config import Config
+from node.core.config import Config
 from node.core.errors import TooManyClasses
 
 # A walked row: (key, version, route, cadence_s, sitemap, due_at).

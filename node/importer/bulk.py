@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from node.config import Config
+from node.core.config import Config
 from node.core.errors import StoreError, ValidationError
 from node.core.rows import ORIGIN_NODE, RowWrite
 from node.importer.base import (

@@ -10,7 +10,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from node.config import Config, load_config, parse_duration
+from node.core.config import Config, load_config, parse_duration
 from node.core.errors import ConfigError, StoreError, ValidationError
 from node.core.proc import RET_ERROR, RET_OK, RET_USAGE
 from node.core.rows import MAX_CADENCE_S, MIN_CADENCE_S, check_job, check_route

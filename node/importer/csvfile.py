@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from node.config import parse_duration
+from node.core.config import parse_duration
 from node.core.errors import ConfigError, ValidationError
 from node.core.rows import ROW_FIELDS
 from node.importer.base import Fill, ImportFileError, Item, strict_constant

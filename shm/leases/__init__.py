@@ -192,7 +192,7 @@ __all__ = [
     "TAG_MASK",
     "TICKET_AT",
     "UPDATING",
-    # private, for the tests (and workers/claim.py's explain) that reach in
+    # private, for the tests (and workers/claim/path.py's explain) that reach in
     "_Record",
     "_copy",
     "_hash",

@@ -161,7 +161,7 @@ class Scans(SlotTable):
         claimers wrote for a set the keeper published (``ReadySet.grant_records``
         with that set's keys): a slot whose lease word is still the one a
         record names is settled with the keeper's own str for it, unread
-        (the records' layout is in shm/ready.py). Only a shortcut: what a
+        (the records' layout is in shm/ready/). Only a shortcut: what a
         record cannot vouch for is read as before. After the call, the first
         ``hinted_added`` keys of ``added`` are strs of the hints' key lists.
 

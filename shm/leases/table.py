@@ -208,7 +208,7 @@ class LeaseTable(Grants, Scans):
     @property
     def granter(self) -> Any:
         """The C grant on this mapping (``shm._claim.Granter``), which a C
-        claim path (workers/claim.py) is built on; None without shm._claim."""
+        claim path (workers/claim/path.py) is built on; None without shm._claim."""
         return self._granter
 
     def lookup(self, key: str) -> tuple[str, _Record] | None:

@@ -44,7 +44,7 @@ def extension(name: str) -> Any:
         raise ImportError(f"QUEUE_NODE_TEST_BUILD={_TEST_BUILD}: no {path}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    # workers/claim.py's ``from shm import _claim`` must find this one: its
+    # workers/claim/path.py's ``from shm import _claim`` must find this one: its
     # ClaimPath takes this module's Granter.
     sys.modules[spec.name] = module
     setattr(shm, name, module)
@@ -83,7 +83,7 @@ def _c_stop(spec: str) -> int:
     return point and point | {"exit": 1, "pause": 2}.get(how, 0) << 4
 
 
-C_STOP = _c_stop(_TEST_STOP)  # handed to every C path (workers/claim.py's too); 0: none
+C_STOP = _c_stop(_TEST_STOP)  # handed to every C path (workers/claim/path.py's too); 0: none
 
 
 def _test_stop(point: str) -> None:

@@ -87,7 +87,7 @@ Layout (little-endian, every field naturally aligned)::
 
     grant record (u64; 0: none). A claimer that leased entry i writes record
     i once the lease is LEASED: where the keeper finds the key's lease
-    without reading the lease slot (shm/leases.py ``excluded_changes``).
+    without reading the lease slot (shm/leases/ ``excluded_changes``).
     bits 0-22   lease slot index + 1
     bit  23     the lease word's copy bit
     bits 24-43  the lease word's seq

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from node.config import Config
+from node.core.config import Config
 from node.core.errors import NodeRestarted, NotReady
 from node.core.log import warn
 from node.core.rows import MAX_CADENCE_S, MAX_DUE_AT, MIN_CADENCE_S, MIN_DUE_AT, Grant

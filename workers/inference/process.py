@@ -46,8 +46,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from node.config import Config, load_run_config
 from node.core import log
+from node.core.config import Config, load_run_config
 from node.core.errors import NodeError
 from node.core.proc import (
     RET_ERROR,

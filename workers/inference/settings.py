@@ -8,7 +8,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from node.config import Config
+from node.core.config import Config
 from node.handlers import Handler, HandlerError
 
 # Defaults of the options config.py may not carry yet (``batch_size``,
