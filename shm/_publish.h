@@ -16,7 +16,7 @@
  * A stop is `point | how << 4` (shm/leases/test_stops.py _c_stop, from
  * QUEUE_NODE_TEST_LEASE_STOP). The production build compiles every stop to
  * nothing: the grant reads no stop variable and takes no branch for it.
- * tests/test_lease_counters.py builds the test build into a temporary
+ * tests/integration/test_lease_counters.py builds the test build into a temporary
  * directory and its children load it (QUEUE_NODE_TEST_BUILD). */
 
 enum {

@@ -132,7 +132,8 @@ def check_ready(ns: Mapping[str, Any]) -> None:
 
 def check_all() -> None:
     """Both layouts of every built C module, against shm.leases and shm.ready."""
-    from shm import leases, ready
+    from shm.leases import protocol
+    from shm.ready import layout
 
-    check_leases(vars(leases))
-    check_ready(vars(ready))
+    check_leases(vars(protocol))
+    check_ready(vars(layout))

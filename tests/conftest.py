@@ -1,6 +1,15 @@
-"""Shared fixtures. Three tiers live side by side here: unit (memory store,
-one tick at a time), integration (real SQLite files, real segments) and
-acceptance (``python -m node`` as a subprocess with real signals)."""
+"""Shared fixtures of the four tiers, each a folder:
+
+- ``unit/``: plain objects in one process (the key table, delivery queues,
+  the layout's promises);
+- ``integration/``: real SQLite files, real segments, real child processes
+  killed for real, but no whole node;
+- ``acceptance/``: ``python -m node`` as a subprocess (``node.testing``),
+  driven over HTTP, the command line and signals;
+- ``campaign/``: fault campaigns, fuzzing and the fault table against a real
+  node (the campaign's own harness lives beside them).
+
+``pytest tests/unit`` runs one tier; the default run runs them all."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A long-lived GPU worker on the host, for tests/test_restart_claimers.py.
+"""A long-lived GPU worker on the host, for tests/acceptance/test_restart_claimers.py.
 
 ``python -m tests.restart_claimer NAME DATA_DIR OUT STOP_FILE``: one
 ``LocalClaimer`` kept for the whole run, claiming one lease at a time and

@@ -4,7 +4,7 @@ Two implementations sit behind ``CompletionStore``: ``segments`` (append-only
 files, the default) and ``memory`` (the in-memory twin, for unit tests of the
 ledger). Both derive from ``buffered.BufferedLog``, which owns everything
 that is not storage; ``pending.PendingIndex`` is the index of results not yet
-retired. ``tests/test_completion.py`` holds the two backends together.
+retired. ``tests/integration/test_completion.py`` holds the two backends together.
 
 Rules every backend keeps (``docs/completion-log.md`` says why):
 

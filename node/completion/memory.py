@@ -7,7 +7,7 @@ replayed), segments that roll over at ``segment_bytes`` (sizes estimated),
 compaction with the same rule, a checkpoint and lease summaries. Nothing is
 written anywhere.
 ``disk_full = True`` makes every commit fail with ``LogUnavailable``, as a
-full disk does. ``tests/test_completion.py`` holds the two together.
+full disk does. ``tests/integration/test_completion.py`` holds the two together.
 """
 
 from __future__ import annotations

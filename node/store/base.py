@@ -2,7 +2,7 @@
 
 Three implementations sit behind it: ``memory`` (the in-memory twin for unit
 tests), ``sqlite`` (the embedded default) and, with the fleet, PostgreSQL.
-Every implementation must pass ``tests/test_store.py`` unchanged.
+Every implementation must pass ``tests/integration/test_store.py`` unchanged.
 
 Rules every backend keeps:
 

@@ -5,7 +5,7 @@ see: versions are the seq of the change that made them, seqs start at 1 and
 have no gaps, payloads are stored as JSON text (a read returns a fresh copy),
 values are coerced the way SQLite's column affinities coerce them, a NULL in
 a NOT NULL column fails the whole batch with ``StoreError``, and a no-op
-update is still logged. ``tests/test_store.py`` holds the two together.
+update is still logged. ``tests/integration/test_store.py`` holds the two together.
 
 Nothing here crosses processes: a forked child gets a private copy.
 """

@@ -352,7 +352,7 @@ def _hash_py(key: bytes) -> int:
     return int.from_bytes(_blake2b(key, digest_size=8).digest(), "little")
 
 
-# The same value (tests/test_grant_c.py compares them), a third of the cost.
+# The same value (tests/integration/test_grant_c.py compares them), a third of the cost.
 _hash = _hash_py if _claim is None else _claim.blake2b64
 
 

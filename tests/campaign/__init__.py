@@ -14,7 +14,7 @@ Four parts, each a module:
   ``GET /accounting``: counts every item as written, finished, acknowledged,
   lost, unexpected, duplicated (naming the docs/delivery.md window) or
   recovered, and says pass or fail;
-- ``run``: puts them together (``scripts/campaign``, tests/test_campaign.py).
+- ``run``: puts them together (``scripts/campaign``, tests/campaign/test_campaign.py).
 
 The whole story is in docs/reliability.md.
 """

@@ -478,7 +478,7 @@ async def serve(
         # included, before the runner closes connections: aiohttp drops the
         # bytes a closing connection receives, so a request whose headers
         # came before the stop and whose body comes after would never be
-        # answered (tests/test_faults.py). Bounded by drain_timeout_s.
+        # answered (tests/campaign/test_faults.py). Bounded by drain_timeout_s.
         await site.stop()
         await drain.wait(loop.time() + config.drain_timeout_s)
         await runner.cleanup()

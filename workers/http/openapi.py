@@ -1,6 +1,6 @@
 """``GET /openapi.json``: the API as it exists in this build, hand-written.
 
-Keep it in step with ``workers/http/app.py`` (``tests/test_http.py`` checks that
+Keep it in step with ``workers/http/app.py`` (``tests/integration/test_http.py`` checks that
 every route the app serves is described here) and with ``docs/api.md``.
 """
 

@@ -8,7 +8,7 @@ it (``node/completion/staging.py``); each retire pass takes the retired ones
 out, and ``_index_staged`` decodes and indexes only the survivors. The
 reference loop (``recovery.py``, ``_scan_run``) reads whatever this path
 cannot take, and the whole log again when it meets something the writer
-never writes (``_ReadAgain``). ``tests/test_recovery_scan.py`` holds the two
+never writes (``_ReadAgain``). ``tests/integration/test_recovery_scan.py`` holds the two
 paths to the same answer.
 """
 

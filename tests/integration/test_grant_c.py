@@ -5,7 +5,7 @@ cases and hands every other case to it. So: the key hash equals hashlib's;
 the same operations on two tables, one granting in C and one in Python, give
 the same answers and leave the same bytes; the common cases never reach the
 Python path. The real-process tests (exclusivity, dying mid-grant at each
-stop point, racing inserts) are in tests/test_leases.py and run through the C
+stop point, racing inserts) are in tests/integration/test_leases.py and run through the C
 grant there.
 """
 

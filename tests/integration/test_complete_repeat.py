@@ -26,7 +26,7 @@ from node.completion.segments import FileOps, SegmentStore, summary_name
 from node.config import Config
 from node.testing import wait_for
 from shm.leases import LeaseTable, Outcome
-from tests.test_ledger import World, item, poll_all
+from tests.integration.test_ledger import World, item, poll_all
 from workers.ledger.delivery import RepeatIndex
 from workers.ledger.process import LOG_DIR
 

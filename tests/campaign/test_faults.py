@@ -12,7 +12,7 @@ What every test checks at the end (DESIGN invariants 1 to 5): every key is
 finished exactly once, every durable result is offered until acknowledged, no
 live lease is granted again, and ``/accounting`` balances to the item.
 
-(The kill -9 of an inference process mid-batch is in tests/test_inference.py.)
+(The kill -9 of an inference process mid-batch is in tests/acceptance/test_inference.py.)
 
 Waits poll a condition up to a deadline (``wait_for``); nothing sleeps to
 synchronise. The time-based windows are negative checks only: "no grant of a

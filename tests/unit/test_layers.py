@@ -87,13 +87,13 @@ def test_the_keepers_test_hook_answers_only_with_test_hooks_on() -> None:
         "answer = Keeper.answer(k, {'op': 'corrupt', 'key': 'k', 'mode': 'drop'}, 0.0)\n"
         "print(answer.get('error', ''), 'keeper.test_hooks' in sys.modules)\n"
     )
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
                           text=True, timeout=60)  # fmt: skip
     assert done.stdout.strip() == "unknown op 'corrupt' False", done.stderr
 
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # A path of the project's, as docs and comments name them (node/core/rows.py,
 # shm/leases/, docs/api.md).
 _NAMED_PATH = re.compile(

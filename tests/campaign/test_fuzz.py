@@ -27,11 +27,11 @@ one (``LONG_FUZZ_S``), and ``scripts/fuzz`` runs that with the counts printed.
 ``QUEUE_NODE_FUZZ_S`` and ``QUEUE_NODE_FUZZ_SEED`` override the duration and
 the seed; a failing run's seed (printed) reproduces its requests.
 
-What this fuzz found, each fixed (regression tests in tests/test_bad_input.py
+What this fuzz found, each fixed (regression tests in tests/acceptance/test_bad_input.py
 and here): the document said every POST needs the token on a node that has
 none; it gave the console's files as text/plain; GET endpoints ignored query
 parameters they do not know (``?maxx=5`` polled the default 100), now
-``400 unknown_field``. Found by hand beside it (tests/test_bad_input.py): an
+``400 unknown_field``. Found by hand beside it (tests/acceptance/test_bad_input.py): an
 ack of an id past 2**64 was a 500, and ``GET /rows?key=%FF`` looked up U+FFFD.
 Reproduce a run's counts with ``QUEUE_NODE_FUZZ_SEED=<seed>`` and the same
 duration (the counts vary a little with timing: a round ends at the deadline).

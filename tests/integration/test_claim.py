@@ -1003,7 +1003,7 @@ def test_the_http_client_alone_loads_no_server_code():
         "from node.local import LocalClaimer as Local\n"
         "print(LocalClaimer is Local, 'workers.claim' in sys.modules)\n"
     )
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
                           text=True, timeout=60)  # fmt: skip
     assert done.stdout.split("\n")[:2] == ["[]", "True True"], done.stderr

@@ -43,7 +43,7 @@ from tests.procs import proc_state, wait_until
 from workers.claim import Claimer
 
 SPAWN = multiprocessing.get_context("spawn")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 20.0
 T0 = 1_700_000_000.0
 LONG = "l" * 300  # over the 208 bytes a slot holds inline: the Python grant's

@@ -36,7 +36,7 @@ from workers.http.errors import ERROR_CODES
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 STARTED_AT = 1_700_000_000.0
 NOW = 1_700_000_100.0

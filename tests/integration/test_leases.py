@@ -43,7 +43,7 @@ from shm.ready import RECORD_TAG_MASK, RECORD_TAG_SHIFT
 from tests.procs import proc_state, wait_until
 
 SPAWN = multiprocessing.get_context("spawn")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 20.0
 T0 = 1_700_000_000.0
 LATER = T0 + 1e6  # every hold in these tests has passed

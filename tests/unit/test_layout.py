@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from shm import layout, leases, ready
+from shm import layout
+from shm.leases import protocol as leases  # where the lease table's layout is defined
+from shm.ready import layout as ready  # where the ready set's layout is defined
 
 C_MODULES = sorted(layout.built().items())
 

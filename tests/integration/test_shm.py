@@ -32,7 +32,7 @@ from shm.wake import WAKE_CAP, Wake
 from tests.procs import wait_until
 
 SPAWN = multiprocessing.get_context("spawn")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SYS_FUTEX = str(segment.SYS_FUTEX)  # this machine's (202 on x86_64, 98 on aarch64)
 DEADLINE_S = 10.0
 

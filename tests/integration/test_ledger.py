@@ -27,7 +27,7 @@ from node.testing import wait_for
 from shm.leases import LeaseTable, Outcome
 from workers.ledger.process import LOG_DIR, Ledger, ledger_address
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CADENCE_S = 600
 
 
@@ -649,7 +649,7 @@ def test_an_accounting_file_an_earlier_build_wrote_is_read(tmp_path):
     read, or an upgraded node would refuse its own lifetime counters."""
     from workers.ledger.accounting import AccountingFile
 
-    data = Path(__file__).parent / "data" / "accounting-before-layout.json"
+    data = Path(__file__).resolve().parents[1] / "data" / "accounting-before-layout.json"
     (tmp_path / "accounting.json").write_bytes(data.read_bytes())
     acct = AccountingFile.open(tmp_path)
     assert acct.since == 1764000000.0

@@ -16,7 +16,7 @@ from pathlib import Path
 from shm import leases as L
 from shm.leases import LeaseTable, Outcome
 
-FIXTURE = Path(__file__).parent / "data" / "leases-layout2.msgpack"
+FIXTURE = Path(__file__).resolve().parents[1] / "data" / "leases-layout2.msgpack"
 SAVED_AT = 1_800_000_002.0
 
 

@@ -1,6 +1,6 @@
 """Acceptance: bad input through the whole stack changes nothing (issue 5, part 2).
 
-tests/test_http.py and tests/test_claim.py check every validation rule on the
+tests/integration/test_http.py and test_claim.py check every validation rule on the
 app in-process, with plain objects for the node. Here the same kinds of bad
 input go to a real ``python -m node run`` (HTTP worker, lease table in shared
 memory, ledger over its socket, SQLite), each case asserting:
@@ -16,11 +16,11 @@ At the end of the module the node is healthy, runs the processes it started
 with (``node.json``'s pids: a bad request that crashed a worker shows as a
 restarted pid), and its log has no traceback.
 
-Also here, because tests/test_node.py and tests/test_import.py do not cover
+Also here, because tests/acceptance/test_node.py and tests/acceptance/test_import.py do not cover
 them: a config file that is not UTF-8 or not TOML, and a gzip import file that
 is cut short or corrupt.
 
-Regression tests for what this file and tests/test_fuzz.py found:
+Regression tests for what this file and tests/campaign/test_fuzz.py found:
 ``test_ack_of_an_id_past_64_bits_is_never_offered`` (was a 500: msgpack
 cannot carry the id to the ledger), ``GET /rows?key=%FF`` in
 ``test_keys_that_are_not_valid_utf8`` (looked up U+FFFD instead of refusing),

@@ -37,7 +37,7 @@ from shm.leases import Lease, LeaseTable, Outcome
 from tests.procs import proc_state, wait_until
 from workers.ledger.accounting import LogCounts, build
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 20.0
 T0 = 1_700_000_000.0
 LATER = T0 + 1e6

@@ -23,7 +23,7 @@ from node.store.memory import MemoryStore
 
 pytestmark = pytest.mark.timeout(30)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NOW = 1_700_000_000.0
 NS = "http://www.sitemaps.org/schemas/sitemap/0.9"
 

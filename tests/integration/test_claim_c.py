@@ -36,7 +36,7 @@ from workers.claim import Claimer, Grant
 pytestmark = pytest.mark.timeout(60)
 
 NOW = 1_700_000_000.0
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LONG = "https://example.com/" + "long/" * 60  # over the 208 bytes a slot holds inline
 
 

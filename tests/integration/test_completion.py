@@ -46,7 +46,7 @@ from node.completion.segments import (
 )
 from node.core.errors import ConfigError, ValidationError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NOW = 1_700_000_000.0
 SMALL = CompletionConfig(segment_bytes=4096)
 

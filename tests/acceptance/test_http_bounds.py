@@ -12,7 +12,7 @@ Each bound of docs/api.md, "Bounds", hit against a real ``python -m node``
 - a request whose headers trickle in is cut after ``header_timeout_s``;
 - with a token, every route but health, readiness, metrics and the console's
   files needs it (the route table walked, so a new route cannot escape; the
-  console's use of it is tests/test_console.py's browser test);
+  console's use of it is tests/acceptance/test_console.py's browser test);
 - ``--http unix:PATH``: an owner-only socket file that serves.
 
 Waits are on the socket (a recv with a deadline) or ``wait_for`` polls; the
