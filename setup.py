@@ -24,31 +24,32 @@ from setuptools import Extension, setup
 TEST_STOPS = os.environ.get("QUEUE_NODE_TEST_STOPS") == "1"
 STOPS = [("QUEUE_NODE_TEST_STOPS", "1")] if TEST_STOPS else []
 SHARED = ["shm/layout.h", "shm/_publish.h"]  # the offsets; the counted publish and the stops
+# Each module's C files are split by concern for the reader and compiled as one
+# translation unit (shm/_atomic_unit.c, shm/_claim_unit.c include them), so a
+# call from one file into another on the claim path (the key hash, the grant,
+# once a key) is inlined as when they were one file, with any compiler.
+ATOMIC_PARTS = ["shm/_atomic.c", "shm/_atomic_scan.c", "shm/_atomic_excluded.c", "shm/_atomic_seq.c"]
+CLAIM_PARTS = [
+    "shm/_claim.c",  # the module and its Granter type
+    "shm/_grant.c",  # the lease table's grant
+    "shm/_blake2b.c",  # the key hash
+    "shm/_claim_path.c",  # ClaimPath: a whole claim in one call
+    "shm/_claim_take.c",  # its take from the ready set
+    "shm/_claim_grant.c",  # its rows and grants
+    "shm/_claim_sqlite.c",  # SQLite, from the library Python's sqlite3 loaded
+]
 
 atomic = Extension(
     "shm._atomic",
-    sources=[
-        "shm/_atomic.c",  # the module, the View, single-word atomics
-        "shm/_atomic_scan.c",  # the lease table's scans
-        "shm/_atomic_excluded.c",  # the keeper's excluded keys
-        "shm/_atomic_seq.c",  # seqlocks, publication, the ready set's entry writer
-    ],
-    depends=[*SHARED, "shm/_atomic.h"],
+    sources=["shm/_atomic_unit.c"],  # the module, the View, atomics; scans; excluded keys; seqlocks
+    depends=[*SHARED, "shm/_atomic.h", *ATOMIC_PARTS],
     define_macros=STOPS,
     extra_compile_args=["-O2"],
 )
 claim = Extension(
     "shm._claim",
-    sources=[
-        "shm/_claim.c",  # the module and its Granter type
-        "shm/_grant.c",  # the lease table's grant
-        "shm/_blake2b.c",  # the key hash
-        "shm/_claim_path.c",  # ClaimPath: a whole claim in one call
-        "shm/_claim_take.c",  # its take from the ready set
-        "shm/_claim_grant.c",  # its rows and grants
-        "shm/_claim_sqlite.c",  # SQLite, from the library Python's sqlite3 loaded
-    ],
-    depends=[*SHARED, "shm/_claim.h", "shm/_claim_path.h"],
+    sources=["shm/_claim_unit.c"],
+    depends=[*SHARED, "shm/_claim.h", "shm/_claim_path.h", *CLAIM_PARTS],
     define_macros=STOPS,
     extra_compile_args=["-O2"],
     libraries=["dl"],  # dlopen/dlsym (in libc itself from glibc 2.34)

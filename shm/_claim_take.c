@@ -13,7 +13,7 @@
 
 /* Reads of a slot torn by the keeper's publish before a take gives up
    (shm/ready/layout.py READ_RETRIES). */
-#define READ_RETRIES 1000
+#define READY_READ_RETRIES 1000
 
 /* The slot at base once the publish tagged `tag` finished: 1 with its count
    and flags, 0 when it has moved past that publish (ReadySet._settled). */
@@ -21,7 +21,7 @@ static int
 settled(ClaimPathObject *self, const char *base, uint32_t tag, Py_ssize_t *count,
         uint32_t *flags)
 {
-    for (int i = 0; i < READ_RETRIES; i++) {
+    for (int i = 0; i < READY_READ_RETRIES; i++) {
         uint32_t seq = ld32(base + R_SEQ);
         uint32_t n;
         memcpy(&n, base + R_COUNT, 4);
@@ -85,7 +85,7 @@ take(ClaimPathObject *self, Py_ssize_t n, Taken *out, Py_ssize_t *retries)
 {
     char *buf = (char *)self->ready.buf;
     memset(out, 0, sizeof *out);
-    for (int attempt = 0; attempt < READ_RETRIES; attempt++) {
+    for (int attempt = 0; attempt < READY_READ_RETRIES; attempt++) {
         uint64_t word = ld64(buf + R_ACTIVE);
         char *base = buf + R_FIRST_SLOT + (word & 1) * self->stride;
         uint32_t seq = ld32(base + R_SEQ), raw_count, flags;

@@ -10,7 +10,7 @@
 
 #include "_claim.h"
 
-#define READ_RETRIES 100
+#define LEASE_READ_RETRIES 100
 #define INSERT_RETRIES 4
 
 static inline uint64_t *
@@ -120,7 +120,7 @@ lookup(GranterObject *g, const char *key, Py_ssize_t key_len, uint64_t h64, Py_s
                 *out_w = w;
                 return 1;
             }
-            if (++tries >= READ_RETRIES)
+            if (++tries >= LEASE_READ_RETRIES)
                 return -1;
             w = again;
             if (!((KEYED >> (w & 15)) & 1))

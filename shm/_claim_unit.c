@@ -1,0 +1,11 @@
+/* shm._claim as one translation unit. Its files are split by concern for the
+ * reader; compiled as one, the compiler inlines across them (the key hash and
+ * the grant run once a key on the claim path), with any C compiler and no
+ * link-time optimisation. setup.py builds this file. */
+#include "_claim.c"
+#include "_grant.c"
+#include "_blake2b.c"
+#include "_claim_path.c"
+#include "_claim_take.c"
+#include "_claim_grant.c"
+#include "_claim_sqlite.c"
