@@ -28,7 +28,12 @@ SHARED = ["shm/layout.h", "shm/_publish.h"]  # the offsets; the counted publish 
 # translation unit (shm/_atomic_unit.c, shm/_claim_unit.c include them), so a
 # call from one file into another on the claim path (the key hash, the grant,
 # once a key) is inlined as when they were one file, with any compiler.
-ATOMIC_PARTS = ["shm/_atomic.c", "shm/_atomic_scan.c", "shm/_atomic_excluded.c", "shm/_atomic_seq.c"]
+ATOMIC_PARTS = [
+    "shm/_atomic.c",  # the module, the View, single-word atomics
+    "shm/_atomic_scan.c",  # the lease table's scans
+    "shm/_atomic_excluded.c",  # the keeper's excluded keys
+    "shm/_atomic_seq.c",  # seqlocks, publication, the ready set's entry writer
+]
 CLAIM_PARTS = [
     "shm/_claim.c",  # the module and its Granter type
     "shm/_grant.c",  # the lease table's grant
@@ -41,7 +46,7 @@ CLAIM_PARTS = [
 
 atomic = Extension(
     "shm._atomic",
-    sources=["shm/_atomic_unit.c"],  # the module, the View, atomics; scans; excluded keys; seqlocks
+    sources=["shm/_atomic_unit.c"],
     depends=[*SHARED, "shm/_atomic.h", *ATOMIC_PARTS],
     define_macros=STOPS,
     extra_compile_args=["-O2"],

@@ -32,7 +32,7 @@ from node.completion.segments import (
     SegmentStore,
     deferred,
     encode_header,
-    encode_result,
+    encode_result_record,
     encode_retire,
     segment_name,
 )
@@ -289,7 +289,7 @@ def write_log(path: Path, segments: list[tuple[int, list[bytes]]]) -> None:
 
 
 def results_frames(ids: range, job: str = "j") -> list[bytes]:
-    return [encode_result(i, result(i, job)) for i in ids]
+    return [encode_result_record(i, result(i, job)) for i in ids]
 
 
 def retire(kind: str, ids: list[int]) -> list[bytes]:

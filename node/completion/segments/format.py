@@ -158,7 +158,7 @@ def _frame(body: bytes) -> bytes:
     return FRAME.pack(len(body), zlib.crc32(body)) + body
 
 
-def encode_result(rid: int, r: Result) -> bytes:
+def encode_result_record(rid: int, r: Result) -> bytes:
     """A format-2 RESULT frame: fixed head, small msgpack meta, raw data."""
     meta = _packb(
         (rid, r.job, r.key, r.lease_id, r.version, r.finished_at, r.cadence_s,
@@ -203,7 +203,7 @@ def decode_record(body: bytes | memoryview) -> tuple:
     return msgpack.unpackb(body, use_list=False)
 
 
-def decode_result(body: bytes | memoryview) -> Result:
+def decode_result_record(body: bytes | memoryview) -> Result:
     rec = decode_record(body)
     if rec[0] != K_RESULT:
         raise ValueError(f"record kind {rec[0]} is not a result")

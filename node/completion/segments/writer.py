@@ -43,9 +43,9 @@ from node.completion.segments.format import (
     SUMMARY_VERSION,
     _frame,
     _packb,
-    decode_result,
+    decode_result_record,
     encode_header,
-    encode_result,
+    encode_result_record,
     encode_retire,
     segment_name,
     summary_name,
@@ -81,7 +81,7 @@ class SegmentWriter(BufferedLog):
     ) -> tuple[int, list[int]]:
         if self._wedged:
             self._cut_back()
-        frames = [encode_result(rid, r) for rid, r in results]
+        frames = [encode_result_record(rid, r) for rid, r in results]
         n_results = len(frames)
         for rt in retires:
             frames.extend(encode_retire(rt))
@@ -197,7 +197,7 @@ class SegmentWriter(BufferedLog):
         if len(body) != ln or zlib.crc32(body) != crc:
             raise LogCorrupt(f"completion log: result {result_id} in {where} fails its checksum")
         try:
-            result = decode_result(body)
+            result = decode_result_record(body)
         except (ValueError, TypeError, IndexError, KeyError, msgpack.UnpackException) as exc:
             raise LogCorrupt(f"completion log: {where} does not decode: {exc}") from exc
         if result.id != result_id:
