@@ -167,15 +167,6 @@ class Handler:
         return f"Handler({self.spec!r}, device={self.device!r})"
 
 
-def encode_result(result: Any) -> tuple[bytes, str]:
-    """A handler's result as the ledger takes it: ``(bytes, "bytes")`` or the
-    JSON text ``(bytes, "json")``. TypeError/ValueError for anything else."""
-    if isinstance(result, bytes | bytearray | memoryview):
-        return bytes(result), "bytes"
-    text = json.dumps(result, separators=(",", ":"), allow_nan=False)
-    return text.encode(), "json"
-
-
 # -- the built-in CPU handler ------------------------------------------------------
 
 # Rounds of SHA-256 per item: about 1 ms on a current x86 core. Tunable for the

@@ -260,3 +260,13 @@ class Grant(NamedTuple):
     expires_at: float
     route: str | None = None  # which handler an inference process runs it with
     misses: int = 0  # misses in a row before this lease (a poison item shows here)
+
+
+def result_bytes(value: Any) -> tuple[bytes, str]:
+    """A result as the ledger stores it: bytes as ``(bytes, "bytes")``, any
+    other value as its JSON text ``(bytes, "json")``. TypeError or ValueError
+    for what JSON cannot carry. A handler's return value and a completion's
+    result go through this one step."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value), "bytes"
+    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode(), "json"

@@ -19,6 +19,7 @@ import json
 from typing import Any
 
 from node.core.errors import LeaseConflict, ValidationError, WorkRefused, WorkUnavailable
+from node.core.rows import result_bytes
 from shm.leases import Outcome
 
 # Limits from the contract (the HTTP layer and LocalClaimer check them).
@@ -157,17 +158,14 @@ def encode_result(body: dict[str, Any], from_msgpack: bool) -> tuple[bytes, str]
         raise ValidationError(
             "invalid_result", 'encoding must be "base64" or absent (a JSON value)', "encoding"
         )
-    if isinstance(result, bytes | bytearray):
-        if not from_msgpack:
-            raise ValidationError("invalid_result", "bytes travel as base64 in JSON", "result")
-        return bytes(result), "bytes"
+    if isinstance(result, bytes | bytearray) and not from_msgpack:
+        raise ValidationError("invalid_result", "bytes travel as base64 in JSON", "result")
     try:
-        text = json.dumps(result, separators=(",", ":"), allow_nan=False)
+        return result_bytes(result)
     except (TypeError, ValueError, RecursionError) as exc:
         raise ValidationError(
             "invalid_result", f"result is not a JSON value: {exc}", "result"
         ) from None
-    return text.encode(), "json"
 
 
 def decode_result(result: bytes, encoding: str) -> Any:

@@ -59,7 +59,8 @@ from node.core.proc import (
     die_with_parent,
     set_title,
 )
-from node.handlers import HandlerError, encode_result
+from node.core.rows import result_bytes
+from node.handlers import HandlerError
 from workers.inference.settings import Handlers, Settings
 
 # Named here too: it was defined here, and tests import it from here.
@@ -321,7 +322,7 @@ class Inference:
                 self._release(batch, [o.lease_id], _error_text(result))
                 continue
             try:
-                encode_result(result)
+                result_bytes(result)
             except (TypeError, ValueError, RecursionError) as exc:
                 self._release(batch, [o.lease_id], f"bad result: {_error_text(exc)}")
                 continue
