@@ -54,6 +54,26 @@ def _result_body(result: Any) -> dict[str, Any]:
     return {"result": result}
 
 
+# An item of a batch completion the node refused: (status, code, message),
+# as the single form answers it (``POST /complete``, docs/api.md).
+_ITEM_REFUSALS = {
+    "conflict": (409, "lease_conflict", "the key was granted to another lease since"),
+    "unknown": (409, "lease_unknown", "no such lease for this key"),
+}
+
+
+def _item_answer(doc: Any, key: str) -> int | None | ClientError:
+    """One item of ``{"items": [{id?, outcome}]}``: the result id (None for
+    a repeat the node no longer names) or the refusal."""
+    outcome = doc.get("outcome") if isinstance(doc, dict) else None
+    if outcome in ("ok", "repeat"):
+        return doc.get("id")
+    status, code, message = _ITEM_REFUSALS.get(
+        str(outcome), (502, "http_error", f"the node answered outcome {outcome!r}")
+    )
+    return ClientError(status, code, f"{message} (key {key!r})", "lease_id", doc)
+
+
 class _UnixConnection(http.client.HTTPConnection):
     """HTTP over a node's socket file (``--http unix:PATH``)."""
 
@@ -212,6 +232,31 @@ class Client:
         """Hand in a lease's result (bytes or a JSON value); the result id."""
         body = {"lease_id": lease_id, "key": key, **_result_body(result)}
         return self.request("POST", "/complete", body)["id"]
+
+    def complete_many(self, items: list[tuple[int, str, Any]]) -> list[int | None | ClientError]:
+        """Several results ``(lease_id, key, result)`` in one ``POST
+        /complete`` (``{"items": [...]}``; they share one group commit): per
+        item, its result id or the ClientError ``complete`` would raise
+        (409 ``lease_conflict`` or ``lease_unknown``). A refusal of the whole
+        request raises: 400 for a malformed item (its field is
+        ``items[i].<name>``; nothing was written), 503 (``log_unavailable``,
+        ``ledger_unavailable``: send it all again, what was accepted answers
+        as a repeat). At most 10,000 items and a 16 MiB body a call."""
+        if not items:
+            return []
+        body = {
+            "items": [
+                {"lease_id": lease_id, "key": key, **_result_body(result)}
+                for lease_id, key, result in items
+            ]
+        }
+        answer = self.request("POST", "/complete", body)
+        found = answer.get("items") if isinstance(answer, dict) else None
+        if not isinstance(found, list) or len(found) != len(items):
+            raise ClientError(
+                502, "http_error", f"POST /complete answered no outcome per item: {answer!r:.200}"
+            )
+        return [_item_answer(doc, key) for (_, key, _), doc in zip(items, found, strict=True)]
 
     def release(self, lease_id: int, key: str, error: str | None = None) -> None:
         body: dict[str, Any] = {"lease_id": lease_id, "key": key}

@@ -100,6 +100,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "invalid_limit": (400, "limit is not an integer from 1 to 10,000"),
     "invalid_ids": (400, "ids is not a list of non-negative integers"),
     "too_many_ids": (400, "more than 10,000 ids in one ack"),
+    "too_many_items": (400, "more than 10,000 items in one POST /complete"),
     "result_too_large": (400, "a result is over the completion log's record limit (16 MiB)"),
     # the rest of HTTP
     "unauthorized": (

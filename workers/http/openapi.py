@@ -115,14 +115,13 @@ def _document() -> dict[str, Any]:
                     "summary": "the worker is up",
                     "responses": {
                         "200": _json(
-                            {
-                                "type": "object",
-                                "properties": {
+                            _obj(
+                                {
                                     "ok": {"const": True},
                                     "pid": {"type": "integer"},
                                     "name": {"type": "string"},
-                                },
-                            }
+                                }
+                            )
                         )
                     },
                 }
@@ -133,13 +132,7 @@ def _document() -> dict[str, Any]:
                     "responses": {
                         "200": _json({"type": "object", "properties": {"ready": {"const": True}}}),
                         "503": _json(
-                            {
-                                "type": "object",
-                                "properties": {
-                                    "ready": {"const": False},
-                                    "reason": {"type": "string"},
-                                },
-                            },
+                            _obj({"ready": {"const": False}, "reason": {"type": "string"}}),
                             "not ready yet, with the reason",
                         ),
                     },
@@ -161,9 +154,7 @@ def _document() -> dict[str, Any]:
                         ),
                     },
                     "responses": {
-                        "200": _json(
-                            {"type": "object", "properties": {"upserted": {"type": "integer"}}}
-                        ),
+                        "200": _json(_obj({"upserted": {"type": "integer"}})),
                         "400": _BAD,
                         "401": _UNAUTHORIZED,
                         "413": _error_response("body over 16 MiB"),
@@ -172,12 +163,7 @@ def _document() -> dict[str, Any]:
                 "get": {
                     "summary": "one row, the keeper's view of it, and its lease",
                     "parameters": [
-                        {
-                            "name": "key",
-                            "in": "query",
-                            "required": True,
-                            "schema": _KEY,
-                        }
+                        {"name": "key", "in": "query", "required": True, "schema": _KEY}
                     ],
                     "responses": {
                         "200": _json(
@@ -209,9 +195,7 @@ def _document() -> dict[str, Any]:
                         ),
                     },
                     "responses": {
-                        "200": _json(
-                            {"type": "object", "properties": {"deleted": {"type": "integer"}}}
-                        ),
+                        "200": _json(_obj({"deleted": {"type": "integer"}})),
                         "400": _BAD,
                         "401": _UNAUTHORIZED,
                     },
@@ -350,6 +334,24 @@ def _results_answer() -> dict[str, Any]:
     return _obj({"results": {"type": "array", "items": item}})
 
 
+# POST /complete: one completion, or {"items": [...]} of them (at most 10,000).
+_COMPLETION = {
+    **_obj(
+        {
+            "lease_id": _LEASE_ID,
+            "key": _KEY,
+            "result": {"description": "a JSON value; bytes: base64 with encoding, raw in msgpack"},
+            "encoding": {"const": "base64"},
+        },
+        ("lease_id", "key", "result"),
+    ),
+    "additionalProperties": False,
+}
+_COMPLETIONS = _obj({"items": {"type": "array", "minItems": 1, "maxItems": 10_000}}, ("items",))
+_COMPLETIONS["properties"]["items"]["items"] = _COMPLETION
+_OUTCOME = _obj({"id": _RESULT_ID, "outcome": {"enum": ["ok", "repeat", "conflict", "unknown"]}})
+
+
 def _work_paths() -> dict[str, Any]:
     """The work path (``workers/http/work.py``)."""
     grant = _obj(
@@ -382,19 +384,16 @@ def _work_paths() -> dict[str, Any]:
             {"503": "not_ready: the keeper has not published since the node started"},
         ),
         "/complete": _post(
-            "a lease's result; answered once it is durable",
+            "a lease's result, or {items: [...]} of them; answered once durable",
+            {"oneOf": [_COMPLETION, {**_COMPLETIONS, "additionalProperties": False}]},
             _obj(
                 {
-                    "lease_id": _LEASE_ID,
-                    "key": _KEY,
-                    "result": {"description": "a JSON value; bytes: base64 with encoding"},
-                    "encoding": {"const": "base64"},
-                },
-                ("lease_id", "key", "result"),
+                    "id": {"type": ["integer", "null"]},
+                    "items": {"type": "array", "items": _OUTCOME},
+                }
             ),
-            _obj({"id": {"type": "integer"}}),
             {
-                "409": "lease_conflict or lease_unknown",
+                "409": "lease_conflict or lease_unknown (single form; items have outcomes)",
                 "503": "log_unavailable (retry later) or " + _LEDGER_DOWN,
             },
         ),

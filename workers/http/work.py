@@ -73,6 +73,15 @@ MAX_LIST = 10_000
 DEFAULT_LIST = 1_000
 MAX_IDS = 10_000
 MAX_UNHOLD_KEYS = 10_000
+# Completions in one POST /complete {"items": [...]}: the ledger's MAX_ITEMS
+# (workers/ledger/process.py), so a request the HTTP worker lets through is
+# never refused whole by the ledger.
+MAX_COMPLETE_ITEMS = 10_000
+COMPLETE_FIELDS = ("lease_id", "key", "result", "encoding")
+# The outcomes of a batch's items; any other status the ledger answers (the
+# log cannot take results, a slot busy, a failure) answers the request 503,
+# and sending it again is safe (what was accepted answers repeat).
+ITEM_OUTCOMES = frozenset(("ok", "repeat", "conflict", "unknown"))
 # The largest result id the ledger can have handed out (a SQLite rowid).
 MAX_RESULT_ID = (1 << 63) - 1
 # A claim of at most this many runs on the event loop: it costs about 30 us
@@ -138,10 +147,18 @@ async def _object(request: web.Request, allowed: Iterable[str]) -> dict[str, Any
     body = await read_body(request)
     if not isinstance(body, dict):
         raise ApiError(400, "invalid_body", "the body must be a JSON object")
+    _field_names(body, None)
     unknown = sorted(set(body) - set(allowed))
     if unknown:
         raise ValidationError("unknown_field", f"unknown field {unknown[0]!r}", unknown[0])
     return body
+
+
+def _field_names(doc: dict[Any, Any], where: str | None) -> None:
+    """Refuse a map whose field names are not all strings (msgpack can
+    carry bytes names; they would not even sort with the others)."""
+    if not all(isinstance(name, str) for name in doc):
+        raise ApiError(400, "invalid_body", "field names must be strings", where)
 
 
 def _required(body: dict[str, Any], name: str) -> Any:
@@ -418,9 +435,12 @@ async def unhold(request: web.Request) -> web.Response:
 @routes.post("/complete")
 async def complete(request: web.Request) -> web.Response:
     work = _work(request)
-    body = await _object(request, ("lease_id", "key", "result", "encoding"))
+    body = await _object(request, (*COMPLETE_FIELDS, "items"))
+    from_msgpack = request.content_type in MSGPACK_TYPES
+    if "items" in body:
+        return await _complete_items(request, work, _check_items(body, from_msgpack))
     lease_id, key = _lease_args(body)
-    data, encoding = encode_result(body, request.content_type in MSGPACK_TYPES)
+    data, encoding = encode_result(body, from_msgpack)
     item = {"lease_id": lease_id, "key": key, "result": data, "encoding": encoding}
     answer = await _ledger(work, "complete", items=[item])
     outcomes = answer.get("outcomes") or [{"status": None}]
@@ -429,6 +449,71 @@ async def complete(request: web.Request) -> web.Response:
     except WorkRefused as exc:
         raise _refused(exc) from None
     return reply(request, {"id": result_id})
+
+
+def _check_items(body: dict[str, Any], from_msgpack: bool) -> list[dict[str, Any]]:
+    """The batch form's items as the ledger takes them, every one checked
+    before any is sent: the first bad one refuses the request (400, its
+    field named ``items[i].field``) and nothing is written."""
+    others = sorted(set(body) - {"items"})
+    if others:
+        raise ValidationError(
+            "unknown_field", f"a body with items has no {others[0]!r}: each item has its own",
+            others[0],
+        )  # fmt: skip
+    items = body["items"]
+    if not isinstance(items, list) or not items:
+        raise ApiError(
+            400, "invalid_body", "items must be a non-empty list of {lease_id, key, result}",
+            "items",
+        )  # fmt: skip
+    if len(items) > MAX_COMPLETE_ITEMS:
+        raise ApiError(
+            400, "too_many_items", f"{len(items)} items; at most {MAX_COMPLETE_ITEMS}", "items"
+        )
+    checked = []
+    for i, item in enumerate(items):
+        where = f"items[{i}]"
+        if not isinstance(item, dict):
+            raise ApiError(400, "invalid_body", f"{where} must be an object", where)
+        _field_names(item, where)
+        try:
+            unknown = sorted(set(item) - set(COMPLETE_FIELDS))
+            if unknown:
+                raise ValidationError("unknown_field", f"unknown field {unknown[0]!r}", unknown[0])
+            lease_id, key = _lease_args(item)
+            data, encoding = encode_result(item, from_msgpack)
+        except ValidationError as exc:
+            field = f"{where}.{exc.field}" if exc.field else where
+            raise ValidationError(exc.code, f"{where}: {exc.message}", field) from None
+        checked.append({"lease_id": lease_id, "key": key, "result": data, "encoding": encoding})
+    return checked
+
+
+async def _complete_items(
+    request: web.Request, work: WorkPath, items: list[dict[str, Any]]
+) -> web.Response:
+    """One ledger request for the batch (one group commit); an outcome per
+    item. A status that is not an item's outcome (``log_unavailable``, the
+    ledger failing) answers the whole request as the single form would."""
+    answer = await _ledger(work, "complete", items=items)
+    outcomes = answer.get("outcomes") or []
+    if len(outcomes) != len(items):
+        raise ApiError(
+            503, "ledger_unavailable", f"the ledger answered {len(outcomes)} outcomes "
+            f"for {len(items)} items; send them again",
+        )  # fmt: skip
+    out = []
+    for item, outcome in zip(items, outcomes, strict=True):
+        status = outcome.get("status")
+        if status not in ITEM_OUTCOMES:
+            try:
+                complete_outcome(outcome, item["key"])
+            except WorkRefused as exc:
+                raise _refused(exc) from None
+        rid = outcome.get("id") if status in ("ok", "repeat") else None
+        out.append({"id": rid, "outcome": status} if rid is not None else {"outcome": status})
+    return reply(request, {"items": out})
 
 
 def _results(request: web.Request, found: list[dict[str, Any]]) -> list[dict[str, Any]]:
