@@ -1,7 +1,7 @@
 """The whole-cycle bench (bench/bench_cycle.py) runs end to end in its
 smallest form: a node (LocalClaimer and HTTP) and PostgreSQL, a few thousand
 rows, two seconds each; every figure is positive and no completion answered
-ok goes unacked. PostgreSQL is optional here (CI has none): without it the
+ok goes unacked. In CI PostgreSQL must run; on a machine without it the
 bench must say it did not run it, and why."""
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def test_bench_cycle_quick(tmp_path: Path) -> None:
     assert "complete" in figures["cycle.node_http.batch16.acked_per_s"]["setup"]
     pg = figures["cycle.postgres.batch16.acked_per_s"]
     if pg["value"] is None:
+        assert not os.environ.get("CI"), f"PostgreSQL must run in CI: {pg}"
         assert pg["not_run"], pg  # reported, never dropped
         assert "not run: " in proc.stdout
     else:
