@@ -3,7 +3,10 @@ completing its own leases one per call (1 KiB results), against a real
 `python -m workers.ledger` (SQLite store, segment log with fsync=batch).
 
 usage: bench_ledger.py CLIENTS PER_CLIENT [ITEMS_PER_CALL]
-env QUEUE_NODE_LEDGER_GROUP_WINDOW_S sets the ledger's group window.
+env QUEUE_NODE_LEDGER_GROUP_WINDOW_S sets the ledger's group window; env PROF=FILE
+runs the ledger under cProfile (its stats to FILE at its stop).
+Reports, besides the rate, the ledger process's CPU (user + system, from
+/proc) per completion while the clients ran: ledger_cpu_us_per_item.
 """
 
 import json
@@ -47,6 +50,13 @@ def client(name, keys, versions, per_call, start, out):
         assert all(o["status"] == "ok" for o in r["outcomes"]), r
     out.put((time.perf_counter() - t0, sorted(lat)))
     table.close()
+
+
+def _cpu_s(pid):
+    """User + system CPU seconds of process ``pid`` so far (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main():
@@ -100,10 +110,12 @@ def main():
         for pr in procs:
             pr.start()
         time.sleep(1.0)
+        cpu0 = _cpu_s(p.pid)
         t0 = time.perf_counter()
         start.set()
         res = [out.get() for _ in procs]
         wall = time.perf_counter() - t0
+        cpu = _cpu_s(p.pid) - cpu0
         for pr in procs:
             pr.join()
         st = c.call("stats")
@@ -122,6 +134,8 @@ def main():
                     "groups": st["groups"],
                     "items_per_group": round(total / max(1, st["groups"]), 2),
                     "flush_ms_mean": st["flush_ms_mean"],
+                    "ledger_cpu_us_per_item": round(1e6 * cpu / total, 1),
+                    "ledger_cpu_share": round(cpu / wall, 2),
                     "balanced": c.call("accounting")["balanced"],
                 }
             )

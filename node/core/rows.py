@@ -73,6 +73,12 @@ class Row:
     payload: Any
     job: str
     version: int
+    # The outcome of the row's last lease, written back by the node and
+    # read-only for writers: the id and finish time of its last result, and
+    # the error of a lease that ended without one since (None after a result).
+    last_result_id: int | None = None
+    last_finished_at: float | None = None
+    last_error: str | None = None
 
     def to_json(self) -> dict:
         return {
@@ -84,6 +90,9 @@ class Row:
             "payload": self.payload,
             "job": self.job,
             "version": self.version,
+            "last_result_id": self.last_result_id,
+            "last_finished_at": self.last_finished_at,
+            "last_error": self.last_error,
         }
 
 

@@ -11,9 +11,17 @@ from __future__ import annotations
 
 # The URL's form is checked with the rest of the configuration (the core).
 from node.core.config import check_store_url
-from node.store.base import BadRow, ClaimSource, Store
+from node.store.base import BadRow, ClaimSource, LastError, Store, WriteBack
 
-__all__ = ["BadRow", "ClaimSource", "Store", "open_store", "check_store_url"]
+__all__ = [
+    "BadRow",
+    "ClaimSource",
+    "LastError",
+    "Store",
+    "WriteBack",
+    "open_store",
+    "check_store_url",
+]
 
 
 def open_store(url: str) -> Store:

@@ -21,10 +21,32 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from node.core.errors import StoreError
 from node.core.rows import ORIGIN_NODE, Change, Row, RowWrite
+
+
+class WriteBack(NamedTuple):
+    """One completion's write-back: the row's next due time, under the
+    version guard (``if_version``, the version the lease was granted on),
+    with the outcome of its lease: the result's id in the completion log and
+    its finish time."""
+
+    key: str
+    due_at: float
+    if_version: int
+    result_id: int
+    finished_at: float
+
+
+class LastError(NamedTuple):
+    """A lease that ended without a result (released, expired, parked): the
+    row's ``last_error``, as of ``at``."""
+
+    key: str
+    error: str
+    at: float
 
 
 @dataclass(frozen=True)
@@ -72,6 +94,25 @@ class Store(abc.ABC):
         Writes only when the row still has version ``if_version``; returns
         the row's new version, or None when the row is gone or a newer write
         arrived (which then always wins). Logged with origin ``writeback``."""
+
+    @abc.abstractmethod
+    def write_back_many(self, items: Sequence[WriteBack]) -> list[int | None]:
+        """A group of completions' write-backs in one transaction.
+
+        Each item, in order, as ``write_next_due`` writes one (the version
+        guard, logged with origin ``writeback``), and the outcome columns
+        with it: ``last_result_id``, ``last_finished_at`` set, ``last_error``
+        cleared. Returns per item the row's new version, or None when the
+        row is gone or moved on (the newer write wins; nothing of that item
+        is written). A failure writes nothing of the batch (StoreError)."""
+
+    @abc.abstractmethod
+    def write_last_errors(self, items: Sequence[LastError]) -> int:
+        """Set ``last_error`` of rows whose lease ended without a result, in
+        one transaction; returns how many rows took it. Not a change: no log
+        entry, no new version. A row whose last result finished after the
+        item's ``at`` keeps its outcome (an older miss never overwrites a
+        newer result)."""
 
     # -- reads ---------------------------------------------------------------
 

@@ -36,10 +36,12 @@ from node.core.rows import (
     RowWrite,
     stored_row_is_valid,
 )
-from node.store.base import BadRow, Store
+from node.store.base import BadRow, LastError, Store, WriteBack
 
 # Positions in a stored row (a list, so an update can assign in place).
 _ROUTE, _CADENCE, _SITEMAP, _DUE, _PAYLOAD, _JOB, _VERSION = range(7)
+# The outcome of the row's last lease (not logged; not in a change).
+_RESULT_ID, _FINISHED, _ERROR = range(7, 10)
 _FIELD_INDEX = {
     "cadence_s": _CADENCE,
     "sitemap": _SITEMAP,
@@ -96,7 +98,7 @@ def _decode_payload(stored: str | None) -> Any:
 
 
 def _row(key: str, stored: list) -> Row | BadRow:
-    route, cadence_s, sitemap, due_at, payload, job, version = stored
+    route, cadence_s, sitemap, due_at, payload, job, version, rid, finished, error = stored
     if not stored_row_is_valid(route, cadence_s, sitemap, due_at):
         return BadRow(
             key,
@@ -104,7 +106,10 @@ def _row(key: str, stored: list) -> Row | BadRow:
             "stored values are not schedulable: "
             f"route={route!r} cadence_s={cadence_s!r} sitemap={sitemap!r} due_at={due_at!r}",
         )
-    return Row(key, route, cadence_s, sitemap == 1, due_at, _decode_payload(payload), job, version)
+    return Row(
+        key, route, cadence_s, sitemap == 1, due_at, _decode_payload(payload), job, version,
+        rid, finished, error,
+    )  # fmt: skip
 
 
 class MemoryStore(Store):
@@ -156,6 +161,9 @@ class MemoryStore(Store):
                     fields.get("payload"),
                     fields.get("job", DEFAULT_JOB),
                     0,
+                    None,
+                    None,
+                    None,
                 ]
                 self._rows[key] = stored
                 op = OP_INSERT
@@ -187,6 +195,37 @@ class MemoryStore(Store):
         stored[_DUE] = _real(due_at)
         stored[_VERSION] = self._log(OP_UPDATE, key, ORIGIN_WRITEBACK, stored)
         return stored[_VERSION]
+
+    def write_back_many(self, items: Sequence[WriteBack]) -> list[int | None]:
+        self._check_open()
+        for it in items:  # what SQLite would refuse, before anything changes
+            if it.due_at is None or math.isnan(it.due_at):
+                raise StoreError("memory store: write_back_many: NOT NULL constraint failed")
+        out: list[int | None] = []
+        for it in items:
+            stored = self._rows.get(it.key)
+            if stored is None or stored[_VERSION] != it.if_version:
+                out.append(None)
+                continue
+            stored[_DUE] = _real(it.due_at)
+            stored[_RESULT_ID] = _integer(it.result_id)
+            stored[_FINISHED] = _real(it.finished_at)
+            stored[_ERROR] = None
+            stored[_VERSION] = self._log(OP_UPDATE, it.key, ORIGIN_WRITEBACK, stored)
+            out.append(stored[_VERSION])
+        return out
+
+    def write_last_errors(self, items: Sequence[LastError]) -> int:
+        self._check_open()
+        n = 0
+        for it in items:
+            stored = self._rows.get(it.key)
+            if stored is None:
+                continue
+            if stored[_FINISHED] is None or stored[_FINISHED] <= it.at:
+                stored[_ERROR] = it.error
+                n += 1
+        return n
 
     # -- reads -----------------------------------------------------------------
 

@@ -85,12 +85,29 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             END""",
         ],
     ),
+    (
+        2,
+        "the outcome of a row's last lease",
+        [
+            # Written back by the node, read-only for writers. Not in
+            # schedule_log_update's column list: a write of these alone is no
+            # change (no log entry, no new version, no cleared parking); the
+            # completion's write-back sets them in the statement that sets
+            # due_at, which is logged as before.
+            "ALTER TABLE schedule ADD COLUMN last_result_id INTEGER",
+            "ALTER TABLE schedule ADD COLUMN last_finished_at REAL",
+            "ALTER TABLE schedule ADD COLUMN last_error TEXT",
+        ],
+    ),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 # -- the columns read ------------------------------------------------------------
 
-_ROW_COLUMNS = "key, route, cadence_s, sitemap, due_at, payload, job, version"
+_ROW_COLUMNS = (
+    "key, route, cadence_s, sitemap, due_at, payload, job, version,"
+    " last_result_id, last_finished_at, last_error"
+)
 _SCHEDULE_COLUMNS = (
     "key, version, route, cadence_s, sitemap = 1, due_at, "
     "(typeof(route) = 'text' AND route <> ''"
@@ -137,6 +154,21 @@ def tuning_pragmas(busy_timeout_ms: int, cache_kib: int, mmap_size: int) -> tupl
 
 DELETE_ROW = "DELETE FROM schedule WHERE key = ?"
 WRITE_NEXT_DUE = "UPDATE schedule SET due_at = ? WHERE key = ? AND version = ?"
+# A completion's write-back: the next due time (logged, a new version) and
+# the outcome columns (not logged by themselves), under the version guard.
+WRITE_BACK = (
+    "UPDATE schedule SET due_at = ?, last_result_id = ?, last_finished_at = ?, last_error = NULL"
+    " WHERE key = ? AND version = ?"
+)
+# A lease that ended without a result: the outcome only (no log entry, no new
+# version). An older miss never overwrites a newer completion's outcome.
+WRITE_LAST_ERROR = (
+    "UPDATE schedule SET last_error = ?"
+    " WHERE key = ? AND (last_finished_at IS NULL OR last_finished_at <= ?)"
+)
+# The changes a write-back batch logged: the keys it wrote, with their new
+# versions (a version is the seq of the row's last change).
+CHANGES_SINCE = "SELECT key, seq FROM changes WHERE seq > ?"
 READ_VERSION = "SELECT version FROM schedule WHERE key = ?"
 GET_ROW = f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key = ?"
 WALK_ALL = f"SELECT {_ROW_COLUMNS} FROM schedule ORDER BY key LIMIT ?"

@@ -49,7 +49,7 @@ from node.core.rows import (
     stored_row_is_valid,
 )
 from node.store import queries as q
-from node.store.base import BadRow, ClaimSource, Store
+from node.store.base import BadRow, ClaimSource, LastError, Store, WriteBack
 from node.store.queries import MIGRATIONS, SCHEMA_VERSION  # also read here by tests
 
 # A writer holding the file's write lock (another node process, an importer)
@@ -97,10 +97,13 @@ def bad_reason(route: Any, cadence_s: Any, sitemap: Any, due_at: Any) -> str:
 
 
 def _row(stored: tuple) -> Row | BadRow:
-    key, route, cadence_s, sitemap, due_at, payload, job, version = stored
+    key, route, cadence_s, sitemap, due_at, payload, job, version, rid, finished, error = stored
     if not stored_row_is_valid(route, cadence_s, sitemap, due_at):
         return BadRow(key, version, bad_reason(route, cadence_s, sitemap, due_at))
-    return Row(key, route, cadence_s, sitemap == 1, due_at, decode_payload(payload), job, version)
+    return Row(
+        key, route, cadence_s, sitemap == 1, due_at, decode_payload(payload), job, version,
+        rid, finished, error,
+    )  # fmt: skip
 
 
 def _params(w: RowWrite, now: float) -> tuple:
@@ -366,6 +369,61 @@ class SQLiteStore(Store):
                     return conn.execute(q.READ_VERSION, (key,)).fetchone()[0]
             except sqlite3.Error as exc:
                 raise _wrap(exc, "write_next_due") from exc
+
+    def write_back_many(self, items: Sequence[WriteBack]) -> list[int | None]:
+        """One transaction for the whole group: one executemany of the
+        guarded UPDATE, then the keys it wrote and their new versions from
+        the change log (each written row logged one change; RETURNING would
+        show the versions from before the triggers ran). A key twice in the
+        batch is written in a second round, so that each round's keys are
+        distinct and the log says exactly which items took."""
+        if not items:
+            return []
+        rounds: list[list[int]] = [[]]
+        seen: dict[str, int] = {}  # key -> rounds it is in so far
+        for i, it in enumerate(items):
+            n = seen.get(it.key, 0)
+            seen[it.key] = n + 1
+            if n == len(rounds):
+                rounds.append([])
+            rounds[n].append(i)
+        out: list[int | None] = [None] * len(items)
+        conn = self._c()
+        with self._lock:
+            try:
+                with _WriteTransaction(conn, ORIGIN_WRITEBACK):
+                    found = conn.execute(q.LAST_SEQ).fetchone()
+                    seq = 0 if found is None else found[0]
+                    for members in rounds:
+                        conn.executemany(
+                            q.WRITE_BACK,
+                            [
+                                (it.due_at, it.result_id, it.finished_at, it.key, it.if_version)
+                                for it in map(items.__getitem__, members)
+                            ],
+                        )
+                        written = dict(conn.execute(q.CHANGES_SINCE, (seq,)).fetchall())
+                        for i in members:
+                            out[i] = written.get(items[i].key)
+                        if written:
+                            seq = max(written.values())
+            except sqlite3.Error as exc:
+                raise _wrap(exc, "write_back_many") from exc
+        return out
+
+    def write_last_errors(self, items: Sequence[LastError]) -> int:
+        if not items:
+            return 0
+        conn = self._c()
+        with self._lock:
+            try:
+                with _WriteTransaction(conn, None):
+                    cur = conn.executemany(
+                        q.WRITE_LAST_ERROR, [(it.error, it.key, it.at) for it in items]
+                    )
+            except sqlite3.Error as exc:
+                raise _wrap(exc, "write_last_errors") from exc
+        return cur.rowcount
 
     # -- reads -----------------------------------------------------------------
 

@@ -539,6 +539,10 @@ async def test_get_row_with_the_keepers_view() -> None:
             "payload": [1],
             "job": "default",
             "version": 1,
+            # The outcome of the row's last lease: none yet.
+            "last_result_id": None,
+            "last_finished_at": None,
+            "last_error": None,
         },
         "keeper": view,
         "lease": None,

@@ -293,6 +293,118 @@ def test_a_result_made_durable_by_a_ledger_that_died_before_ending_its_lease(wor
         assert c.call("complete", items=[item(other)])["outcomes"][0]["status"] == "ok"
 
 
+class _WriteLock:
+    """Another program holding the store's write lock (BEGIN IMMEDIATE): the
+    ledger's write-back waits out its busy timeout (5 s) and fails as
+    unavailable, a real store fault, no test hook."""
+
+    def __init__(self, path: str) -> None:
+        import sqlite3
+
+        self.conn = sqlite3.connect(path, isolation_level=None, timeout=10)
+        self.conn.execute("BEGIN IMMEDIATE")
+
+    def release(self) -> None:
+        if self.conn.in_transaction:
+            self.conn.execute("ROLLBACK")
+        self.conn.close()
+
+
+def test_a_failed_write_back_then_kill9_is_written_back_from_the_log_and_never_run_again(world):
+    """The store refuses a group's write-back, then the ledger dies: the item
+    is not granted again meanwhile (its lease stays live until the write-back
+    is written), and the restarted ledger writes it back from the log's
+    pending result, then ends the lease and offers the result."""
+    world.seed(["a", "b"])
+    world.ledger.start()
+    lease = world.grant("a")
+    version = world.store.get("a").version
+    lock = _WriteLock(world.store.path)
+    try:
+        with world.ledger.client(30) as c:
+            (done,) = c.call("complete", items=[item(lease)])["outcomes"]
+            assert done["status"] == "ok"  # durable, whatever the store said
+            st = c.call("stats")
+            assert st["writeback_failed"] >= 1 and st["writeback_retrying"] == 1
+            assert poll_all(c, "j") == []  # not offered before it is written back
+        # The lease is live: nothing can grant the key with its old due time.
+        assert world.table.peek("a", lease.lease_id)[0] is Outcome.COMPLETED
+        refused = world.table.grant("a", "other", 60.0, time.time(), CADENCE_S, version)
+        assert not hasattr(refused, "lease_id"), refused
+        world.ledger.kill9()
+    finally:
+        lock.release()
+    row = world.store.get("a")
+    assert (row.version, row.last_result_id) == (version, None)  # never written
+    assert world.table.peek("a", lease.lease_id)[0] is Outcome.COMPLETED  # still live
+    world.ledger.start()
+    with world.ledger.client() as c:
+        assert c.call("stats")["recovery"]["leases_ended"] == 1
+        (r,) = poll_all(c, "j")
+        assert r["id"] == done["id"]
+        row = world.store.get("a")
+        assert row.due_at == pytest.approx(r["finished_at"] + CADENCE_S)
+        assert (row.last_result_id, row.last_finished_at, row.last_error) == (
+            done["id"], pytest.approx(r["finished_at"]), None,
+        )  # fmt: skip
+        assert row.version > version
+        assert world.table.peek("a", lease.lease_id)[0] is Outcome.REPEAT  # ended
+        assert c.call("complete", items=[item(lease)])["outcomes"] == [
+            {"status": "repeat", "id": done["id"]}
+        ]
+        assert c.call("accounting")["balanced"] is True
+
+
+def test_a_failed_write_back_is_retried_by_the_sweep_then_the_lease_ends(world):
+    world.seed(["a"])
+    world.ledger.start()
+    lease = world.grant("a")
+    lock = _WriteLock(world.store.path)
+    try:
+        with world.ledger.client(30) as c:
+            (done,) = c.call("complete", items=[item(lease)])["outcomes"]
+            assert done["status"] == "ok"
+            assert world.table.peek("a", lease.lease_id)[0] is Outcome.COMPLETED
+    finally:
+        lock.release()
+    with world.ledger.client(30) as c:
+        wait_for(lambda: c.call("stats")["writeback_retrying"] == 0, 30, "the retry")
+        assert world.table.peek("a", lease.lease_id)[0] is Outcome.REPEAT
+        (r,) = poll_all(c, "j")
+        assert r["id"] == done["id"]
+        row = world.store.get("a")
+        assert (row.due_at, row.last_result_id) == (
+            pytest.approx(r["finished_at"] + CADENCE_S), done["id"],
+        )  # fmt: skip
+
+
+def test_the_outcome_of_a_rows_last_lease_is_written_back(world):
+    """last_error from a release (learned from the lease table) and an expiry
+    (the sweep's), cleared by a result with last_result_id and
+    last_finished_at; none of them a change of the row."""
+    world.seed(["rel", "exp"])
+    world.ledger.start()
+    with world.ledger.client() as c:
+        wait_for(lambda: c.call("stats")["sweeps"] >= 1, 10, "the first sweep")
+        released = world.grant("rel")
+        assert world.table.release("rel", released.lease_id, time.time(), "oom") is (
+            Outcome.RELEASED
+        )
+        world.grant("exp", lease_s=0.2)
+        versions = {k: world.store.get(k).version for k in ("rel", "exp")}
+        wait_for(lambda: world.store.get("rel").last_error == "released: oom", 10, "release")
+        wait_for(lambda: world.store.get("exp").last_error is not None, 10, "the expiry")
+        assert world.store.get("exp").last_error.startswith("expired")
+        assert {k: world.store.get(k).version for k in versions} == versions  # no change
+        # The released lease's result still comes (LATE): the outcome is the result's now.
+        (late,) = c.call("complete", items=[item(released)])["outcomes"]
+        assert late["status"] == "ok"
+        row = world.store.get("rel")
+        assert (row.last_error, row.last_result_id) == (None, late["id"])
+        assert row.last_finished_at == pytest.approx(time.time(), abs=30)
+        assert c.call("stats")["last_errors"] >= 2
+
+
 def test_expiry_sweep_long_poll_and_re_offer(tmp_path, node_name):
     world = World(tmp_path, node_name, offer_timeout_s=1.0)
     try:

@@ -29,7 +29,7 @@ from node.core.rows import (
     Row,
     RowWrite,
 )
-from node.store import BadRow, open_store
+from node.store import BadRow, LastError, WriteBack, open_store
 from node.store import sqlite as sqlite_store
 from node.store.memory import MemoryStore
 from node.store.sqlite import SCHEMA_VERSION, SQLiteStore
@@ -231,6 +231,65 @@ def test_write_next_due_on_a_deleted_row_does_nothing(store):
     assert store.last_seq() == 2
 
 
+def test_write_back_many_writes_each_item_under_its_version_in_one_go(store):
+    store.upsert([RowWrite(k, "r", cadence_s=600, due_at=1.0) for k in "abcd"], now=NOW)
+    store.upsert([RowWrite("b", "r", due_at=50.0)], now=NOW)  # b moved on: version 5
+    store.delete(["c"])  # c is gone
+    got = store.write_back_many(
+        [
+            WriteBack("a", 601.0, 1, 11, NOW),
+            WriteBack("b", 602.0, 2, 12, NOW),
+            WriteBack("c", 603.0, 3, 13, NOW),
+            WriteBack("d", 604.0, 4, 14, NOW + 1),
+        ]
+    )
+    assert got == [7, None, None, 8]
+    a, b, d = store.get("a"), store.get("b"), store.get("d")
+    assert (a.due_at, a.version, a.last_result_id, a.last_finished_at) == (601.0, 7, 11, NOW)
+    assert (b.due_at, b.version, b.last_result_id) == (50.0, 5, None)  # the newer write won
+    assert (d.due_at, d.version, d.last_result_id, d.last_finished_at) == (604.0, 8, 14, NOW + 1)
+    # Logged as write-backs, one change each, as write_next_due's are.
+    assert ops(store, after=6) == [(7, "U", "a", ORIGIN_WRITEBACK), (8, "U", "d", ORIGIN_WRITEBACK)]
+    assert store.write_back_many([]) == []
+
+
+def test_write_back_many_with_a_key_twice_takes_the_first_and_refuses_the_stale(store):
+    store.upsert([RowWrite("k", "r", due_at=1.0)], now=NOW)
+    assert store.write_back_many(
+        [WriteBack("k", 601.0, 1, 1, NOW), WriteBack("k", 602.0, 1, 2, NOW)]
+    ) == [2, None]
+    assert store.write_back_many(
+        [WriteBack("k", 603.0, 1, 3, NOW), WriteBack("k", 604.0, 2, 4, NOW)]
+    ) == [None, 3]
+    row = store.get("k")
+    assert (row.due_at, row.version, row.last_result_id) == (604.0, 3, 4)
+
+
+def test_the_outcome_columns_are_no_change_and_a_write_keeps_them(store):
+    store.upsert([RowWrite("k", "r", due_at=1.0), RowWrite("other", "r")], now=NOW)
+    assert store.write_last_errors([LastError("k", "released: oom", NOW)]) == 1
+    row = store.get("k")
+    assert (row.version, row.last_error, row.last_result_id) == (1, "released: oom", None)
+    assert store.last_seq() == 2  # not logged, no new version
+    assert store.write_back_many([WriteBack("k", 601.0, 1, 9, NOW + 5)]) == [3]
+    assert (store.get("k").last_error, store.get("k").last_result_id) == (None, 9)
+    # An older miss than the last result keeps the result's outcome; a newer one is written.
+    assert store.write_last_errors([LastError("k", "expired", NOW + 4)]) == 0
+    assert store.get("k").last_error is None
+    assert store.write_last_errors([LastError("k", "expired", NOW + 6)]) == 1
+    assert store.write_last_errors([LastError("gone", "expired", NOW)]) == 0
+    # A producer's update keeps the outcome; the outcome is in the row's document.
+    store.upsert([RowWrite("k", "r", due_at=2.0)], now=NOW)
+    row = store.get("k")
+    assert (row.last_result_id, row.last_finished_at, row.last_error) == (9, NOW + 5, "expired")
+    doc = row.to_json()
+    assert (doc["last_result_id"], doc["last_finished_at"], doc["last_error"]) == (
+        9, NOW + 5, "expired",
+    )  # fmt: skip
+    assert store.get("other").to_json()["last_result_id"] is None
+    assert store.last_seq() == 4
+
+
 # -- reads -------------------------------------------------------------------------
 
 
@@ -334,6 +393,8 @@ _OP = st.one_of(
     st.tuples(st.just("upsert"), st.lists(_WRITE, max_size=4), st.sampled_from(ORIGINS)),
     st.tuples(st.just("delete"), st.lists(_KEYS, max_size=3), st.sampled_from(ORIGINS)),
     st.tuples(st.just("writeback"), _KEYS, st.booleans()),
+    st.tuples(st.just("writebacks"), st.lists(st.tuples(_KEYS, st.booleans()), max_size=4)),
+    st.tuples(st.just("errors"), st.lists(_KEYS, max_size=3), st.sampled_from([NOW, NOW + 100])),
     st.tuples(st.just("trim"), st.integers(0, 30)),
 )
 
@@ -359,6 +420,15 @@ def _apply(s, op):
         row = s.get(op[1])
         version = 0 if row is None else row.version - (0 if op[2] else 1)
         return s.write_next_due(op[1], NOW + 60.0, if_version=version)
+    if kind == "writebacks":
+        items = []
+        for n, (key, current) in enumerate(op[1]):
+            row = s.get(key)
+            version = 0 if row is None else row.version - (0 if current else 1)
+            items.append(WriteBack(key, NOW + 60.0 + n, version, n + 1, NOW + n))
+        return s.write_back_many(items)
+    if kind == "errors":
+        return s.write_last_errors([LastError(k, f"e{n}", op[2]) for n, k in enumerate(op[1])])
     return s.trim_changes(op[1])
 
 
@@ -481,6 +551,33 @@ def test_an_empty_file_is_migrated_on_open_and_reopening_is_a_no_op(tmp_path):
     assert {"schedule", "changes", "write_origin", "meta", "schema_migrations"} <= tables
     assert migrations == [(v,) for v, _, _ in sqlite_store.MIGRATIONS]
     assert journal == "wal"
+
+
+def test_a_file_of_schema_1_gains_the_outcome_columns_and_keeps_its_rows(tmp_path):
+    path = tmp_path / "old.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute(sqlite_store.q.CREATE_MIGRATIONS)
+    version, name, statements = sqlite_store.MIGRATIONS[0]
+    for statement in statements:
+        conn.execute(statement)
+    conn.execute(sqlite_store.q.RECORD_MIGRATION, (version, name, NOW))
+    conn.execute("INSERT INTO schedule (key, route, due_at) VALUES ('k', 'r', 1)")
+    conn.close()
+    with SQLiteStore(path) as s:
+        assert s.schema_version() == SCHEMA_VERSION >= 2
+        row = s.get("k")
+        assert (row.version, row.last_result_id, row.last_finished_at, row.last_error) == (
+            1, None, None, None,
+        )  # fmt: skip
+        assert s.write_back_many([WriteBack("k", 601.0, 1, 5, NOW)]) == [2]
+    with SQLiteStore(path) as s:  # reopening migrates nothing again
+        assert s.get("k").last_result_id == 5
+
+
+def test_an_outside_write_of_the_outcome_columns_alone_is_not_logged(db, outside):
+    db.upsert([RowWrite("k", "r")], now=NOW)
+    outside.execute("UPDATE schedule SET last_error = 'x', last_result_id = 3 WHERE key = 'k'")
+    assert (db.get("k").version, db.last_seq()) == (1, 1)
 
 
 def test_a_file_from_a_newer_build_is_refused(tmp_path):
@@ -619,3 +716,13 @@ def test_walk_schedule_sets_bad_rows_apart(tmp_path):
     assert len(bad) == 1 and isinstance(bad[0], BadRow) and bad[0].key == "b"
     assert after is None
     store.close()
+
+
+@pytest.mark.parametrize("field", ["last_result_id", "last_finished_at", "last_error", "version"])
+def test_a_write_cannot_carry_an_outcome_column(field):
+    from node.core.errors import ValidationError
+    from node.core.rows import parse_row
+
+    with pytest.raises(ValidationError) as exc:
+        parse_row({"key": "k", "route": "r", field: None}, "rows[0].")
+    assert (exc.value.code, exc.value.field) == ("unknown_field", f"rows[0].{field}")

@@ -37,6 +37,7 @@ from node.core.errors import NodeError
 from node.core.names import ledger_address
 from node.core.proc import RET_ERROR, RET_OK, child_signals, die_with_parent, set_title
 from node.ipc import MAX_FRAME, IpcError, RemoteError, pack, peer_uid, read_frame
+from node.store import WriteBack
 
 # Segments of the completion log live in <data-dir>/LOG_DIR.
 LOG_DIR = "log"
@@ -48,6 +49,10 @@ SWEEP_INTERVAL_S = 0.1
 RETENTION_INTERVAL_S = 1.0
 RETENTION_MAX_PER_SWEEP = 50_000
 RETENTION_REASON = "retention"
+# How often the ledger reads the held and parked keys of the lease table to
+# write the last_error of the leases released since (an expiry's is written
+# by the sweep that makes it).
+OUTCOME_SCAN_INTERVAL_S = 1.0
 # How often the ledger looks for segments it can remove (a cheap check over
 # the segments' counts; the removal itself only when there is one).
 COMPACT_INTERVAL_S = 1.0
@@ -69,6 +74,11 @@ REPLY_BYTES = 24 << 20
 # On SIGTERM, how long requests in flight get to finish.
 STOP_GRACE_S = 5.0
 ENCODINGS = ("json", "bytes")
+
+
+# A lease to end once its result's write-back is written: key, lease id,
+# result id, job.
+_End = tuple[str, int, int, str]
 
 
 def _bad(message: str) -> RemoteError:
@@ -107,6 +117,8 @@ class _Stats:
     sweeps: int = 0
     writeback_skipped: int = 0  # the row moved on or is gone: the newer write wins
     writeback_failed: int = 0
+    last_errors: int = 0  # rows whose last_error was written (a release, an expiry, a parking)
+    last_errors_failed: int = 0
     superseded_after_durable: int = 0
     unreadable: int = 0
     recovery: dict[str, Any] = field(default_factory=dict)
@@ -136,8 +148,15 @@ class Ledger:
         self._kick = asyncio.Event()
         self._stopping = asyncio.Event()
         self._unended: list[tuple[str, int, int, str]] = []  # key, lease_id, id, job
-        self._writebacks: list[tuple[str, float, int]] = []  # key, due_at, if_version
+        # Write-backs the store refused to take (StoreError), retried every
+        # sweep, each with the lease to end once it is written (None: none).
+        self._writebacks: list[tuple[Any, _End | None]] = []
         self._checkpointed: dict[str, int] = {}
+        # The misses whose last_error is written: key -> (lease id, misses)
+        # of its held or parked slot. None until the first scan, which only
+        # learns them (the process before wrote what it saw).
+        self._missed: dict[str, tuple[int, int]] | None = None
+        self._outcome_due = 0.0
         self._checkpoint_due = 0.0
         self._retention_due = 0.0
         self._compact_due = 0.0
@@ -170,6 +189,10 @@ class Ledger:
             log.warn("accounting_restored", added=restored, checkpoint_at=self.acct.checkpoint_at)
         fixed = 0
         answered: list[tuple[int, Any, str]] = []  # (id, lease id, key) for the repeat index
+        # Every pending result's write-back is done again, from the log's
+        # evidence: the version guard refuses those already done, and one a
+        # failed store refused before the crash is written now.
+        redo: list[tuple[Any, _End | None]] = []
         # Every pending result is read once (its lease id is not in the
         # index): about 10 µs each, 1 s per 100,000 pending (docs/delivery.md).
         for p in self.log.pending():
@@ -181,18 +204,26 @@ class Ledger:
                 continue
             answered.append((p.id, result.lease_id, p.key))  # the log's index holds p.key
             outcome, _ = self.leases.peek(result.key, int(result.lease_id))
-            due_at = result.finished_at + result.cadence_s
+            wb = WriteBack(
+                result.key,
+                result.finished_at + result.cadence_s,
+                result.version,
+                p.id,
+                result.finished_at,
+            )
             if outcome in (Outcome.COMPLETED, Outcome.LATE):
-                self._write_back(result.key, due_at, result.version)
-                self._end_lease(result.key, int(result.lease_id), p.id, p.job, now)
+                # Durable, its lease not ended: the ledger died between the
+                # fsync and the lease's end, or while the store refused the
+                # write-back. Written back, then ended and offered.
+                redo.append((wb, (result.key, int(result.lease_id), p.id, p.job)))
                 fixed += 1
                 continue
-            if restored and outcome is Outcome.UNKNOWN:
-                # The table was lost with the host: this result's write-back
-                # may never have happened. Repeating one that did is refused
-                # by its version, harmlessly.
-                self._write_back(result.key, due_at, result.version)
+            # Ended (or the table was lost with the host, or granted again
+            # since): offered now; the write-back is repeated all the same.
+            redo.append((wb, None))
             self.delivery.add(p.id, p.job)
+        for i in range(0, len(redo), GROUP_MAX_ITEMS):
+            self._write_backs(redo[i : i + GROUP_MAX_ITEMS], now)
         self.delivery.assume_offered_through(report.next_id - 1)
         self._load_repeats(answered, now)
         gap = 0
@@ -319,34 +350,59 @@ class Ledger:
         self.stats.flush_s += flush_s
         self.stats.flush_s_max = max(self.stats.flush_s_max, flush_s)
         answered = self.repeats.add
+        group: list[tuple[Any, _End | None]] = []
         for it, rid in zip(items, ids, strict=True):
             answered(it.lease_id, it.key, rid)  # durable: a repeat gets this id from now on
-            try:
-                self._write_back(it.key, now + it.cadence_s, it.version)
-                self._end_lease(it.key, it.lease_id, rid, it.job, now)
-            except Exception as exc:  # noqa: BLE001 - durable already: answer ok, retry the end
-                log.error("lease_end_failed", exc_info=True, key=it.key, id=rid, error=repr(exc))
-                self._unended.append((it.key, it.lease_id, rid, it.job))
-            self._settle(it, "ok", rid)
+            group.append(
+                (WriteBack(it.key, now + it.cadence_s, it.version, rid, now),
+                 (it.key, it.lease_id, rid, it.job))
+            )  # fmt: skip
+        self._write_backs(group, now)
+        for it, rid in zip(items, ids, strict=True):
+            self._settle(it, "ok", rid)  # durable: ok, whatever the store said
 
     def _settle(self, it: _Item, status: str, rid: int | None) -> None:
         self._inflight.pop((it.key, it.lease_id), None)
         if not it.done.done():
             it.done.set_result((status, rid))
 
-    def _write_back(self, key: str, due_at: float, version: int) -> None:
-        """Before the lease ends: a crash between the two leaves the lease
+    def _write_backs(self, group: list[tuple[Any, _End | None]], now: float) -> None:
+        """A group's write-backs in one store transaction, then their leases
+        ended (and their results offered).
+
+        Before the lease ends: a crash between the two leaves the lease
         live, and recovery does both again (the repeat write is refused by
-        its version, harmlessly)."""
+        its version, harmlessly). A store that refuses the batch leaves
+        every lease of it live and the results unoffered: the batch is
+        retried every sweep and the leases end once it is written, so the
+        key is never granted again with its old due time; a crash meanwhile
+        leaves the result pending in the log and its lease live, and
+        recovery writes it back from there. (A store down for longer than a
+        lease plus its hold: the lease expires, is a miss, and the key can
+        be granted again; the late write-back then ends nothing.)"""
         from node.core.errors import StoreError
 
         try:
-            if self.store.write_next_due(key, due_at, if_version=version) is None:
-                self.stats.writeback_skipped += 1
-        except StoreError as exc:
-            self.stats.writeback_failed += 1
-            self._writebacks.append((key, due_at, version))
-            log.warn("writeback_failed", key=key, error=str(exc), retrying=len(self._writebacks))
+            versions = self.store.write_back_many([wb for wb, _ in group])
+        except Exception as exc:  # noqa: BLE001 - nothing lost: every item is retried
+            self.stats.writeback_failed += len(group)
+            self._writebacks += group
+            if isinstance(exc, StoreError):
+                log.warn("writeback_failed", results=len(group), error=str(exc),
+                         retrying=len(self._writebacks))  # fmt: skip
+            else:
+                log.error("writeback_failed", exc_info=True, results=len(group), error=repr(exc),
+                          retrying=len(self._writebacks))  # fmt: skip
+            return
+        self.stats.writeback_skipped += versions.count(None)
+        for _, end in group:
+            if end is None:
+                continue
+            try:
+                self._end_lease(*end, now)
+            except Exception as exc:  # noqa: BLE001 - durable already: answer ok, retry the end
+                log.error("lease_end_failed", exc_info=True, key=end[0], id=end[2], error=repr(exc))
+                self._unended.append(end)
 
     def _end_lease(self, key: str, lease_id: int, rid: int, job: str, now: float) -> None:
         from shm.leases import Outcome
@@ -567,6 +623,8 @@ class Ledger:
             "writeback_skipped": s.writeback_skipped,
             "writeback_failed": s.writeback_failed,
             "writeback_retrying": len(self._writebacks),
+            "last_errors": s.last_errors,
+            "last_errors_failed": s.last_errors_failed,
             "unended": len(self._unended),
             "superseded_after_durable": s.superseded_after_durable,
             "unreadable": s.unreadable,
@@ -584,7 +642,10 @@ class Ledger:
         """Expire leases (the table counts each expiry once), retry what
         could not be done at commit, checkpoint the counters."""
         self.stats.sweeps += 1
-        self.stats.expired += len(self.leases.expire(now))
+        expired = self.leases.expire(now)
+        self.stats.expired += len(expired)
+        if expired:
+            self._expired_errors(expired, now)
         self.repeats.expire(now)
         if self._unended:
             todo, self._unended = self._unended, []
@@ -592,14 +653,66 @@ class Ledger:
                 self._end_lease(key, lease_id, rid, job, now)
         if self._writebacks:
             todo_wb, self._writebacks = self._writebacks, []
-            for key, due_at, version in todo_wb:
-                self._write_back(key, due_at, version)
+            for i in range(0, len(todo_wb), GROUP_MAX_ITEMS):
+                self._write_backs(todo_wb[i : i + GROUP_MAX_ITEMS], now)
+        if now >= self._outcome_due:
+            self.scan_misses(now)
         if self._retention and now >= self._retention_due:
             self.retain(now)
         if now >= self._compact_due:
             self.compact(now)
         if now >= self._checkpoint_due:
             self.checkpoint(now)
+
+    def _expired_errors(self, expired: list, now: float) -> None:
+        """The rows' last_error for the leases this sweep expired."""
+        from node.store import LastError
+
+        errors = []
+        for e in expired:
+            text = "expired: no result within the lease"
+            if e.parked:
+                text += f"; parked after {e.misses} misses in a row"
+            errors.append(LastError(e.key, text, now))
+            if self._missed is not None:
+                self._missed[e.key] = (e.lease_id, e.misses)
+        self._write_last_errors(errors)
+
+    def scan_misses(self, now: float) -> None:
+        """Releases happen in the claimers (HTTP workers, LocalClaimer), in
+        shared memory: the ledger learns of them here, from the held and
+        parked slots, and writes the rows' last_error. A slot it has not
+        seen with this lease id and miss count is a release (expiries are
+        recorded by the sweep that makes them)."""
+        from node.store import LastError
+
+        self._outcome_due = now + OUTCOME_SCAN_INTERVAL_S
+        holds = self.leases.held(limit=self.leases.capacity)
+        seen = {h.key: (h.lease_id, h.misses) for h in holds}
+        missed, self._missed = self._missed, seen
+        if missed is None:
+            return
+        errors = []
+        for h in holds:
+            if missed.get(h.key) == seen[h.key]:
+                continue
+            text = f"released: {h.last_error}" if h.last_error else "released"
+            if h.parked:
+                text += f"; parked after {h.misses} misses in a row"
+            errors.append(LastError(h.key, text, now))
+        if errors:
+            self._write_last_errors(errors)
+
+    def _write_last_errors(self, errors: list) -> None:
+        """Informational: a store that refuses them now loses them (counted
+        and logged; the lease table keeps the error of a held key)."""
+        from node.core.errors import StoreError
+
+        try:
+            self.stats.last_errors += self.store.write_last_errors(errors)
+        except StoreError as exc:
+            self.stats.last_errors_failed += len(errors)
+            log.warn("last_error_failed", rows=len(errors), error=str(exc))
 
     def retain(self, now: float) -> dict[str, int]:
         """Job retention: discard each job's results not acked within its
