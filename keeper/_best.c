@@ -184,14 +184,180 @@ done:
     return result;
 }
 
-/* flag(flags, at, value): flags[i] = value for each i in the list at (a
- * bytearray; every index is checked first, so a bad one changes nothing). */
+/* pick(values, starts, cadences, boosts, cids, now, k, keys, exclude)
+ *     -> (n, kth, skipped, positions, slots, minutes, classes, ranks, marks)
+ *
+ * merge for the keeper's publish (Buckets.best_gathered): the same k-way
+ * merge, the same picks in the same order and the same floats, but no
+ * Python object a pick: the columns come back as bytes, each a C array of n
+ * items (positions in values, slots, minutes and class ids as int32, ranks as
+ * double), which shm._atomic.View.write_gathered writes into the ready set
+ * as they are. kth: the k-th pick's rank, or None when there are fewer than
+ * k. marks: a bytearray of len(values), 1 at each pick.
+ *
+ * exclude (None, or a container of keys; keys the table's list of keys by
+ * slot): a candidate whose key is in it is passed over, neither picked nor
+ * marked; skipped says how many were (those the merge reached: ranked above
+ * the k-th pick, or all when there are fewer than k). */
+static PyObject *
+best_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 9) {
+        PyErr_Format(PyExc_TypeError, "pick() takes 9 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *starts = args[1], *cadences = args[2], *boosts = args[3], *cids = args[4];
+    PyObject *keys = args[7], *exclude = args[8] == Py_None ? NULL : args[8];
+    if (!PyList_Check(starts) || !PyList_Check(cadences) || !PyList_Check(boosts) ||
+        !PyList_Check(cids) || (exclude != NULL && !PyList_Check(keys))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "pick(): starts, cadences, boosts and cids are lists, and keys is a "
+                        "list when exclude is given");
+        return NULL;
+    }
+    Py_ssize_t classes = PyList_GET_SIZE(starts);
+    if (PyList_GET_SIZE(cadences) != classes || PyList_GET_SIZE(boosts) != classes ||
+        PyList_GET_SIZE(cids) != classes) {
+        PyErr_SetString(PyExc_ValueError,
+                        "pick(): starts, cadences, boosts and cids differ in length");
+        return NULL;
+    }
+    double now = PyFloat_AsDouble(args[5]);
+    Py_ssize_t k = PyLong_AsSsize_t(args[6]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    PyObject *out[6] = {NULL, NULL, NULL, NULL, NULL, NULL}, *result = NULL;
+    Head *heap = NULL;
+    double *cad = NULL, *bst = NULL;
+    int32_t *cid_of = NULL;
+    int any_set = exclude != NULL && PyAnySet_Check(exclude);
+    if (view.len % 8 || (view.len && ((uintptr_t)view.buf) % 8)) {
+        PyErr_SetString(PyExc_ValueError, "pick(): values are not aligned int64");
+        goto done;
+    }
+    const int64_t *values = (const int64_t *)view.buf;
+    Py_ssize_t n = view.len / 8, nkeys = exclude != NULL ? PyList_GET_SIZE(keys) : 0;
+    Py_ssize_t room = classes ? classes : 1;
+    heap = PyMem_Malloc(sizeof(Head) * room);
+    cad = PyMem_Malloc(sizeof(double) * room);
+    bst = PyMem_Malloc(sizeof(double) * room);
+    cid_of = PyMem_Malloc(sizeof(int32_t) * room);
+    if (heap == NULL || cad == NULL || bst == NULL || cid_of == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t size = 0, total = 0;
+    for (Py_ssize_t c = 0; c < classes; c++) {
+        Py_ssize_t start = PyLong_AsSsize_t(PyList_GET_ITEM(starts, c));
+        Py_ssize_t end = c + 1 < classes ? PyLong_AsSsize_t(PyList_GET_ITEM(starts, c + 1)) : n;
+        long cid = PyLong_AsLong(PyList_GET_ITEM(cids, c));
+        cad[c] = PyFloat_AsDouble(PyList_GET_ITEM(cadences, c));
+        bst[c] = PyFloat_AsDouble(PyList_GET_ITEM(boosts, c));
+        if (PyErr_Occurred())
+            goto done;
+        if (start < 0 || end > n || start > end || !(cad[c] > 0) || cid < INT32_MIN ||
+            cid > INT32_MAX) {
+            PyErr_SetString(PyExc_ValueError, "pick(): a run, a cadence or a class out of range");
+            goto done;
+        }
+        cid_of[c] = (int32_t)cid;
+        total += end - start;
+        if (start < end) {
+            heap[size].rank = rank_of(values[start], now, cad[c], bst[c]);
+            heap[size].at = start;
+            heap[size].end = end;
+            heap[size].cls = c;
+            size++;
+        }
+    }
+    for (Py_ssize_t i = size / 2 - 1; i >= 0; i--)
+        sift_down(heap, size, i);
+    Py_ssize_t want = k < total ? k : total;
+    if (want < 0)
+        want = 0;
+    if ((out[0] = PyBytes_FromStringAndSize(NULL, 4 * want)) == NULL ||
+        (out[1] = PyBytes_FromStringAndSize(NULL, 4 * want)) == NULL ||
+        (out[2] = PyBytes_FromStringAndSize(NULL, 4 * want)) == NULL ||
+        (out[3] = PyBytes_FromStringAndSize(NULL, 4 * want)) == NULL ||
+        (out[4] = PyBytes_FromStringAndSize(NULL, 8 * want)) == NULL ||
+        (out[5] = PyByteArray_FromStringAndSize(NULL, n)) == NULL)
+        goto done;
+    int32_t *positions = (int32_t *)PyBytes_AS_STRING(out[0]);
+    int32_t *slots = (int32_t *)PyBytes_AS_STRING(out[1]);
+    int32_t *minutes = (int32_t *)PyBytes_AS_STRING(out[2]);
+    int32_t *classes_of = (int32_t *)PyBytes_AS_STRING(out[3]);
+    double *ranks = (double *)PyBytes_AS_STRING(out[4]);
+    char *marks = PyByteArray_AS_STRING(out[5]);
+    memset(marks, 0, n);
+    Py_ssize_t got = 0, skipped = 0;
+    while (got < want && size > 0) {
+        Head *top = &heap[0];
+        int64_t value = values[top->at];
+        int32_t slot = (int32_t)(value & 0xFFFFFFFFLL);
+        int take = 1;
+        if (exclude != NULL) {
+            if (slot < 0 || slot >= nkeys) {
+                PyErr_SetString(PyExc_IndexError, "pick(): a slot out of range of keys");
+                goto done;
+            }
+            PyObject *key = PyList_GET_ITEM(keys, slot);
+            int in = any_set ? PySet_Contains(exclude, key) : PySequence_Contains(exclude, key);
+            if (in < 0)
+                goto done;
+            take = !in;
+            skipped += in;
+        }
+        if (take) {
+            positions[got] = (int32_t)top->at;
+            slots[got] = slot;
+            minutes[got] = (int32_t)(value >> 32);
+            classes_of[got] = cid_of[top->cls];
+            ranks[got] = top->rank;
+            marks[top->at] = 1;
+            got++;
+        }
+        if (++top->at < top->end) {
+            Py_ssize_t c = top->cls;
+            top->rank = rank_of(values[top->at], now, cad[c], bst[c]);
+        }
+        else
+            heap[0] = heap[--size];
+        sift_down(heap, size, 0);
+    }
+    if (got < want) { /* some were excluded: the columns are shorter */
+        for (int j = 0; j < 5; j++)
+            if (_PyBytes_Resize(&out[j], (j == 4 ? 8 : 4) * got) < 0)
+                goto done;
+    }
+    PyObject *kth = got == k && k > 0 ? PyFloat_FromDouble(ranks[got - 1]) : Py_NewRef(Py_None);
+    if (kth == NULL)
+        goto done;
+    result = Py_BuildValue("(nNnOOOOOO)", got, kth, skipped, out[0], out[1], out[2], out[3],
+                           out[4], out[5]);
+done:
+    for (int j = 0; j < 6; j++)
+        Py_XDECREF(out[j]);
+    PyMem_Free(heap);
+    PyMem_Free(cad);
+    PyMem_Free(bst);
+    PyMem_Free(cid_of);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+/* flag(flags, at, value): flags[i] = value for each i in at, a list of ints
+ * or a buffer of int32 (pick's slots) (flags a bytearray; every index is
+ * checked first, so a bad one changes nothing). */
 static PyObject *
 best_flag(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 3 || !PyByteArray_Check(args[0]) || !PyList_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "flag(flags: bytearray, at: list, value)");
+    if (nargs != 3 || !PyByteArray_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "flag(flags: bytearray, at: list or int32 buffer, value)");
         return NULL;
     }
     long value = PyLong_AsLong(args[2]);
@@ -201,7 +367,32 @@ best_flag(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "flag(): value is a byte");
         return NULL;
     }
-    Py_ssize_t size = PyByteArray_GET_SIZE(args[0]), n = PyList_GET_SIZE(args[1]);
+    Py_ssize_t size = PyByteArray_GET_SIZE(args[0]);
+    char *flags = PyByteArray_AS_STRING(args[0]);
+    if (!PyList_Check(args[1])) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0)
+            return NULL;
+        if (view.len % 4 || (view.len && ((uintptr_t)view.buf) % 4)) {
+            PyBuffer_Release(&view);
+            PyErr_SetString(PyExc_TypeError, "flag(): at is not a list or an int32 buffer");
+            return NULL;
+        }
+        const int32_t *at = (const int32_t *)view.buf;
+        Py_ssize_t n = view.len / 4;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (at[i] < 0 || at[i] >= size) {
+                PyBuffer_Release(&view);
+                PyErr_SetString(PyExc_IndexError, "flag(): an index out of range");
+                return NULL;
+            }
+        }
+        for (Py_ssize_t i = 0; i < n; i++)
+            flags[at[i]] = (char)value;
+        PyBuffer_Release(&view);
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(args[1]);
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t at = PyLong_AsSsize_t(PyList_GET_ITEM(args[1], i));
         if (at == -1 && PyErr_Occurred())
@@ -211,16 +402,144 @@ best_flag(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             return NULL;
         }
     }
-    char *flags = PyByteArray_AS_STRING(args[0]);
     for (Py_ssize_t i = 0; i < n; i++)
         flags[PyLong_AsSsize_t(PyList_GET_ITEM(args[1], i))] = (char)value;
     Py_RETURN_NONE;
+}
+
+/* move_keys(keys, table, mask, held, det, cids, mins, flag, by_class) -> moved
+ *
+ * The key loop of Buckets.detach_many / attach_many (keeper/buckets/detach.py
+ * _move_many): each key of keys (any iterable of str) is looked up in the key
+ * table (table: int32 cells, linear probing from hash(key) & mask, -1 empty;
+ * held: the list of keys by slot), and a row found whose det flag is not
+ * flag gets it, its order value (mins[slot] << 32 | slot) appended to
+ * by_class[cids[slot]] (a dict of lists, made as needed). Returns how many
+ * rows were flagged. The same lookups and the same answer as the Python loop,
+ * with no Python frame a key. */
+static PyObject *
+best_move_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 9 || !PyList_Check(args[3]) || !PyByteArray_Check(args[4]) ||
+        !PyDict_Check(args[8])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "move_keys(keys, table, mask, held: list, det: bytearray, cids, mins, "
+                        "flag, by_class: dict)");
+        return NULL;
+    }
+    PyObject *held = args[3], *by_class = args[8];
+    Py_ssize_t mask = PyLong_AsSsize_t(args[2]);
+    long flag = PyLong_AsLong(args[7]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (flag < 0 || flag > 255) {
+        PyErr_SetString(PyExc_ValueError, "move_keys(): flag is a byte");
+        return NULL;
+    }
+    Py_buffer tb, cb, mb;
+    if (PyObject_GetBuffer(args[1], &tb, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[5], &cb, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&tb);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[6], &mb, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&tb);
+        PyBuffer_Release(&cb);
+        return NULL;
+    }
+    PyObject *it = NULL, *key = NULL, *result = NULL;
+    Py_ssize_t moved = 0;
+    Py_ssize_t cells = tb.len / 4, nheld = PyList_GET_SIZE(held);
+    Py_ssize_t ndet = PyByteArray_GET_SIZE(args[4]);
+    Py_ssize_t nrows = cb.len / 4 < mb.len / 4 ? cb.len / 4 : mb.len / 4;
+    /* (an empty buffer's pointer may be anywhere: array's is a static "") */
+    if (mask < 0 || mask + 1 != cells || (cells & mask) || tb.len % 4 ||
+        ((uintptr_t)tb.buf % 4) || (cb.len && (uintptr_t)cb.buf % 4) ||
+        (mb.len && (uintptr_t)mb.buf % 4)) {
+        PyErr_SetString(PyExc_ValueError, "move_keys(): the table is not int32 cells of mask + 1");
+        goto done;
+    }
+    const int32_t *table = (const int32_t *)tb.buf, *cids = (const int32_t *)cb.buf,
+                  *mins = (const int32_t *)mb.buf;
+    if ((it = PyObject_GetIter(args[0])) == NULL)
+        goto done;
+    while ((key = PyIter_Next(it)) != NULL) {
+        Py_hash_t h = PyObject_Hash(key);
+        if (h == -1)
+            goto done;
+        Py_ssize_t i = (Py_ssize_t)h & mask;
+        int32_t slot;
+        for (;;) {
+            slot = table[i];
+            if (slot < 0)
+                break;
+            if (slot >= nheld || slot >= ndet || slot >= nrows) {
+                PyErr_SetString(PyExc_IndexError, "move_keys(): a slot out of range");
+                goto done;
+            }
+            PyObject *there = PyList_GET_ITEM(held, slot);
+            if (there == key)
+                break;
+            int eq = PyObject_RichCompareBool(there, key, Py_EQ);
+            if (eq < 0)
+                goto done;
+            if (eq)
+                break;
+            i = (i + 1) & mask;
+        }
+        Py_CLEAR(key);
+        char *det = PyByteArray_AS_STRING(args[4]); /* a compare may have run Python */
+        if (slot < 0 || det[slot] == (char)flag)
+            continue;
+        det[slot] = (char)flag;
+        PyObject *cid = PyLong_FromLong(cids[slot]);
+        PyObject *value = PyLong_FromLongLong((long long)mins[slot] * 4294967296LL +
+                                              (long long)(uint32_t)slot);
+        if (cid == NULL || value == NULL) {
+            Py_XDECREF(cid);
+            Py_XDECREF(value);
+            goto done;
+        }
+        PyObject *values = PyDict_GetItemWithError(by_class, cid);
+        int bad = 0;
+        if (values == NULL) {
+            if (PyErr_Occurred() || (values = PyList_New(0)) == NULL)
+                bad = 1;
+            else {
+                bad = PyDict_SetItem(by_class, cid, values) < 0;
+                Py_DECREF(values); /* the dict holds it, or it is gone */
+            }
+        }
+        bad = bad || PyList_Append(values, value) < 0;
+        Py_DECREF(cid);
+        Py_DECREF(value);
+        if (bad)
+            goto done;
+        moved++;
+    }
+    if (!PyErr_Occurred())
+        result = PyLong_FromSsize_t(moved);
+done:
+    Py_XDECREF(key);
+    Py_XDECREF(it);
+    PyBuffer_Release(&tb);
+    PyBuffer_Release(&cb);
+    PyBuffer_Release(&mb);
+    return result;
 }
 
 static PyMethodDef best_methods[] = {
     {"merge", (PyCFunction)(void (*)(void))best_merge, METH_FASTCALL,
      "merge(values, starts, cadences, boosts, cids, now, k) -> (picks, ranks, slots, minutes, "
      "classes, marks): the k best candidates of the class runs, best first"},
+    {"pick", (PyCFunction)(void (*)(void))best_pick, METH_FASTCALL,
+     "pick(values, starts, cadences, boosts, cids, now, k, keys, exclude) -> (n, kth, skipped, "
+     "positions, slots, minutes, classes, ranks, marks): merge, as C arrays, exclude passed over"},
+    {"move_keys", (PyCFunction)(void (*)(void))best_move_keys, METH_FASTCALL,
+     "move_keys(keys, table, mask, held, det, cids, mins, flag, by_class) -> moved: "
+     "_move_many's key loop"},
     {"flag", (PyCFunction)(void (*)(void))best_flag, METH_FASTCALL,
      "flag(flags, at, value): flags[i] = value for each i in at"},
     {NULL, NULL, 0, NULL},

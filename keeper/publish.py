@@ -10,7 +10,6 @@ import time
 from typing import Any
 
 from keeper.base import KeeperBase
-from keeper.buckets import Columns
 from keeper.verify import TOP_CHECK
 from node.core import metrics
 
@@ -49,19 +48,14 @@ class Publish(KeeperBase):
         if keep_out:
             self._follow_leases(now)
             self._retire(self.ready.active_slot if ahead else None)
-        if self.paused_node:
-            columns: Columns = ([], [], [], [], [])
-        else:
-            columns = self.buckets.best_columns(
-                now, self.config.ready_size, paused_routes=self.paused_routes, detach=keep_out
-            )
-        written = self.ready.publish_columns(*columns, now, ahead=ahead)
-        keys = columns[0]
-        if written < len(keys):
-            if keep_out:  # the heap was full: the rest were not published
-                self.buckets.attach_many(keys[written:])
-            del keys[written:]
-        if keep_out:
+        # The best K straight from the class orders into the ready set: the
+        # merge gives C arrays of slots, minutes, classes and ranks, and the
+        # writer reads keys and versions by slot (no Python object a row).
+        k = 0 if self.paused_node else self.config.ready_size
+        picked = self.buckets.best_gathered(now, k, paused_routes=self.paused_routes)
+        keys = self.ready.publish_gathered(*picked[:7], now, ahead=ahead)
+        if keep_out:  # the keys written (fewer when the heap was full) leave the orders
+            self.buckets.detach_gathered(picked, len(keys))
             self._out.update(keys)
         self._sets[self.ready.last_slot] = keys
         spent = time.perf_counter() - t0

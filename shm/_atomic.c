@@ -310,6 +310,9 @@ static PyMethodDef view_methods[] = {
     {"write_entries", (PyCFunction)(void (*)(void))view_write_entries, METH_FASTCALL,
      "write_entries(entries_off, heap_off, heap_size, n, keys, versions, dues, cids, ranks)"
      " -> (written, heap_used, all_ascii)"},
+    {"write_gathered", (PyCFunction)(void (*)(void))view_write_gathered, METH_FASTCALL,
+     "write_gathered(entries_off, heap_off, heap_size, n, keys, versions, slots, dues, cids,"
+     " ranks) -> (written, heap_used, all_ascii, keys_written)"},
     {"store64", (PyCFunction)(void (*)(void))view_store64, METH_FASTCALL,
      "store64(off, value): a sequentially consistent store"},
     {"cas64", (PyCFunction)(void (*)(void))view_cas64, METH_FASTCALL,

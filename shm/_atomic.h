@@ -103,6 +103,7 @@ INTERNAL PyObject *view_code_counts(ViewObject *self, PyObject *const *args, Py_
 INTERNAL PyObject *view_scan_f64(ViewObject *self, PyObject *const *args, Py_ssize_t nargs);
 INTERNAL PyObject *view_excluded_keys(ViewObject *self, PyObject *const *args, Py_ssize_t nargs);
 INTERNAL PyObject *view_write_entries(ViewObject *self, PyObject *const *args, Py_ssize_t nargs);
+INTERNAL PyObject *view_write_gathered(ViewObject *self, PyObject *const *args, Py_ssize_t nargs);
 INTERNAL PyObject *view_check32(ViewObject *self, PyObject *const *args, Py_ssize_t nargs);
 INTERNAL PyObject *view_check64(ViewObject *self, PyObject *const *args, Py_ssize_t nargs);
 INTERNAL PyObject *view_begin32(ViewObject *self, PyObject *const *args, Py_ssize_t nargs);

@@ -103,4 +103,13 @@ class View:
         seen: bytearray | None = None,
         /,
     ) -> tuple[set[str], list[int]] | tuple[list[str], list[str], list[int]]: ...
+    def write_entries(
+        self, entries_off: int, heap_off: int, heap_size: int, n: int,
+        keys: list[str], versions: list[int], dues: list[int], cids: list[int],
+        ranks: list[float], /,
+    ) -> tuple[int, int, bool]: ...
+    def write_gathered(
+        self, entries_off: int, heap_off: int, heap_size: int, n: int,
+        keys: list[str | None], versions: Any, slots: Any, dues: Any, cids: Any, ranks: Any, /,
+    ) -> tuple[int, int, bool, list[str]]: ...
     def release(self) -> None: ...

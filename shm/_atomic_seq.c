@@ -91,6 +91,134 @@ view_write_entries(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("(nnO)", i, used, ascii ? Py_True : Py_False);
 }
 
+/* write_gathered(entries_off, heap_off, heap_size, n, keys, versions, slots,
+ *                dues, cids, ranks) -> (written, heap_used, all_ascii, keys_written)
+ *
+ * write_entries for a writer that holds its rows in columns by slot (the
+ * keeper's buckets, keeper/buckets/best.py best_gathered): entry i is
+ * (keys[slots[i]], versions[slots[i]], dues[i], cids[i], ranks[i]). keys is
+ * a list of str and versions a buffer of int64, both indexed by slot; slots,
+ * dues and cids are buffers of at least n int32, ranks of at least n double
+ * (array('i'), array('d'), or the bytes keeper._best.pick gives). No Python
+ * object is made an entry: keys_written is the list of the keys written (the
+ * table's own strs). The same bytes as write_entries of the gathered
+ * columns, the same stop at a full heap, the same errors for a field out of
+ * range; a slot out of range of keys or versions is an IndexError. */
+static int
+gathered_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t n, Py_ssize_t item, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) < 0)
+        return -1;
+    /* (an empty buffer's pointer may be anywhere: array's is a static "") */
+    if (view->len < n * item || (view->len && ((uintptr_t)view->buf) % item)) {
+        PyErr_Format(PyExc_ValueError,
+                     "write_gathered(): %s is not an aligned buffer of at least %zd items of %zd "
+                     "bytes", what, n, item);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+PyObject *
+view_write_gathered(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    NARGS(10, "write_gathered");
+    if (!self->held) {
+        PyErr_SetString(PyExc_ValueError, "view is released");
+        return NULL;
+    }
+    Py_ssize_t entries_off, heap_off, heap_size, n;
+    if (as_ssize(args[0], &entries_off) < 0 || as_ssize(args[1], &heap_off) < 0 ||
+        as_ssize(args[2], &heap_size) < 0 || as_ssize(args[3], &n) < 0)
+        return NULL;
+    PyObject *keys = args[4];
+    if (!PyList_Check(keys)) {
+        PyErr_SetString(PyExc_TypeError, "write_gathered(): keys is a list");
+        return NULL;
+    }
+    Py_ssize_t len = self->view.len;
+    if (entries_off < 0 || n < 0 || n > (len - entries_off) / R_ENTRY_SIZE || heap_off < 0 ||
+        heap_size < 0 || heap_size > len - heap_off) {
+        PyErr_SetString(PyExc_ValueError, "write_gathered(): the slot does not fit the buffer");
+        return NULL;
+    }
+    Py_buffer bufs[5];
+    static const char *what[5] = {"versions", "slots", "dues", "cids", "ranks"};
+    static const Py_ssize_t item[5] = {8, 4, 4, 4, 8};
+    int got = 0;
+    PyObject *written = NULL, *result = NULL;
+    for (; got < 5; got++)
+        if (gathered_buffer(args[5 + got], &bufs[got], got ? n : 0, item[got], what[got]) < 0)
+            goto done;
+    const int64_t *versions = (const int64_t *)bufs[0].buf;
+    const int32_t *slots = (const int32_t *)bufs[1].buf, *dues = (const int32_t *)bufs[2].buf,
+                  *cids = (const int32_t *)bufs[3].buf;
+    const double *ranks = (const double *)bufs[4].buf;
+    Py_ssize_t nversions = bufs[0].len / 8, nkeys = PyList_GET_SIZE(keys);
+    if ((written = PyList_New(n)) == NULL)
+        goto done;
+    char *entries = (char *)self->view.buf + entries_off;
+    char *heap = (char *)self->view.buf + heap_off;
+    Py_ssize_t used = 0, i = 0;
+    int ascii = 1;
+    for (; i < n; i++) {
+        int32_t slot = slots[i];
+        if (slot < 0 || slot >= nkeys || slot >= nversions) {
+            PyErr_Format(PyExc_IndexError, "ready entry %zd: slot %d is out of range", i,
+                         (int)slot);
+            break;
+        }
+        PyObject *key = PyList_GET_ITEM(keys, slot);
+        if (!PyUnicode_Check(key)) {
+            PyErr_Format(PyExc_TypeError, "ready entry %zd: the key is not a str", i);
+            break;
+        }
+        Py_ssize_t klen;
+        const char *utf8 = PyUnicode_AsUTF8AndSize(key, &klen);
+        if (utf8 == NULL)
+            break;
+        if (!PyUnicode_IS_ASCII(key))
+            ascii = 0;
+        if (klen > heap_size - used)
+            break; /* the heap is full: the keys that fit whole, and stop */
+        int64_t version = versions[slot];
+        int32_t cid = cids[i];
+        if (version < 0 || klen > 0xFFFF || cid < 0 || cid > 0xFFFF) {
+            PyErr_Format(PyExc_ValueError,
+                         "ready entry %zd: a field does not fit (key_len and class_id are u16, "
+                         "version u64, due_minute i64)", i);
+            break;
+        }
+        char *e = entries + R_ENTRY_SIZE * i;
+        uint32_t offset = (uint32_t)used;
+        uint16_t key_len = (uint16_t)klen, class_id = (uint16_t)cid;
+        int64_t d = dues[i];
+        memcpy(e + E_KEY_OFFSET, &offset, 4);
+        memcpy(e + E_KEY_LEN, &key_len, 2);
+        memcpy(e + E_CLASS_ID, &class_id, 2);
+        memcpy(e + E_VERSION, &version, 8);
+        memcpy(e + E_DUE_MINUTE, &d, 8);
+        memcpy(e + E_RANK, &ranks[i], 8);
+        memcpy(heap + used, utf8, klen);
+        used += klen;
+        Py_INCREF(key);
+        PyList_SET_ITEM(written, i, key);
+    }
+    for (Py_ssize_t j = i; j < n; j++)
+        PyList_SET_ITEM(written, j, Py_NewRef(Py_None));
+    if (PyErr_Occurred())
+        goto done;
+    if (i < n && PyList_SetSlice(written, i, n, NULL) < 0)
+        goto done;
+    result = Py_BuildValue("(nnOO)", i, used, ascii ? Py_True : Py_False, written);
+done:
+    Py_XDECREF(written);
+    for (int b = 0; b < got; b++)
+        PyBuffer_Release(&bufs[b]);
+    return result;
+}
+
 /* -- seqlocks and publication (docs/shm.md, "Memory ordering") --------------
  *
  * A seqlock reader: load the counter with acquire, copy, acquire fence, load

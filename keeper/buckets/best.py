@@ -1,13 +1,17 @@
-"""The best K due rows of ``Buckets`` (keeper/buckets/__init__.py): ``best``
-and ``best_columns``, the keeper's publish.
+"""The best K due rows of ``Buckets`` (keeper/buckets/__init__.py): ``best``,
+``best_columns`` and ``best_gathered``, the keeper's publish.
 
 Best: a few counting passes over the classes find a rank threshold that
 takes the k best rows or a few more; the heads above it become entries in one
 comprehension a class and one sort orders them (about 2 ms for 5,000 here:
-making the 5,000 entries is most of it). ``best_columns``, the keeper's, makes
-only their ranks a row (floats), sorts an index by them and gathers each
-column: no tuple a row, so no transpose for the ready set and no pass of the
-collector over 5,000 fresh tuples.
+making the 5,000 entries is most of it). ``best_gathered``, the keeper's,
+makes no Python object a row: each class's head run is copied out of its
+order, a k-way merge in C (``keeper._best.pick``) gives the k best as C
+arrays of slots, minutes, classes and ranks, and the ready set's writer
+(``ReadySet.publish_gathered``) reads each key and version from the
+buckets' columns by slot (0.14 ms for the best 5,000 of 250,000, and 0.07
+ms to write them: ``bench/bench_publish.py``). ``best_columns`` is the same
+picks as lists, for other callers.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections import deque
 from collections.abc import Container
 from itertools import compress, repeat
 from operator import itemgetter
-from typing import Any
+from typing import Any, NamedTuple, cast
 
 from keeper.buckets.counts import Counts
 from keeper.buckets.detach import Detach
@@ -71,6 +75,77 @@ def _merge(
     return picks, at(ranks), at(slot_of), at(minute_of), at(class_of), marks
 
 
+def _pick(
+    values: array[int],
+    starts: list[int],
+    rates: list[tuple[float, float]],
+    cids: list[int],
+    now: float,
+    k: int,
+    keys: list[str | None],
+    exclude: Container[str] | None,
+) -> tuple[int, float | None, int, array[int], array[int], array[int], array[int], array[float],
+           bytearray]:
+    """``keeper._best.pick`` in Python, for a build without it: ``_merge``,
+    then the keys in ``exclude`` passed over (counted while fewer than ``k``
+    are taken), the columns as arrays."""
+    merged = _merge(values, starts, rates, cids, now, len(values) if exclude is not None else k)
+    picks, ranks, slots, minutes, classes, marks = merged
+    skipped = 0
+    if exclude is not None:
+        keep: list[int] = []
+        for i, slot in enumerate(slots):
+            if len(keep) == k:
+                break
+            if keys[slot] in exclude:
+                skipped += 1
+                marks[picks[i]] = 0
+            else:
+                keep.append(i)
+        for i in range(len(keep) and keep[-1] + 1, len(picks)):
+            marks[picks[i]] = 0
+        at = _getter(keep)
+        picks, ranks, slots, minutes, classes = map(at, (picks, ranks, slots, minutes, classes))
+    n = len(picks)
+    kth = ranks[-1] if n == k and k > 0 else None
+    return (n, kth, skipped, array("i", picks), array("i", slots), array("i", minutes),
+            array("i", classes), array("d", ranks), marks)
+
+
+class Gathered(NamedTuple):
+    """``best_gathered``: the best rows as ``ReadySet.publish_gathered``
+    takes them (its first seven fields), and what ``detach_gathered`` needs.
+    ``keys`` and ``versions`` are the buckets' own columns by slot; the
+    picks' columns are buffers of ``n`` int32 (``slots``, ``minutes``,
+    ``cids``, ``positions``) or double (``ranks``)."""
+
+    keys: list[str | None]
+    versions: array[int]
+    slots: Any
+    minutes: Any
+    cids: Any
+    ranks: Any
+    n: int
+    positions: Any  # each pick's position in ``values``
+    values: array[int]  # the candidates, class run after class run
+    starts: list[int]  # where each run starts in ``values``, and the last ends
+    classes: list[int]  # each run's class id
+    marks: bytearray  # 1 at each pick's position
+
+    def columns(self) -> Columns:
+        """The picks as ``best_columns``' lists."""
+        slots = _ints(self.slots)
+        at = _getter(slots)
+        ranks = cast(list[float], memoryview(self.ranks).cast("B").cast("d").tolist())
+        keys = cast(list[str], at(self.keys))  # a picked slot always holds a key
+        return keys, at(self.versions), _ints(self.minutes), _ints(self.cids), ranks
+
+
+def _ints(buffer: Any) -> list[int]:
+    """A buffer of int32 as a list."""
+    return memoryview(buffer).cast("B").cast("i").tolist()
+
+
 def _getter(positions: list[int]):
     """A function taking a sequence to the list of its items at
     ``positions``: one ``itemgetter`` call, about half the time of a ``map``
@@ -80,6 +155,12 @@ def _getter(positions: list[int]):
         get = itemgetter(*positions)
         return lambda seq: list(get(seq))
     return lambda seq: [seq[i] for i in positions]
+
+
+def _empty(keys: list[str | None], vers: array[int]) -> Gathered:
+    none = array("i")
+    return Gathered(keys, vers, none, none, none, array("d"), 0, none, array("q"), [0], [],
+                    bytearray())  # fmt: skip
 
 
 class Best(Detach, Counts):
@@ -166,86 +247,104 @@ class Best(Detach, Counts):
         detach: bool = False,
     ) -> Columns:
         """``best`` as the columns ``ReadySet.publish_columns`` takes: ``(keys,
-        versions, due minutes, class ids, ranks)``, best first.
+        versions, due minutes, class ids, ranks)``, best first:
+        ``best_gathered``'s picks as lists.
 
         ``detach``: detach the keys returned, as ``detach_many`` would (the
         keeper's live sets stay out of the next): their values are at hand,
         so no key is looked up, and nothing is remembered for a later
+        ``detach_many``. Else, with ``remember_best`` and no ``exclude``, the
+        candidates are remembered for ``detach_many``."""
+        picked = self.best_gathered(now, k, paused_routes, exclude)
+        columns = picked.columns()
+        if detach:
+            self.detach_gathered(picked, picked.n)
+        elif self._remember_best and exclude is None:
+            values = picked.values
+            slot_of = array("i", values.tobytes())[_SLOT_HALF::2]
+            at = dict(zip(columns[0], _ints(picked.positions), strict=True))
+            self._remember(values, slot_of, picked.starts, picked.classes, at)  # type: ignore[arg-type]
+        return columns
+
+    def best_gathered(
+        self,
+        now: float,
+        k: int,
+        paused_routes: Container[str] = (),
+        exclude: Container[str] | None = None,
+    ) -> Gathered:
+        """The best ``k`` due rows as ``best`` finds them, for the keeper's
+        publish: ``ReadySet.publish_gathered(*picked[:7], now)`` writes them
+        into the ready set with no Python object made a row, and
+        ``detach_gathered(picked, written)`` then detaches those written (call
+        it before any other change to the buckets). Remembers nothing for
         ``detach_many``.
 
-        Built as columns: each class's head run is copied out of its order
-        into one array, and a k-way merge of the runs by rank (in C,
-        ``keeper._best.merge``: within a run the ranks never rise; in Python
-        without it, every rank and one stable index sort) gives the k best
-        with their slots, minutes and classes; a gather a column takes the
-        keys and versions. No
-        tuple a row: with the publish that takes the columns as they are, it
-        measured 0.6 to 0.8 of ``best`` and ``ReadySet.publish`` in the
-        keeper's loop (no transpose, and no collector passes over 5,000 fresh
-        tuples). With an ``exclude`` set, which needs every candidate's key
-        before the sort, it is ``best`` transposed."""
-        if exclude is not None:
-            entries = self.best(now, k, paused_routes, exclude)
-            if not entries:
-                return [], [], [], [], []
-            keys, versions, minutes, cids, ranks = map(list, zip(*entries, strict=True))
-            return keys, versions, minutes, cids, ranks
+        Each class's head run is copied out of its order into one array, and
+        a k-way merge of the runs by rank (in C, ``keeper._best.pick``:
+        within a run the ranks never rise; in Python without it, every rank
+        and one stable index sort) gives the k best as C arrays of their
+        slots, minutes, classes and ranks: the keys and versions stay in the
+        buckets' columns, which the ready set's writer reads by slot. Keys in
+        ``exclude`` are passed over inside the merge (a set lookup a
+        candidate reached, in C)."""
+        keys, vers = self._keys, self._vers
         if k <= 0:
-            return [], [], [], [], []
+            return _empty(keys, vers)
         now_minute, active, total = self._active(now, paused_routes)
-        target = k
+        target = k + self._best_excluded if exclude is not None else k
         while True:
             counts, slack = self._counts(active, now, now_minute, total, target)
             values = array("q")  # the heads taken, class by class
             starts: list[int] = []  # where each class's run starts in ``values``
-            cids: list[int] = []  # type: ignore[no-redef]  # the other branch returned
-            rates = []
+            cids: list[int] = []
+            cadences: list[float] = []
+            boosts: list[float] = []
             for (order, cid, cadence_s, boost, _n, _head), n in zip(active, counts, strict=True):
                 if n:
                     starts.append(len(values))
                     cids.append(cid)
-                    rates.append((cadence_s, boost))
+                    cadences.append(float(cadence_s))
+                    boosts.append(float(boost))
                     values += order.head(n)
             if _best is not None:
-                cadences, boosts = [float(r[0]) for r in rates], [float(r[1]) for r in rates]
-                merged = _best.merge(values, starts, cadences, boosts, cids, now, k)
+                picked = _best.pick(values, starts, cadences, boosts, cids, now, k, keys, exclude)
             else:
-                merged = _merge(values, starts, rates, cids, now, k)
-            picks, picked_ranks, picked_slots, picked_minutes, picked_cids, marks = merged
-            kth = picked_ranks[-1] if len(picks) == k else None
+                rates = list(zip(cadences, boosts, strict=True))
+                picked = _pick(values, starts, rates, cids, now, k, keys, exclude)
+            n, kth, skipped, positions, slots, minutes, classes, ranks, marks = picked
+            if exclude is not None:
+                self._best_excluded = skipped
             if self._enough(active, counts, total, now, kth):
                 break
-            target += max(k - len(picks), 0) + slack
-        at_slots = _getter(picked_slots)
-        keys = at_slots(self._keys)
-        columns = (keys, at_slots(self._vers), picked_minutes, picked_cids, picked_ranks)
+            target += max(k - n, 0) + slack
         starts.append(len(values))
-        if detach:
-            self._detach_picked(values, starts, cids, picked_slots, marks)
-        elif self._remember_best:
-            slot_of = array("i", values.tobytes())[_SLOT_HALF::2]
-            self._remember(values, slot_of, starts, cids, dict(zip(keys, picks, strict=True)))
-        return columns
+        return Gathered(keys, vers, slots, minutes, classes, ranks, n, positions, values, starts,
+                        cids, marks)  # fmt: skip
 
-    def _detach_picked(
-        self,
-        values: array[int],
-        starts: list[int],
-        cids: list[int],
-        slots: list[int],
-        marks: bytearray,
-    ) -> None:
-        """``best_columns(detach=True)``'s last step: detach the candidates
-        ``marks`` picks (their ``slots``), all attached (best reads the
-        attached orders only), and forget any remembered best."""
+    def detach_gathered(self, picked: Gathered, count: int) -> None:
+        """Detach the first ``count`` rows of ``picked`` (the ones the ready
+        set took: ``publish_gathered`` writes fewer when the heap fills), as
+        ``detach_many`` would; their values are at hand, so no key is looked
+        up. Call it right after ``best_gathered``: the buckets must not have
+        changed since."""
+        if count <= 0:
+            return
         if self._dirty:
             self._flush()
+        marks, slots = picked.marks, picked.slots
+        if count < picked.n:  # the rest stay attached
+            for at in _ints(picked.positions)[count:]:
+                marks[at] = 0
+            slots = memoryview(slots).cast("B")[: 4 * count]
         if _best is not None:
             _best.flag(self._det, slots, 1)
         else:
-            deque(map(self._det.__setitem__, slots, repeat(1)), maxlen=0)
+            deque(map(self._det.__setitem__, _ints(slots), repeat(1)), maxlen=0)
         by_class: dict[int, list[int]] = {}
-        self._by_class(list(compress(values, marks)), marks, starts, cids, by_class)
+        values = picked.values
+        self._by_class(list(compress(values, marks)), marks, picked.starts, picked.classes,
+                       by_class)  # fmt: skip
         self._move_classes(by_class, detached=True)
         self._best_at = {}
 

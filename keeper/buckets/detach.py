@@ -45,6 +45,11 @@ from operator import is_, is_not, itemgetter, not_
 from keeper.buckets.table import _SLOT_HALF, Entry, KeyTable
 from keeper.order import SLOT_BITS
 
+try:  # the key loop of detach_many and attach_many; the Python below does the same
+    from keeper import _best  # type: ignore[attr-defined]  # C, built by setup.py
+except ImportError:
+    _best = None  # type: ignore[assignment]
+
 
 class Detach(KeyTable):
     def detach(self, key: str) -> bool:
@@ -96,6 +101,9 @@ class Detach(KeyTable):
         table, mask, held = self._table, self._mask, self._keys
         det, cids, mins = self._det, self._cids, self._mins
         flag = 1 if detached else 0
+        if _best is not None:  # the same loop in C
+            _best.move_keys(keys, table, mask, held, det, cids, mins, flag, by_class)
+            return self._move_classes(by_class, detached)
         for key in keys:
             i = hash(key) & mask
             slot = table[i]

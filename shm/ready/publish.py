@@ -8,7 +8,7 @@ import struct
 from bisect import bisect_right
 from collections.abc import Sequence
 from itertools import accumulate
-from typing import Any
+from typing import Any, cast
 
 from shm.ready.base import ReadySetBase
 from shm.ready.layout import (
@@ -42,6 +42,20 @@ def _pack_entries(mm, at: int, flat: list, n: int) -> None:
                 mm, at + ENTRY_SIZE * done, *flat[6 * done : 6 * (done + size)]
             )
             done += size
+
+
+def _gather(
+    keys: list[str | None], versions: Any, slots: Any, dues: Any, cids: Any, ranks: Any, n: int
+) -> tuple[list[Any], list[int], list[int], list[int], list[float]]:
+    """The five columns ``write_gathered`` would write, as lists."""
+    at = memoryview(slots).cast("B").cast("i")[:n].tolist()
+    return (
+        [keys[i] for i in at],
+        [versions[i] for i in at],
+        memoryview(dues).cast("B").cast("i")[:n].tolist(),
+        memoryview(cids).cast("B").cast("i")[:n].tolist(),
+        cast(list[float], memoryview(ranks).cast("B").cast("d")[:n].tolist()),
+    )
 
 
 class ReadyWriter(ReadySetBase):
@@ -101,10 +115,58 @@ class ReadyWriter(ReadySetBase):
 
         return self._publish(chunks(), now, ahead)
 
+    def publish_gathered(
+        self,
+        keys: list[str | None],
+        versions: Any,
+        slots: Any,
+        due_minutes: Any,
+        class_ids: Any,
+        ranks: Any,
+        n: int,
+        now: float,
+        ahead: bool = False,
+    ) -> list[str]:
+        """``publish_columns`` for a writer that keeps its rows in columns by
+        slot (the keeper's buckets): entry i is ``(keys[slots[i]],
+        versions[slots[i]], due_minutes[i], class_ids[i], ranks[i])`` for i
+        below ``n``. ``keys`` is a list of str by slot, ``versions`` a buffer
+        of int64 by slot (``array('q')``); ``slots``, ``due_minutes`` and
+        ``class_ids`` buffers of int32, ``ranks`` of double (``array('i')``,
+        ``array('d')``, or the bytes ``keeper._best.pick`` gives). Written by
+        one call into C (``_atomic.View.write_gathered``) that makes no
+        Python object an entry. Returns the keys written, in order (fewer
+        than ``n`` when the heap filled), and the slot holds the same bytes
+        as ``publish_columns`` of the gathered columns."""
+        n = min(n, self.capacity)
+        out: list[str] = []
+
+        def fill(view: Any, mm: Any, base: int) -> tuple[int, int, int]:
+            entries_at, heap_at = base + SLOT_HEADER_SIZE, base + self._heap_at
+            write = getattr(view, "write_gathered", None)
+            if write is not None:
+                count, used, ascii, written = write(
+                    entries_at, heap_at, self.heap_size, n,
+                    keys, versions, slots, due_minutes, class_ids, ranks,
+                )  # fmt: skip
+            else:  # an older build of shm._atomic: gather, then write_entries
+                cols = _gather(keys, versions, slots, due_minutes, class_ids, ranks, n)
+                count, used, ascii = view.write_entries(
+                    entries_at, heap_at, self.heap_size, n, *cols
+                )
+                written = cols[0][:count]
+            out.extend(written)
+            return count, used, FLAG_ASCII if ascii else 0
+
+        self._publish(fill, now, ahead)
+        return out
+
     def _publish(self, chunks: Any, now: float, ahead: bool) -> int:
         """Write a set into the slot not active: ``chunks`` are an iterable of
-        column chunks (``_write_chunks``), or a tuple of five whole columns as
-        lists (``write_entries``)."""
+        column chunks (``_write_chunks``), a tuple of five whole columns as
+        lists (``write_entries``), or a function of ``(view, mm, slot base)``
+        that writes the entries and keys and returns ``(count, heap used,
+        flags)``."""
         mm = self.segment.mm
         view = self._view if self._view is not None else self._atomics()
         pid = os.getpid()
@@ -127,7 +189,9 @@ class ReadyWriter(ReadySetBase):
         # claimer writes from now on names an older tag, and is ignored).
         at = base + self._records_at
         mm[at : at + len(self._no_records)] = self._no_records
-        if isinstance(chunks, tuple):  # whole columns, as lists: written in C
+        if callable(chunks):
+            count, heap_used, flags = chunks(view, mm, base)
+        elif isinstance(chunks, tuple):  # whole columns, as lists: written in C
             n = min(len(chunks[0]), self.capacity)
             at = base + SLOT_HEADER_SIZE
             count, heap_used, ascii = view.write_entries(
