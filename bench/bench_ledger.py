@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from node.core.config import Config
 from node.core.rows import RowWrite
-from node.ipc import Client, IpcError
+from node.ipc import IpcClient, IpcError
 from node.store import open_store
 from shm.leases import LeaseTable
 from workers.ledger.process import ledger_address
@@ -32,7 +32,7 @@ from workers.ledger.process import ledger_address
 
 def client(name, keys, versions, per_call, start, out):
     table = LeaseTable.attach(name)
-    c = Client(ledger_address(name), timeout_s=60)
+    c = IpcClient(ledger_address(name), timeout_s=60)
     now = time.time()
     leases = [table.grant(k, "bench", 600, now, 3600, versions[k]) for k in keys]
     body = b'"' + b"x" * 1022 + b'"'
@@ -95,7 +95,7 @@ def main():
         stderr=subprocess.DEVNULL,
     )
     try:
-        c = Client(ledger_address(name), timeout_s=5)
+        c = IpcClient(ledger_address(name), timeout_s=5)
         for _ in range(500):
             try:
                 c.call("stats")

@@ -154,7 +154,7 @@ async def serve(path: str, handler: Handler) -> asyncio.AbstractServer:
         os.umask(old)
 
 
-class Client:
+class IpcClient:
     """A blocking client, one request at a time per thread (inference
     processes, LocalClaimer, the CLI). Reconnects on the next call after a
     failure; a failed call raises IpcError and is never retried silently."""
@@ -230,7 +230,7 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-class AsyncClient:
+class AsyncIpcClient:
     """An asyncio client for the HTTP workers: many requests in flight on
     one connection, replies matched by id."""
 

@@ -139,7 +139,7 @@ class LocalClaimer:
         data_dir: str | os.PathLike[str] | None = None,
         consumer: str | None = None,
     ) -> None:
-        from node.ipc import Client as IpcClient
+        from node.ipc import IpcClient
 
         self.name = name
         self._data_dir = data_dir

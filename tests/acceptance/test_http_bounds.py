@@ -302,7 +302,7 @@ def test_the_ledger_forgets_a_job_name_when_its_last_waiter_leaves(bounded: Node
     """Every distinct job name a long poll waited on left an entry in the
     ledger's table of waiters, for good: a caller polling made-up names grew
     it without end. Now an entry lives while a poll waits on it."""
-    from node.ipc import Client as IpcClient
+    from node.ipc import IpcClient
     from workers.claim import ledger_address
 
     address = ledger_address(bounded.name)

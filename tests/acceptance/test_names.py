@@ -176,7 +176,7 @@ def test_an_ipc_client_refuses_a_ledger_of_another_uid(node_name: str) -> None:
     """The check every client makes, whoever started first: a worker or a
     LocalClaimer never sends a result to a socket another user serves."""
     from node.core.names import ledger_address
-    from node.ipc import Client, IpcError
+    from node.ipc import IpcClient, IpcError
 
     code = (
         "import socket, time\n"
@@ -189,7 +189,7 @@ def test_an_ipc_client_refuses_a_ledger_of_another_uid(node_name: str) -> None:
     )
     holder = _as_other(code, background=True)
     assert holder is not None
-    client = Client(ledger_address(node_name), timeout_s=5)
+    client = IpcClient(ledger_address(node_name), timeout_s=5)
     try:
         with pytest.raises(IpcError, match=f"uid {OTHER_UID}"):
             client.call("stats")

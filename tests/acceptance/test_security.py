@@ -526,7 +526,7 @@ def test_the_ledger_socket_refuses_a_peer_of_another_uid(secured: NodeProcess) -
     no file and no mode, so anyone on the host can connect. The guard is
     SO_PEERCRED: the ledger closes any connection whose peer uid is not its
     own, before reading a byte."""
-    from node.ipc import Client, pack
+    from node.ipc import IpcClient, pack
     from workers.claim import ledger_address
 
     frame = pack({"op": "stats", "id": 1})
@@ -544,7 +544,7 @@ def test_the_ledger_socket_refuses_a_peer_of_another_uid(secured: NodeProcess) -
     assert refused.returncode == 0, refused.stderr
     assert "ipc_peer_refused" in Path(secured.log_path).read_text()
     # our own uid is served
-    client = Client(ledger_address(secured.name), timeout_s=10)
+    client = IpcClient(ledger_address(secured.name), timeout_s=10)
     try:
         assert "log" in client.call("stats")
     finally:

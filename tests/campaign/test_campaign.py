@@ -274,8 +274,7 @@ def test_a_caller_that_dies_before_its_reply_leaves_no_traceback_in_the_ledger(t
     ledger goes on serving and logs no traceback."""
     import socket
 
-    from node.ipc import Client as IpcClient
-    from node.ipc import pack
+    from node.ipc import IpcClient, pack
     from workers.claim import ledger_address
 
     node = NodeProcess(tmp_path / "data", node_name).start()

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from node.ipc import AsyncClient, Client, IpcError, RemoteError, pack, serve
+from node.ipc import AsyncIpcClient, IpcClient, IpcError, RemoteError, pack, serve
 
 
 def _serve_in_thread(path: str, handler):
@@ -52,7 +52,7 @@ def test_blocking_client_round_trip_and_error(tmp_path):
     path = str(tmp_path / "l.sock")
     stop = _serve_in_thread(path, _handler)
     try:
-        c = Client(path, timeout_s=5)
+        c = IpcClient(path, timeout_s=5)
         assert c.call("echo", value=b"\x00bytes")["value"] == b"\x00bytes"
         with pytest.raises(RemoteError) as exc:
             c.call("nope")
@@ -72,7 +72,7 @@ def test_async_client_gets_a_fast_reply_past_a_slow_one(tmp_path):
     stop = _serve_in_thread(path, _handler)
 
     async def body():
-        c = AsyncClient(path)
+        c = AsyncIpcClient(path)
         slow = asyncio.create_task(c.call("slow", s=1.0))
         fast = await asyncio.wait_for(c.call("echo", value=7), 0.9)
         assert fast["value"] == 7
@@ -86,7 +86,7 @@ def test_async_client_gets_a_fast_reply_past_a_slow_one(tmp_path):
 
 
 def test_unreachable_ledger_is_a_clear_error(tmp_path):
-    c = Client(str(tmp_path / "missing.sock"))
+    c = IpcClient(str(tmp_path / "missing.sock"))
     with pytest.raises(IpcError, match="not reachable"):
         c.call("echo", value=1)
 
@@ -106,7 +106,7 @@ def test_oversize_and_malformed_frames_close_only_that_connection(tmp_path):
         raw.sendall(struct.pack(">I", 3) + b"\xc1\xc1\xc1")
         assert raw.recv(10) == b""
         raw.close()
-        client = Client(path)
+        client = IpcClient(path)
         assert client.call("echo", value=1)["value"] == 1
         client.close()
         assert pack({"a": 1})[:4] == struct.pack(">I", len(pack({"a": 1})) - 4)

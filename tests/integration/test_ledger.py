@@ -2,7 +2,7 @@
 against a lease table, a SQLite store and a completion log made here.
 
 Leases are granted in the test process, as a claimer would; completions,
-polls and acks go over ``node.ipc.Client``. Waits are deadlines, never sleeps.
+polls and acks go over ``node.ipc.IpcClient``. Waits are deadlines, never sleeps.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 
 from node.config import Config
 from node.core.rows import RowWrite
-from node.ipc import AsyncClient, Client, IpcError, RemoteError
+from node.ipc import AsyncIpcClient, IpcClient, IpcError, RemoteError
 from node.store import open_store
 from node.testing import wait_for
 from shm.leases import LeaseTable, Outcome
@@ -69,7 +69,7 @@ class LedgerProc:
             return False
 
     def client(self, timeout_s: float = 10.0) -> _Closing:
-        return _Closing(Client(ledger_address(self.name), timeout_s=timeout_s))
+        return _Closing(IpcClient(ledger_address(self.name), timeout_s=timeout_s))
 
     def kill9(self) -> None:
         assert self.proc is not None
@@ -86,10 +86,10 @@ class LedgerProc:
 
 
 class _Closing:
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: IpcClient) -> None:
         self.c = client
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> IpcClient:
         return self.c
 
     def __exit__(self, *exc: object) -> None:
@@ -148,7 +148,7 @@ def item(lease, result: bytes = b'{"ok":true}', encoding: str = "json") -> dict:
     return {"lease_id": lease.lease_id, "key": lease.key, "result": result, "encoding": encoding}
 
 
-def poll_all(c: Client, job: str | None, wait_s: float = 0) -> list[dict]:
+def poll_all(c: IpcClient, job: str | None, wait_s: float = 0) -> list[dict]:
     return c.call("poll", job=job, max=10_000, wait_s=wait_s)["results"]
 
 
@@ -417,7 +417,7 @@ def test_expiry_sweep_long_poll_and_re_offer(tmp_path, node_name):
             assert c.call("accounting")["expired"] == 1
 
             async def long_poll_then_complete():
-                ac = AsyncClient(ledger_address(node_name))
+                ac = AsyncIpcClient(ledger_address(node_name))
                 try:
                     waiting = asyncio.create_task(
                         ac.call("poll", job="j", max=10, wait_s=10, timeout_s=20)
@@ -463,7 +463,7 @@ def test_many_concurrent_completions_share_fsyncs(world):
     leases = [world.grant(k) for k in keys]
 
     async def all_at_once():
-        ac = AsyncClient(ledger_address(world.name))
+        ac = AsyncIpcClient(ledger_address(world.name))
         try:
             calls = [ac.call("complete", items=[item(lease)]) for lease in leases]
             return await asyncio.gather(*calls)

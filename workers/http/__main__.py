@@ -150,7 +150,7 @@ class _WorkSide:
 
     async def start(self, ctx: Any, config: Config, wake: Any) -> Any:
         from node.core.names import ledger_address
-        from node.ipc import AsyncClient
+        from node.ipc import AsyncIpcClient
         from node.store import open_store
         from shm.leases import LeaseTable
         from shm.ready import ReadySet
@@ -178,7 +178,7 @@ class _WorkSide:
                 is_ready=lambda: readiness(ctx)[0],
             )
 
-        self.ledger = AsyncClient(ledger_address(self.name))
+        self.ledger = AsyncIpcClient(ledger_address(self.name))
         return WorkPath(
             claimer(self.stores[0]),
             self.leases,

@@ -18,7 +18,7 @@ Where each request goes:
   waited for up to ``shm.leases.BUSY_WAIT_S``, then answered 503).
 - ``GET /leases`` and ``GET /held`` scan the whole lease table: on a thread.
 - ``POST /complete``, the result polls, acks and ``GET /accounting`` go to the
-  ledger over its socket (``node.ipc.AsyncClient``). A ledger that cannot be
+  ledger over its socket (``node.ipc.AsyncIpcClient``). A ledger that cannot be
   reached is 503 ``ledger_unavailable``: the caller retries, nothing is lost
   (a completion is answered only once it is durable).
 """
@@ -109,7 +109,7 @@ routes = web.RouteTableDef()
 @dataclass
 class WorkPath:
     """What the work routes need. ``ledger`` has ``async call(op, timeout_s,
-    **fields)`` (``node.ipc.AsyncClient``). ``claimer`` runs on the event loop
+    **fields)`` (``node.ipc.AsyncIpcClient``). ``claimer`` runs on the event loop
     (small claims, renew, release); ``big_claimer``, with a store connection
     of its own, runs on ``claim_executor`` for claims over INLINE_CLAIM_MAX
     (None: every claim inline, as in tests). A Claimer is used from one
