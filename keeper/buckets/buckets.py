@@ -47,8 +47,10 @@ def _enter_probing(
     add: dict[int, Any],
     version_of: Any,
     minute_of: Any,
+    old_slot: Any,
 ) -> list[tuple[int, int]]:
-    """``Buckets._enter``'s loop when a walked key may be held already."""
+    """``Buckets._enter``'s loop when a walked key may be held already
+    (``old_slot``: ``KeyTable._old_slot`` while the key table grows, else None)."""
     slot = len(held)
     append = held.append
     found = []
@@ -64,6 +66,9 @@ def _enter_probing(
             i = (i + 1) & mask
             held_at = table[i]
         else:
+            if old_slot is not None and (held_at := old_slot(key)) >= 0:
+                found.append((j, held_at))
+                continue
             minute = floor(due_at) // 60
             table[i] = slot
             append(key)
@@ -110,6 +115,9 @@ class Buckets(Best, Detach, Counts):
         while slot >= 0 and keys[slot] != key:
             i = (i + 1) & mask
             slot = table[i]
+        if slot < 0 and self._old is not None:  # the table grows: look in the old one
+            i = self._cell(key)
+            slot = table[i]
         if slot >= 0:
             vers = self._vers
             if vers[slot] >= version:
@@ -131,6 +139,9 @@ class Buckets(Best, Detach, Counts):
         minute = int(due_at // 60)
         if (self._live + 1) * 3 > len(table) * 2:
             self._rehash(len(table) * 2)
+            i = self._cell(key)
+        elif self._old is not None:
+            self._drain(self.DRAIN_STEP)
             i = self._cell(key)
         if self._free:
             slot = self._free.pop()
@@ -212,6 +223,8 @@ class Buckets(Best, Detach, Counts):
         fields = (map(itemgetter(i), rows) for i in (2, 3, 4))
         cids = self.classes.known(zip(*fields, strict=True))  # zip reuses its tuple
         self.reserve(self._live + n)
+        if self._old is not None:  # the key table grows: a share of its rows move
+            self._drain(self.DRAIN_PER_ROW * n)
         # A key of this chunk can be held only if some row came another way
         # than this walk, or the walk started over.
         walked = self._walk_last
@@ -257,6 +270,7 @@ class Buckets(Best, Detach, Counts):
         """The rows of a chunk whose key is held: ``(row index, slot)``. Marks
         those held as new or newer ``_STALE`` in ``cids``."""
         table, mask, held, vers = self._table, self._mask, self._keys, self._vers
+        growing = self._old is not None
         found = []
         for j, key in enumerate(keys):
             i = hash(key) & mask
@@ -264,6 +278,8 @@ class Buckets(Best, Detach, Counts):
             while slot >= 0 and held[slot] != key:
                 i = (i + 1) & mask
                 slot = table[i]
+            if slot < 0 and growing:
+                slot = self._old_slot(key)
             if slot >= 0:
                 found.append((j, slot))
                 if vers[slot] >= rows[j][1]:
@@ -301,7 +317,10 @@ class Buckets(Best, Detach, Counts):
                 slot += 1
             held += keys
         else:
-            found = _enter_probing(table, mask, held, rows, cids, add, version_of, minute_of)
+            old_slot = None if self._old is None else self._old_slot
+            found = _enter_probing(
+                table, mask, held, rows, cids, add, version_of, minute_of, old_slot
+            )
             if found:
                 cids = _drop(found, cids, cids)[0]
         # array(list) converts at twice the speed of array.extend(list).

@@ -110,6 +110,8 @@ class Detach(KeyTable):
             while slot >= 0 and held[slot] != key:
                 i = (i + 1) & mask
                 slot = table[i]
+            if slot < 0 and self._old is not None:  # the table grows
+                slot = table[self._cell(key)]
             if slot < 0 or det[slot] == flag:
                 continue
             det[slot] = flag

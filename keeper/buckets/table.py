@@ -17,6 +17,10 @@ layout takes 380 to 515, and 4 to 5 µs an applied change):
   probing, deletion by backward shift, so no tombstones) of int32 slot
   numbers, kept at most 2/3 full. A dict would cost a per-row int object
   for the slot on top of its own entry; this costs 8 to 16 bytes a row.
+  It doubles incrementally (``_rehash``, ``_drain``): no call moves more
+  than a bounded share of the rows, so the keeper never stops for a rehash
+  of every row (over 500 ms at 1,000,000 rows; now the longest call while
+  it doubles is the allocation of the larger table, about 11 ms).
 - Each class keeps its rows as a sorted sequence of ``minute << 32 | slot``
   in blocks of int64 arrays (``keeper.order.Order``, a SortedList with no per-item
   objects). Sorted by minute, a class is already in rank order, so the best
@@ -35,7 +39,8 @@ from collections.abc import Iterator, Sequence
 from keeper.classes import ClassTable
 from keeper.order import BLOCK_LOAD, SLOT_BITS, Order
 
-# Smallest hash table (cells); it doubles when more than 2/3 full.
+# Smallest hash table (cells); it doubles when more than 2/3 full, and a
+# table holding more than ``KeyTable.GROW_AT_ONCE`` rows doubles incrementally.
 MIN_TABLE = 8
 _EMPTY = -1
 
@@ -46,6 +51,26 @@ Entry = tuple[str, int, int, int, float]  # (key, version, minute, class id, ran
 _SLOT_HALF, _MINUTE_HALF = (0, 1) if sys.byteorder == "little" else (1, 0)
 
 
+def _shift_out(table: array[int], mask: int, keys: list[str | None], i: int) -> None:
+    """Empty cell ``i`` of an open-addressing ``table`` and shift later members
+    of its cluster back, so every key stays reachable from its home cell
+    without tombstones."""
+    j = i
+    while True:
+        j = (j + 1) & mask
+        slot = table[j]
+        if slot < 0:
+            break
+        home = hash(keys[slot]) & mask
+        # The entry at j may fill the hole at i unless its home lies in
+        # the cyclic range (i, j].
+        if (i < home <= j) if i < j else (home > i or home <= j):
+            continue
+        table[i] = slot
+        i = j
+    table[i] = _EMPTY
+
+
 def minute_of(t: float) -> int:
     """The due minute of a unix time: ``floor(t / 60)``."""
     return int(t // 60)
@@ -53,6 +78,13 @@ def minute_of(t: float) -> int:
 
 class KeyTable:
     """The state of ``Buckets``, its key table and its class orders."""
+
+    # Growth of the key table (see ``_rehash``): at once up to this many rows
+    # held (a few ms), else incrementally: cells of the old table moved an
+    # insert by ``apply``, and a row entered by ``load_rows``.
+    GROW_AT_ONCE = 16_384
+    DRAIN_STEP = 32
+    DRAIN_PER_ROW = 2
 
     def __init__(
         self,
@@ -72,6 +104,13 @@ class KeyTable:
         self._live = 0
         self._table = array("i", [_EMPTY]) * MIN_TABLE
         self._mask = MIN_TABLE - 1
+        # While the key table grows (``_rehash``): the table before, whose
+        # clusters still hold the rows not moved yet, and how far ``_drain``
+        # has come through it (``_drained`` cells on from cell ``_drain_from``).
+        self._old: array[int] | None = None
+        self._old_mask = 0
+        self._drain_from = 0
+        self._drained = 0
         self.reserve(capacity)
         self._order: dict[int, Order] = {}
         self._due: dict[int, int] = {}  # rows with minute <= _through, per class
@@ -112,12 +151,25 @@ class KeyTable:
         self._best_at: dict[str, int] = {}
 
     # -- the hash table --------------------------------------------------------
+    #
+    # Growth is incremental, so that no one call stops the keeper for a
+    # rehash of every row (about 300 ms a million rows in Python). ``_rehash``
+    # only allocates the larger table and keeps the old one as ``_old``; the
+    # rows then move over a bounded number of cells a call (``_drain``: the
+    # inserts of ``apply`` and each ``load_rows`` chunk), a whole cluster at
+    # a time. With linear probing a key's probe path lies within its cluster,
+    # so emptying whole clusters (and deleting by backward shift within one)
+    # leaves every row not moved yet reachable in ``_old``. Meanwhile a key
+    # is looked for in the new table and then in ``_old``: ``_cell`` moves a
+    # key it finds there into the new table, so callers see one table. The
+    # drain finishes long before the next growth is due (it needs about 1.5
+    # cells an inserted row; it moves ``DRAIN_STEP`` an insert and
+    # ``DRAIN_PER_ROW`` a loaded row).
 
     def reserve(self, rows: int) -> None:
-        """Size the key table for ``rows`` rows now, instead of doubling (and
-        rehashing in Python) while they arrive: no insert rehashes until more
-        than ``rows`` rows are held. Call it with the table's row count before
-        a load."""
+        """Size the key table for ``rows`` rows now, instead of doubling while
+        they arrive: no insert starts a growth until more than ``rows`` rows
+        are held. Call it with the table's row count before a load."""
         cells = len(self._table)
         while rows * 3 > cells * 2:
             cells <<= 1
@@ -125,10 +177,23 @@ class KeyTable:
             self._rehash(cells)
 
     def _rehash(self, cells: int) -> None:
+        """Grow the key table to ``cells`` cells: at once while it holds at
+        most ``GROW_AT_ONCE`` rows, else by starting a drain of the old one."""
+        if self._old is not None:  # an explicit reserve mid-drain: end that one
+            self._drain(len(self._old))
+        old = self._table
+        self._table = array("i", [_EMPTY]) * cells
+        self._mask = cells - 1
+        if self._live > self.GROW_AT_ONCE:
+            self._old, self._old_mask = old, len(old) - 1
+            # Start at an empty cell, so that no cluster is split at the
+            # start (one wrapping from the table's end to its start).
+            self._drain_from = old.index(_EMPTY)
+            self._drained = 0
+            return
         # A plain loop: passes of ``map`` over the table cost three times
         # as much here (each pass misses the cache again).
-        table = array("i", [_EMPTY]) * cells
-        mask = cells - 1
+        table, mask = self._table, self._mask
         for slot, key in enumerate(self._keys):
             if key is None:
                 continue
@@ -136,38 +201,71 @@ class KeyTable:
             while table[i] >= 0:
                 i = (i + 1) & mask
             table[i] = slot
-        self._table = table
-        self._mask = mask
+
+    def _drain(self, cells: int) -> None:
+        """Move the rows of at least the next ``cells`` cells of ``_old`` into
+        the table (and on to the end of the cluster reached); drop ``_old``
+        when it is all moved."""
+        old, old_mask = self._old, self._old_mask
+        assert old is not None
+        table, mask, keys = self._table, self._mask, self._keys
+        start, done, end = self._drain_from, self._drained, len(old)
+        while done < end:
+            c = (start + done) & old_mask
+            slot = old[c]
+            if slot >= 0:
+                i = hash(keys[slot]) & mask
+                while table[i] >= 0:
+                    i = (i + 1) & mask
+                table[i] = slot
+                old[c] = _EMPTY
+            elif cells <= 0:
+                break
+            cells -= 1
+            done += 1
+        if done >= end:
+            self._old = None
+        else:
+            self._drained = done
 
     def _cell(self, key: str) -> int:
         """The table cell holding ``key``'s slot, or the empty cell ending its
-        probe sequence."""
+        probe sequence. While the table grows, a key still in ``_old`` moves
+        to the table first."""
         table, mask, keys = self._table, self._mask, self._keys
         i = hash(key) & mask
         slot = table[i]
         while slot >= 0 and keys[slot] != key:
             i = (i + 1) & mask
             slot = table[i]
+        if slot < 0 and self._old is not None:
+            old = self._old
+            c = self._old_cell(key)
+            if old[c] >= 0:
+                table[i] = old[c]
+                _shift_out(old, self._old_mask, keys, c)
         return i
+
+    def _old_cell(self, key: str) -> int:
+        """``_cell`` in ``_old`` (which must be there)."""
+        old, mask, keys = self._old, self._old_mask, self._keys
+        assert old is not None
+        i = hash(key) & mask
+        slot = old[i]
+        while slot >= 0 and keys[slot] != key:
+            i = (i + 1) & mask
+            slot = old[i]
+        return i
+
+    def _old_slot(self, key: str) -> int:
+        """The slot of a key not in the table but maybe still in ``_old``
+        (-1: in neither), without moving it."""
+        return -1 if self._old is None else self._old[self._old_cell(key)]
 
     def _clear_cell(self, i: int) -> None:
         """Empty cell ``i`` and shift later members of its cluster back, so
         every key stays reachable from its home cell without tombstones."""
-        table, mask, keys = self._table, self._mask, self._keys
-        j = i
-        while True:
-            j = (j + 1) & mask
-            slot = table[j]
-            if slot < 0:
-                break
-            home = hash(keys[slot]) & mask
-            # The entry at j may fill the hole at i unless its home lies in
-            # the cyclic range (i, j].
-            if (i < home <= j) if i < j else (home > i or home <= j):
-                continue
-            table[i] = slot
-            i = j
-        table[i] = _EMPTY
+        _shift_out(self._table, self._mask, self._keys, i)
 
     # -- placing order values --------------------------------------------------
 
