@@ -101,7 +101,8 @@ class Detach(KeyTable):
         table, mask, held = self._table, self._mask, self._keys
         det, cids, mins = self._det, self._cids, self._mins
         flag = 1 if detached else 0
-        if _best is not None:  # the same loop in C
+        if _best is not None and self._old is None:  # the same loop in C (it reads
+            # only the current table: while the table grows, the loop below)
             _best.move_keys(keys, table, mask, held, det, cids, mins, flag, by_class)
             return self._move_classes(by_class, detached)
         for key in keys:
