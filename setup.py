@@ -37,6 +37,7 @@ ATOMIC_PARTS = [
 CLAIM_PARTS = [
     "shm/_claim.c",  # the module and its Granter type
     "shm/_grant.c",  # the lease table's grant
+    "shm/_complete.c",  # the ledger's completions and peeks, a group in one call
     "shm/_blake2b.c",  # the key hash
     "shm/_claim_path.c",  # ClaimPath: a whole claim in one call
     "shm/_claim_take.c",  # its take from the ready set

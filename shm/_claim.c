@@ -1,6 +1,7 @@
 /* shm._claim: the claim path's hot loop in C, for shm/leases/. This file is
  * the module and its Granter type; the grant itself is shm/_grant.c, the key
- * hash shm/_blake2b.c, the whole claim shm/_claim_path.c (shm/_claim.h).
+ * hash shm/_blake2b.c, the ledger's completions and peeks shm/_complete.c,
+ * the whole claim shm/_claim_path.c (shm/_claim.h).
  *
  * A grant in Python costs 7-25 us (a dozen calls into shm._atomic, struct
  * packing, blake2b through hashlib); here it is one call. `Granter.grant` is
@@ -202,6 +203,13 @@ static PyMethodDef granter_methods[] = {
     {"grant", (PyCFunction)(void (*)(void))granter_grant, METH_FASTCALL,
      "grant(key, holder, lease_s, now, cadence_s, version, owner, stop) -> (lease_id, misses)"
      " | 1 leased | 2 held | 3 parked | -1 slow | -2 taken over | -3 sealed | -4 no shard"},
+    {"complete_many", (PyCFunction)(void (*)(void))granter_complete_many, METH_FASTCALL,
+     "complete_many(items, start, owner, stop, answers) -> (outcomes, why): LeaseTable.complete"
+     " for items[start:] ((key, lease_id) tuples) until one it leaves to Python; why 0 all,"
+     " -1 slow, -2 taken over, -3 sealed, -4 no shard (shm/_complete.c)"},
+    {"peek_many", (PyCFunction)(void (*)(void))granter_peek_many, METH_FASTCALL,
+     "peek_many(items, start, lease_cls, answers) -> ([(outcome, lease | None)], why):"
+     " LeaseTable.peek for items[start:] until one it leaves to Python; why 0 all, -1 slow"},
     {"set_shard", (PyCFunction)(void (*)(void))granter_set_shard, METH_FASTCALL,
      "set_shard(off, owner): grants by owner count in the counter shard at off"},
     {"release", (PyCFunction)granter_release, METH_NOARGS,

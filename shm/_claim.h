@@ -1,6 +1,7 @@
 /* shm._claim's pieces, shared between its C files: shm/_claim.c (the module
  * and its Granter type), shm/_grant.c (the lease table's grant),
- * shm/_blake2b.c (the key hash), and the claim path (shm/_claim_path.h). The
+ * shm/_blake2b.c (the key hash), shm/_complete.c (the ledger's completions
+ * and peeks), and the claim path (shm/_claim_path.h). The
  * layouts are shm/layout.h's; the counted publish and the test stops are
  * shm/_publish.h's.
  *
@@ -90,6 +91,13 @@ INTERNAL int lease_refusal(GranterObject *g, GrantArgs *a);
    calls it for a run of keys first, so that their cache misses overlap
    instead of each grant waiting out its own. Only a hint: nothing changes. */
 INTERNAL uint64_t lease_prefetch(GranterObject *g, const char *key, Py_ssize_t key_len);
+
+/* Granter.complete_many and Granter.peek_many (shm/_complete.c): the ledger's
+   lease work for a group of results, LeaseTable.complete and .peek item by
+   item. */
+INTERNAL PyObject *granter_complete_many(GranterObject *self, PyObject *const *args,
+                                         Py_ssize_t nargs);
+INTERNAL PyObject *granter_peek_many(GranterObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* Adds ClaimPath and RowError to the module (shm/_claim_path.c). */
 INTERNAL int claim_path_add(PyObject *m);

@@ -4,6 +4,7 @@
  * link-time optimisation. setup.py builds this file. */
 #include "_claim.c"
 #include "_grant.c"
+#include "_complete.c" /* after _grant.c: it uses its lookup and swaps */
 #include "_blake2b.c"
 #include "_claim_path.c"
 #include "_claim_take.c"

@@ -3,8 +3,9 @@ protocol (slots.py), the grant (grant.py) and the keeper's scans (scan.py).
 
 Here: the lifecycle (the supervisor creates, seals, saves and unlinks;
 every other process attaches and closes), the changes a caller asks for
-besides a grant (complete, release, renew, unhold), and the readers
-(``lookup``, ``peek``, ``live``, ``held``, ``stats``, ``counters``). How the
+besides a grant (complete, release, renew, unhold; a group's completions in
+one call, ``complete_many``), and the readers (``lookup``, ``peek``,
+``peek_many``, ``live``, ``held``, ``stats``, ``counters``). How the
 table works: shm/leases/__init__.py.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 import struct
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ from node.core.errors import NodeError
 from node.core.names import shm_segment_name
 from shm import segment
 from shm.leases.answers import Hold, Lease, Outcome, Refused
-from shm.leases.grant import Grants
+from shm.leases.grant import _C_NO_SHARD, _C_SEALED, _C_SLOW, _C_TAKEN_OVER, Grants
 from shm.leases.persist import read_lease_file, write_lease_file
 from shm.leases.policy import missed
 from shm.leases.protocol import (
@@ -56,16 +58,22 @@ from shm.leases.protocol import (
     TABLE_FIELDS_OFFSET,
     UPDATING,
     Ended,
+    SlotTakenOver,
     _hash,
     _key_bytes,
     _mask,
     _owner_alive,
     _Record,
     _require_atomics,
+    owner_bits,
     segment_size_for,
     truncated,
 )
 from shm.leases.scan import Scans
+from shm.leases.test_stops import C_STOP
+
+# What Granter.complete_many and peek_many answer, by index (shm/_complete.c A_*).
+_ANSWERS = (Outcome.COMPLETED, Outcome.LATE, Outcome.REPEAT, Outcome.SUPERSEDED, Outcome.UNKNOWN)
 
 
 class LeaseTable(Grants, Scans):
@@ -281,6 +289,56 @@ class LeaseTable(Grants, Scans):
             rec.cadence_s,
         )
         return (Outcome.COMPLETED if code == LEASED else Outcome.LATE), lease
+
+    def complete_many(self, items: Iterable[tuple[str, int]], now: float) -> list[Outcome]:
+        """``complete`` for each (key, lease id) of ``items``, in order: the
+        outcomes. The C path (shm/_complete.c) does a group in one call, the
+        same protocol step for step; an item it leaves to Python (a slot held
+        mid-change, a long key, ...) is ``complete``'s, and the rest goes on
+        in C, so a group has exactly the effects of the loop, a raise
+        (NodeRestarted when sealed) included: the items before it are done."""
+        items = items if items.__class__ is list else list(items)
+        g = self._granter
+        if g is None:
+            return [self.complete(key, lease_id, now) for key, lease_id in items]
+        out: list[Outcome] = []
+        i, n = 0, len(items)
+        while i < n:
+            done, why = g.complete_many(items, i, owner_bits(), C_STOP, _ANSWERS)
+            out += done
+            i += len(done)
+            if why == _C_SLOW:
+                key, lease_id = items[i]
+                out.append(self.complete(key, lease_id, now))
+                i += 1
+            elif why == _C_NO_SHARD:  # this process's first change: it takes a shard
+                self._shard()
+                g.set_shard(self._shard_at, owner_bits())
+            elif why == _C_SEALED:
+                self._refuse_sealed(-1, 0, 0)
+            elif why == _C_TAKEN_OVER:
+                raise SlotTakenOver(f"{self.segment.name}: a slot was taken while held")
+        return out
+
+    def peek_many(self, items: Iterable[tuple[str, int]]) -> list[tuple[Outcome, Lease | None]]:
+        """``peek`` for each (key, lease id) of ``items``: what ``complete``
+        would answer now, changing nothing. In C a group at a time, as
+        ``complete_many``."""
+        items = items if items.__class__ is list else list(items)
+        g = self._granter
+        if g is None:
+            return [self.peek(key, lease_id) for key, lease_id in items]
+        out: list[tuple[Outcome, Lease | None]] = []
+        i, n = 0, len(items)
+        while i < n:
+            done, _why = g.peek_many(items, i, Lease, _ANSWERS)
+            out += done
+            i += len(done)
+            if i < n:  # _C_SLOW: a slot held mid-change, a long key, ...
+                key, lease_id = items[i]
+                out.append(self.peek(key, lease_id))
+                i += 1
+        return out
 
     def release(self, key: str, lease_id: int, now: float, error: str | None = None) -> Outcome:
         """The holder hands the lease back without a result: a miss.

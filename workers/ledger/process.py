@@ -195,6 +195,7 @@ class Ledger:
         redo: list[tuple[Any, _End | None]] = []
         # Every pending result is read once (its lease id is not in the
         # index): about 10 µs each, 1 s per 100,000 pending (docs/delivery.md).
+        readable: list[tuple[Any, Any]] = []  # (pending, result)
         for p in self.log.pending():
             try:
                 result = self.log.read_result(p.id)
@@ -203,7 +204,14 @@ class Ledger:
                 self.delivery.add(p.id, p.job)
                 continue
             answered.append((p.id, result.lease_id, p.key))  # the log's index holds p.key
-            outcome, _ = self.leases.peek(result.key, int(result.lease_id))
+            readable.append((p, result))
+        # Their leases, in one call into C a group (peek_many).
+        peeks: list[Any] = []
+        for i in range(0, len(readable), GROUP_MAX_ITEMS):
+            peeks += self.leases.peek_many(
+                [(r.key, int(r.lease_id)) for _, r in readable[i : i + GROUP_MAX_ITEMS]]
+            )
+        for (p, result), (outcome, _) in zip(readable, peeks, strict=True):
             wb = WriteBack(
                 result.key,
                 result.finished_at + result.cadence_s,
@@ -285,7 +293,7 @@ class Ledger:
             Outcome.BUSY: "busy",
         }
         outcomes: list[dict | None] = [None] * len(items)
-        peeked = []
+        asked: list[tuple[int, dict]] = []
         repeat_of = self.repeats.find
         for i, item in enumerate(items):
             # Ours first: the table's slot may hold another key by now, or a
@@ -293,8 +301,12 @@ class Ledger:
             rid = repeat_of(item["lease_id"], item["key"])
             if rid:
                 outcomes[i] = {"status": "repeat", "id": rid}
-                continue
-            outcome, lease = self.leases.peek(item["key"], item["lease_id"])
+            else:
+                asked.append((i, item))
+        # One call into C for the group (shm/_complete.c), peek item by item.
+        peeks = self.leases.peek_many([(item["key"], item["lease_id"]) for _, item in asked])
+        peeked = []
+        for (i, item), (outcome, lease) in zip(asked, peeks, strict=True):
             if outcome in refused:
                 outcomes[i] = {"status": refused[outcome]}
             else:
@@ -357,7 +369,7 @@ class Ledger:
                 (WriteBack(it.key, now + it.cadence_s, it.version, rid, now),
                  (it.key, it.lease_id, rid, it.job))
             )  # fmt: skip
-        self._write_backs(group, now)
+        self._write_backs(group, now, fresh=True)
         for it, rid in zip(items, ids, strict=True):
             self._settle(it, "ok", rid)  # durable: ok, whatever the store said
 
@@ -366,9 +378,11 @@ class Ledger:
         if not it.done.done():
             it.done.set_result((status, rid))
 
-    def _write_backs(self, group: list[tuple[Any, _End | None]], now: float) -> None:
+    def _write_backs(
+        self, group: list[tuple[Any, _End | None]], now: float, fresh: bool = False
+    ) -> None:
         """A group's write-backs in one store transaction, then their leases
-        ended (and their results offered).
+        ended (and their results offered; ``fresh``: see ``_end_leases``).
 
         Before the lease ends: a crash between the two leaves the lease
         live, and recovery does both again (the repeat write is refused by
@@ -395,23 +409,53 @@ class Ledger:
                           retrying=len(self._writebacks))  # fmt: skip
             return
         self.stats.writeback_skipped += versions.count(None)
-        for _, end in group:
-            if end is None:
-                continue
-            try:
-                self._end_lease(*end, now)
-            except Exception as exc:  # noqa: BLE001 - durable already: answer ok, retry the end
-                log.error("lease_end_failed", exc_info=True, key=end[0], id=end[2], error=repr(exc))
-                self._unended.append(end)
+        self._end_leases([end for _, end in group if end is not None], now, fresh)
 
-    def _end_lease(self, key: str, lease_id: int, rid: int, job: str, now: float) -> None:
+    def _end_leases(self, ends: list[_End], now: float, fresh: bool = False) -> None:
+        """End the leases of durable, written-back results, in one call
+        into C for the group (``complete_many``), and offer each result
+        whose lease ended. A failure of the group call (NodeRestarted when
+        the table is sealed, say) is retried item by item, as before: the
+        items it ended answer REPEAT then, and every item that fails again
+        is logged and retried every sweep (durable already: it answered ok).
+
+        ``fresh``: the results were made durable in this same synchronous
+        step (``commit``), so none can have been acked or discarded since:
+        a COMPLETED one is offered without asking the log again."""
         from shm.leases import Outcome
 
-        outcome = self.leases.complete(key, lease_id, now)
+        if not ends:
+            return
+        try:
+            outcomes = self.leases.complete_many([(end[0], end[1]) for end in ends], now)
+        except Exception:  # noqa: BLE001 - each item again, on its own, below
+            for end in ends:
+                try:
+                    self._end_lease(*end, now)
+                except Exception as exc:  # noqa: BLE001 - durable already: answer ok, retry the end
+                    log.error("lease_end_failed", exc_info=True, key=end[0], id=end[2],
+                              error=repr(exc))  # fmt: skip
+                    self._unended.append(end)
+            return
+        completed, add = Outcome.COMPLETED, self.delivery.add
+        for end, outcome in zip(ends, outcomes, strict=True):
+            if fresh and outcome is completed:
+                add(end[2], end[3])
+            else:
+                self._ended(end, outcome)
+
+    def _end_lease(self, key: str, lease_id: int, rid: int, job: str, now: float) -> None:
+        self._ended((key, lease_id, rid, job), self.leases.complete(key, lease_id, now))
+
+    def _ended(self, end: _End, outcome: Any) -> None:
+        """What ``complete`` answered for a durable result: offer it, unless
+        another live process held the key's slot (BUSY: retried every sweep,
+        and offered once ended, since an ack before would leave a live lease)."""
+        from shm.leases import Outcome
+
+        key, lease_id, rid, job = end
         if outcome is Outcome.BUSY:
-            # Another live process holds the key's slot: retried every sweep;
-            # offered once ended (an ack before would leave a live lease).
-            self._unended.append((key, lease_id, rid, job))
+            self._unended.append(end)
             return
         if outcome in (Outcome.SUPERSEDED, Outcome.UNKNOWN):
             # Granted again between the peek and now (docs/delivery.md):
@@ -649,8 +693,8 @@ class Ledger:
         self.repeats.expire(now)
         if self._unended:
             todo, self._unended = self._unended, []
-            for key, lease_id, rid, job in todo:
-                self._end_lease(key, lease_id, rid, job, now)
+            for i in range(0, len(todo), GROUP_MAX_ITEMS):
+                self._end_leases(todo[i : i + GROUP_MAX_ITEMS], now)
         if self._writebacks:
             todo_wb, self._writebacks = self._writebacks, []
             for i in range(0, len(todo_wb), GROUP_MAX_ITEMS):
