@@ -102,9 +102,11 @@ TARGETS = {1: {"postgres": 20.0, "redis": 5.0}, 64: {"postgres": 5.0, "redis": 1
 # -- the schedule file ---------------------------------------------------------------
 
 
-def template(rows: int) -> Path:
-    """A SQLite schedule with ``rows`` due rows, made once and reused."""
-    path = RESULTS / f"claims-{rows}.db"
+def template(rows: int, results: Path = RESULTS, name: str = "claims", job: str = "") -> Path:
+    """A SQLite schedule with ``rows`` due rows, made once and reused
+    (``results/<name>-<rows>.db``): keys of about 55 characters, 20 routes, the
+    due times spread; job ``job``, or one of seven when it is empty."""
+    path = results / f"{name}-{rows}.db"
     if path.exists():
         conn = sqlite3.connect(path)
         try:
@@ -119,7 +121,7 @@ def template(rows: int) -> Path:
     from node.core.rows import RowWrite
     from node.store import open_store
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    results.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     now = time.time()
     store = open_store(f"sqlite:///{path}")
@@ -130,7 +132,7 @@ def template(rows: int) -> Path:
                 route=f"route{i % 20:02d}",
                 due_at=due_of(i, rows, now),
                 payload={"route": f"route{i % 20:02d}", "n": i},
-                job=f"job-{i % 7}",
+                job=job or f"job-{i % 7}",
             )
             for i in range(lo, min(rows, lo + 10_000))
         ]

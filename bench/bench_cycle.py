@@ -45,7 +45,6 @@ import multiprocessing as mp
 import os
 import platform
 import queue as queue_mod
-import sqlite3
 import sys
 import time
 import traceback
@@ -57,8 +56,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.bench_claims import Node, _NodeCPU  # noqa: E402 - after the path fix above
-from bench.claims_external import RESULTS, _percentile, due_of, key_of  # noqa: E402
+from bench import bench_claims  # noqa: E402 - after the path fix above
+from bench.bench_claims import Node, _NodeCPU  # noqa: E402
+from bench.claims_external import RESULTS, _percentile  # noqa: E402
 from bench.cycle_peers import LEASE_S, PEERS, TAKE_MAX  # noqa: E402
 
 JOB = "j"
@@ -82,46 +82,9 @@ MINIMUM = {("node_local", 64): 3.0}
 
 
 def template(rows: int, results: Path = RESULTS) -> Path:
-    """A SQLite schedule of ``rows`` due rows of job ``j``, made once and kept."""
-    path = results / f"cycle-{rows}.db"
-    if path.exists():
-        conn = sqlite3.connect(path)
-        try:
-            if conn.execute("SELECT count(*) FROM schedule").fetchone()[0] == rows:
-                return path
-        except sqlite3.Error:
-            pass
-        finally:
-            conn.close()
-        for suffix in ("", "-wal", "-shm"):
-            Path(str(path) + suffix).unlink(missing_ok=True)
-    from node.core.rows import RowWrite
-    from node.store import open_store
-
-    results.mkdir(parents=True, exist_ok=True)
-    t0, now = time.perf_counter(), time.time()
-    store = open_store(f"sqlite:///{path}")
-    for lo in range(0, rows, 10_000):
-        store.upsert(
-            [
-                RowWrite(
-                    key=key_of(i),
-                    route=f"route{i % 20:02d}",
-                    due_at=due_of(i, rows, now),
-                    payload={"route": f"route{i % 20:02d}", "n": i},
-                    job=JOB,
-                )
-                for i in range(lo, min(rows, lo + 10_000))
-            ],
-            now=now,
-        )
-    store.trim_changes(store.last_seq())
-    store.close()
-    conn = sqlite3.connect(path)
-    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    conn.close()
-    print(f"seeded {rows} rows in {time.perf_counter() - t0:.1f} s -> {path}", flush=True)
-    return path
+    """A SQLite schedule of ``rows`` due rows of job ``j``, made once and kept
+    (the claim bench's rows, all of one job)."""
+    return bench_claims.template(rows, results, name="cycle", job=JOB)
 
 
 # -- the node's roles (in the claimer and receiver processes) --------------------------------
@@ -352,9 +315,7 @@ def measure(kind: str, cfg: dict, batch: int, procs: int, seconds: float, pid: i
         for i in range(procs)
     ]
     children.append(
-        ctx.Process(
-            target=_receiver_child, args=(kind, cfg, ready, go, start, stop, expected, out)
-        )
+        ctx.Process(target=_receiver_child, args=(kind, cfg, ready, go, start, stop, expected, out))
     )
     node_cpu = _NodeCPU(pid)
     for p in children:
