@@ -5,6 +5,41 @@
 
 #include "_atomic.h"
 
+/* The four arguments both entry writers begin with (entries_off, heap_off,
+ * heap_size, n), checked against the view: -1 with the error set. */
+static int
+slot_args(ViewObject *self, PyObject *const *args, const char *name, Py_ssize_t *entries_off,
+          Py_ssize_t *heap_off, Py_ssize_t *heap_size, Py_ssize_t *n)
+{
+    if (!self->held) {
+        PyErr_SetString(PyExc_ValueError, "view is released");
+        return -1;
+    }
+    if (as_ssize(args[0], entries_off) < 0 || as_ssize(args[1], heap_off) < 0 ||
+        as_ssize(args[2], heap_size) < 0 || as_ssize(args[3], n) < 0)
+        return -1;
+    Py_ssize_t len = self->view.len;
+    if (*entries_off < 0 || *n < 0 || *n > (len - *entries_off) / R_ENTRY_SIZE || *heap_off < 0 ||
+        *heap_size < 0 || *heap_size > len - *heap_off) {
+        PyErr_Format(PyExc_ValueError, "%s(): the slot does not fit the buffer", name);
+        return -1;
+    }
+    return 0;
+}
+
+/* One 32-byte ready entry (shm/ready/layout.py ENTRY). */
+static inline void
+put_entry(char *e, uint32_t offset, uint16_t key_len, uint16_t class_id, uint64_t version,
+          int64_t due, double rank)
+{
+    memcpy(e + E_KEY_OFFSET, &offset, 4);
+    memcpy(e + E_KEY_LEN, &key_len, 2);
+    memcpy(e + E_CLASS_ID, &class_id, 2);
+    memcpy(e + E_VERSION, &version, 8);
+    memcpy(e + E_DUE_MINUTE, &due, 8);
+    memcpy(e + E_RANK, &rank, 8);
+}
+
 /* write_entries(entries_off, heap_off, heap_size, n, keys, versions, dues,
  *               cids, ranks) -> (written, heap_used, all_ascii)
  *
@@ -20,13 +55,8 @@ PyObject *
 view_write_entries(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     NARGS(9, "write_entries");
-    if (!self->held) {
-        PyErr_SetString(PyExc_ValueError, "view is released");
-        return NULL;
-    }
     Py_ssize_t entries_off, heap_off, heap_size, n;
-    if (as_ssize(args[0], &entries_off) < 0 || as_ssize(args[1], &heap_off) < 0 ||
-        as_ssize(args[2], &heap_size) < 0 || as_ssize(args[3], &n) < 0)
+    if (slot_args(self, args, "write_entries", &entries_off, &heap_off, &heap_size, &n) < 0)
         return NULL;
     PyObject *cols[5];
     for (int c = 0; c < 5; c++) {
@@ -35,12 +65,6 @@ view_write_entries(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
             PyErr_SetString(PyExc_TypeError, "write_entries(): the columns are lists of at least n");
             return NULL;
         }
-    }
-    Py_ssize_t len = self->view.len;
-    if (entries_off < 0 || n < 0 || n > (len - entries_off) / R_ENTRY_SIZE || heap_off < 0 ||
-        heap_size < 0 || heap_size > len - heap_off) {
-        PyErr_SetString(PyExc_ValueError, "write_entries(): the slot does not fit the buffer");
-        return NULL;
     }
     char *entries = (char *)self->view.buf + entries_off;
     char *heap = (char *)self->view.buf + heap_off;
@@ -74,17 +98,8 @@ view_write_entries(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
                          "version u64, due_minute i64)", i);
             return NULL;
         }
-        char *e = entries + R_ENTRY_SIZE * i;
-        uint32_t offset = (uint32_t)used;
-        uint16_t key_len = (uint16_t)klen, class_id = (uint16_t)cid;
-        uint64_t v = version;
-        int64_t d = due;
-        memcpy(e + E_KEY_OFFSET, &offset, 4);
-        memcpy(e + E_KEY_LEN, &key_len, 2);
-        memcpy(e + E_CLASS_ID, &class_id, 2);
-        memcpy(e + E_VERSION, &v, 8);
-        memcpy(e + E_DUE_MINUTE, &d, 8);
-        memcpy(e + E_RANK, &rank, 8);
+        put_entry(entries + R_ENTRY_SIZE * i, (uint32_t)used, (uint16_t)klen, (uint16_t)cid,
+                  version, due, rank);
         memcpy(heap + used, utf8, klen);
         used += klen;
     }
@@ -124,23 +139,12 @@ PyObject *
 view_write_gathered(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     NARGS(10, "write_gathered");
-    if (!self->held) {
-        PyErr_SetString(PyExc_ValueError, "view is released");
-        return NULL;
-    }
     Py_ssize_t entries_off, heap_off, heap_size, n;
-    if (as_ssize(args[0], &entries_off) < 0 || as_ssize(args[1], &heap_off) < 0 ||
-        as_ssize(args[2], &heap_size) < 0 || as_ssize(args[3], &n) < 0)
+    if (slot_args(self, args, "write_gathered", &entries_off, &heap_off, &heap_size, &n) < 0)
         return NULL;
     PyObject *keys = args[4];
     if (!PyList_Check(keys)) {
         PyErr_SetString(PyExc_TypeError, "write_gathered(): keys is a list");
-        return NULL;
-    }
-    Py_ssize_t len = self->view.len;
-    if (entries_off < 0 || n < 0 || n > (len - entries_off) / R_ENTRY_SIZE || heap_off < 0 ||
-        heap_size < 0 || heap_size > len - heap_off) {
-        PyErr_SetString(PyExc_ValueError, "write_gathered(): the slot does not fit the buffer");
         return NULL;
     }
     Py_buffer bufs[5];
@@ -190,16 +194,8 @@ view_write_gathered(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
                          "version u64, due_minute i64)", i);
             break;
         }
-        char *e = entries + R_ENTRY_SIZE * i;
-        uint32_t offset = (uint32_t)used;
-        uint16_t key_len = (uint16_t)klen, class_id = (uint16_t)cid;
-        int64_t d = dues[i];
-        memcpy(e + E_KEY_OFFSET, &offset, 4);
-        memcpy(e + E_KEY_LEN, &key_len, 2);
-        memcpy(e + E_CLASS_ID, &class_id, 2);
-        memcpy(e + E_VERSION, &version, 8);
-        memcpy(e + E_DUE_MINUTE, &d, 8);
-        memcpy(e + E_RANK, &ranks[i], 8);
+        put_entry(entries + R_ENTRY_SIZE * i, (uint32_t)used, (uint16_t)klen, (uint16_t)cid,
+                  (uint64_t)version, dues[i], ranks[i]);
         memcpy(heap + used, utf8, klen);
         used += klen;
         Py_INCREF(key);
