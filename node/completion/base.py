@@ -233,6 +233,10 @@ class CompletionConfig:
     # lease it answered (``retired_leases``): a removed segment leaves a lease
     # summary for that long. 0: none (the ledger sets its repeat window).
     keep_retired_s: float = 0.0
+    # Results made durable lately are kept in memory up to this many bytes of
+    # data, so that offering them reads nothing back from disk (the oldest go
+    # first; an ack or a discard drops its own). 0: every offer reads the log.
+    recent_bytes: int = 32 << 20
 
     def __post_init__(self) -> None:
         if self.fsync not in FSYNC_POLICIES:
@@ -241,6 +245,8 @@ class CompletionConfig:
             )
         if self.segment_bytes < 4096:
             raise ValueError(f"segment_bytes must be at least 4096, not {self.segment_bytes}")
+        if self.recent_bytes < 0:
+            raise ValueError(f"recent_bytes must be 0 or more, not {self.recent_bytes}")
         if not 0 <= self.keep_retired_s < float("inf"):
             raise ValueError(f"keep_retired_s must be 0 or more, not {self.keep_retired_s}")
 

@@ -14,6 +14,7 @@ import bisect
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import itemgetter
@@ -150,6 +151,28 @@ class _Retire:
         self.at = at
 
 
+class FlushHandle:
+    """A flush begun (``BufferedLog.flush_begin``): the batch written, its
+    fsync running (``future``, on an executor) or still to run."""
+
+    __slots__ = ("results", "retires", "segment", "offsets", "future", "ended", "error")
+
+    def __init__(
+        self,
+        results: list[tuple[int, Result]],
+        retires: list[_Retire],
+        segment: int,
+        offsets: list[int],
+    ) -> None:
+        self.results = results
+        self.retires = retires
+        self.segment = segment
+        self.offsets = offsets
+        self.future: Future[None] | None = None
+        self.ended = False
+        self.error: LogUnavailable | None = None
+
+
 def _check_result(r: Result) -> None:
     """Refuse at append what could not be encoded at flush (a bad result
     would otherwise fail every later flush of the buffer it sits in)."""
@@ -212,6 +235,10 @@ class BufferedLog(CompletionStore):
         self._next_id = 1
         self._buffered: list[tuple[int, Result]] = []  # (id, result)
         self._retires: list[_Retire] = []
+        self._open: FlushHandle | None = None  # a flush begun and not ended
+        # Durable results still held in memory, oldest first (recent_bytes).
+        self._recent: dict[int, Result] = {}
+        self._recent_bytes = 0
         self._appended = 0
         self._durable = 0
         self._acked = 0
@@ -230,6 +257,22 @@ class BufferedLog(CompletionStore):
     def _commit(
         self, results: list[tuple[int, Result]], retires: list[_Retire], first_id: int
     ) -> tuple[int, list[int]]: ...
+
+    def _write(
+        self, results: list[tuple[int, Result]], retires: list[_Retire], first_id: int
+    ) -> tuple[int, list[int]]:
+        """Write a batch without its fsync (``_sync_written``, then
+        ``_written``, finish it). A backend that cannot split makes the batch
+        durable here."""
+        return self._commit(results, retires, first_id)
+
+    def _sync_written(self) -> None:
+        """The fsync of what ``_write`` wrote; may run on another thread
+        (it touches no state of the log). Raises ``OSError``."""
+
+    def _written(self, error: OSError | None) -> None:
+        """After ``_sync_written``: count the written bytes durable, or (with
+        the ``error`` it raised) put the file back and raise ``LogUnavailable``."""
 
     @abc.abstractmethod
     def _load(self, report: RecoveryReport) -> None: ...
@@ -380,24 +423,95 @@ class BufferedLog(CompletionStore):
         return ids
 
     def flush(self) -> None:
+        handle = self.flush_begin()
+        if handle is not None:
+            self.flush_end(handle)
+
+    def flush_begin(self, executor: Executor | None = None) -> FlushHandle | None:
+        """The first half of ``flush``: write the buffer (no fsync yet) and
+        return its handle, or None when nothing is buffered. With an
+        ``executor``, the fsync runs there at once (``handle.future``); call
+        ``flush_end(handle)`` when it is done (it blocks for it otherwise).
+        Until then nothing of the batch counts as durable: no id is in the
+        index, so none can be offered. Appends and acks made meanwhile buffer
+        for the next flush, which ends this one first."""
         self._check()
+        self._end_open()
         results, retires = self._buffered, self._retires
         if not results and not retires:
-            return
+            return None
         first_id = results[0][0] if results else self._next_id
-        try:
-            segment, offsets = self._commit(results, retires, first_id)
-        except LogUnavailable:
-            # The results' callers hear 503 and retry with a new append; the
-            # retirements are already in effect here, so they must still land.
-            self._rejected += len(results)
-            self._buffered = []
-            raise
         self._buffered, self._retires = [], []
+        try:
+            segment, offsets = self._write(results, retires, first_id)
+        except LogUnavailable:
+            self._failed_batch(results, retires)
+            raise
+        handle = FlushHandle(results, retires, segment, offsets)
+        if executor is not None:
+            handle.future = executor.submit(self._sync_written)
+        self._open = handle
+        return handle
+
+    def flush_end(self, handle: FlushHandle) -> None:
+        """The second half of ``flush``: wait for the handle's fsync (running
+        it here if no executor took it), then count the batch durable and
+        index its results. Raises ``LogUnavailable`` as ``flush`` does; a
+        handle already ended (by a later ``flush``) answers as it ended."""
+        if handle.ended:
+            if handle.error is not None:
+                raise handle.error
+            return
+        handle.ended = True
+        self._open = None
+        try:
+            error: OSError | None = None
+            if handle.future is None:
+                try:
+                    self._sync_written()
+                except OSError as exc:
+                    error = exc
+            else:
+                failed = handle.future.exception()
+                if isinstance(failed, OSError):
+                    error = failed
+                elif failed is not None:
+                    raise failed
+            self._written(error)
+        except LogUnavailable as exc:
+            handle.error = exc
+            self._failed_batch(handle.results, handle.retires)
+            raise
+        self._flushed(handle.results, handle.retires, handle.segment, handle.offsets)
+
+    def _end_open(self) -> None:
+        """End a begun flush before anything else is written (its error is
+        its own caller's: kept on the handle)."""
+        if self._open is not None:
+            try:
+                self.flush_end(self._open)
+            except LogUnavailable:
+                pass
+
+    def _failed_batch(self, results: list[tuple[int, Result]], retires: list[_Retire]) -> None:
+        # The results' callers hear 503 and retry with a new append; the
+        # retirements are already in effect here, so they must still land.
+        self._rejected += len(results)
+        self._retires = retires + self._retires
+
+    def _flushed(
+        self,
+        results: list[tuple[int, Result]],
+        retires: list[_Retire],
+        segment: int,
+        offsets: list[int],
+    ) -> None:
         seg = self._segments[segment]
         add, base = self._index.add, segment << LOC_OFFSET_BITS
         for (rid, r), off in zip(results, offsets, strict=True):
             add(rid, r.job, r.key, r.finished_at, base | off)
+        if self.config.recent_bytes:
+            self._keep_recent(results)
         seg.results += len(results)
         seg.live += len(results)
         self._durable += len(results)
@@ -415,6 +529,27 @@ class BufferedLog(CompletionStore):
             else:
                 self._discarded += len(rt.ids)
 
+    def _keep_recent(self, results: list[tuple[int, Result]]) -> None:
+        recent = self._recent
+        recent.update(results)
+        self._recent_bytes += sum(len(r.data) for _, r in results)
+        if self._recent_bytes > self.config.recent_bytes:
+            limit = self.config.recent_bytes // 2  # evict in bulk, not one a flush
+            for rid in list(recent):
+                if self._recent_bytes <= limit:
+                    break
+                self._recent_bytes -= len(recent.pop(rid).data)
+
+    def _forget_recent(self, ids: list[int]) -> None:
+        pop, recent = self._recent.pop, self._recent
+        if recent:
+            gone = 0
+            for rid in ids:
+                r = pop(rid, None)
+                if r is not None:
+                    gone += len(r.data)
+            self._recent_bytes -= gone
+
     def _retire(self, kind: str, ids: Iterable[int], reason: str, now: float | None) -> int:
         self._check()
         at = time.time() if now is None else float(now)
@@ -429,6 +564,7 @@ class BufferedLog(CompletionStore):
                 by_segment[number] = by_segment.get(number, 0) + 1
                 self._segments[number].live -= 1
         if done:
+            self._forget_recent(done)
             for number in by_segment:
                 seg = self._segments[number]
                 if at > seg.retired_at:
@@ -471,6 +607,12 @@ class BufferedLog(CompletionStore):
 
     def read_result(self, result_id: int) -> Result:
         self._check()
+        r = self._recent.get(result_id)
+        if r is not None:  # durable and pending: it leaves here when retired
+            if r.id == result_id:
+                return r
+            return Result(r.key, r.job, r.lease_id, r.version, r.finished_at, r.cadence_s,
+                          r.data, r.encoding, result_id)  # fmt: skip
         p = self._index.get(result_id)
         if p is None:
             raise UnknownResult(result_id)
@@ -569,4 +711,6 @@ class BufferedLog(CompletionStore):
                 self.flush()
         finally:
             self._closed = True
+            if self._open is not None and self._open.future is not None:
+                self._open.future.exception()  # its fsync, on another thread, ends first
             self._close()

@@ -126,6 +126,17 @@ class Store(abc.ABC):
         """Batched point read; keys with no row are absent from the answer,
         unschedulable rows come back as ``BadRow`` (as ``get``)."""
 
+    def jobs_of(self, keys: Iterable[str]) -> dict[str, tuple[str, float | None, str]]:
+        """What a completion needs of each row, (job, cadence_s, route) by
+        key, for schedulable rows only: a key with no row, or a ``BadRow``,
+        is absent. A store may read only these columns (the ledger asks it
+        for every group it commits)."""
+        return {
+            key: (row.job, row.cadence_s, row.route)
+            for key, row in self.get_many(keys).items()
+            if isinstance(row, Row)
+        }
+
     @abc.abstractmethod
     def walk(self, after: str | None, limit: int) -> list[Row | BadRow]:
         """Up to ``limit`` rows in key order with key > ``after`` (all keys

@@ -189,6 +189,16 @@ def get_many_sql(n: int) -> str:
     return f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key IN ({marks})"
 
 
+def jobs_of_sql(n: int) -> str:
+    """What a completion needs of ``n`` rows (``Store.jobs_of``), with the
+    columns that say whether each is schedulable; not the payload."""
+    marks = ", ".join("?" * n)
+    return (
+        "SELECT key, job, cadence_s, route, sitemap, due_at FROM schedule"
+        f" WHERE key IN ({marks})"
+    )
+
+
 _UPSERT_SQL: dict[tuple[str, ...], str] = {}
 
 

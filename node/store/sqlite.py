@@ -453,6 +453,24 @@ class SQLiteStore(Store):
                 raise _wrap(exc, "get_many") from exc
         return {stored[0]: _row(stored) for stored in found}
 
+    def jobs_of(self, keys: Iterable[str]) -> dict[str, tuple[str, float | None, str]]:
+        wanted = list(dict.fromkeys(keys))
+        found: list[tuple] = []
+        conn = self._c()
+        with self._lock:
+            try:
+                for i in range(0, len(wanted), IN_CHUNK):
+                    chunk = wanted[i : i + IN_CHUNK]
+                    found += conn.execute(q.jobs_of_sql(len(chunk)), chunk).fetchall()
+            except sqlite3.Error as exc:
+                raise _wrap(exc, "jobs_of") from exc
+        valid = stored_row_is_valid
+        return {
+            key: (job, cadence_s, route)
+            for key, job, cadence_s, route, sitemap, due_at in found
+            if valid(route, cadence_s, sitemap, due_at)
+        }
+
     def walk(self, after: str | None, limit: int) -> list[Row | BadRow]:
         if limit <= 0:
             return []

@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
@@ -147,6 +148,8 @@ class Ledger:
         self._waiters: list[asyncio.Future] = []  # settled by the next flush
         self._kick = asyncio.Event()
         self._stopping = asyncio.Event()
+        # The group commit's fsync runs here, off the event loop's thread.
+        self._fsync = ThreadPoolExecutor(1, thread_name_prefix="ledger-fsync")
         self._unended: list[tuple[str, int, int, str]] = []  # key, lease_id, id, job
         # Write-backs the store refused to take (StoreError), retried every
         # sweep, each with the lease to end once it is written (None: none).
@@ -311,7 +314,7 @@ class Ledger:
                 outcomes[i] = {"status": refused[outcome]}
             else:
                 peeked.append((i, item, lease))
-        rows = self.store.get_many([item["key"] for _, item, _ in peeked]) if peeked else {}
+        rows = self.store.jobs_of([item["key"] for _, item, _ in peeked]) if peeked else {}
         loop = asyncio.get_running_loop()
         accepted: list[tuple[int, _Item]] = []
         dups: list[tuple[int, asyncio.Future]] = []
@@ -330,17 +333,31 @@ class Ledger:
             )  # fmt: skip
         return outcomes, accepted, dups
 
-    def _job_and_cadence(self, row: Any, lease_cadence_s: float) -> tuple[str, float]:
-        from node.core.rows import DEFAULT_JOB, Row
+    def _job_and_cadence(
+        self, row: tuple[str, float | None, str] | None, lease_cadence_s: float
+    ) -> tuple[str, float]:
+        """``row``: (job, cadence_s, route), as ``Store.jobs_of`` answers."""
+        from node.core.rows import DEFAULT_JOB
 
-        if not isinstance(row, Row):  # deleted while leased: the result is still kept
+        if row is None:  # deleted (or unschedulable) while leased: the result is still kept
             return DEFAULT_JOB, lease_cadence_s or self.config.defaults.cadence_s
-        cadence_s = lease_cadence_s or row.cadence_s or self.config.route(row.route).cadence_s
-        return row.job, float(cadence_s)
+        job, row_cadence_s, route = row
+        cadence_s = lease_cadence_s or row_cadence_s or self.config.route(route).cadence_s
+        return job, float(cadence_s)
 
     def commit(self, items: list[_Item], now: float) -> None:
-        """One group: append, one flush (fsync), then per result: write back
-        its next due time, end its lease, offer it. Sets each item's future."""
+        """One group, all of it on this thread (the committer overlaps the
+        fsync instead: ``commit_begin``, ``commit_end``)."""
+        begun = self.commit_begin(items, now)
+        if begun is not None:
+            self.commit_end(items, now, *begun)
+
+    def commit_begin(
+        self, items: list[_Item], now: float, executor: Executor | None = None
+    ) -> tuple[list[int], Any, float] | None:
+        """Append the group and write it (its fsync on ``executor`` when
+        given): (ids, the flush's handle, when it began), or None when the
+        log refused it (every item answered)."""
         from node.completion import LogUnavailable, Result
 
         results = [
@@ -350,11 +367,24 @@ class Ledger:
         t0 = time.perf_counter()
         try:
             ids = self.log.append_results(results)
-            self.log.flush()
+            handle = self.log.flush_begin(executor)
         except LogUnavailable as exc:
-            log.warn("log_unavailable", results=len(items), error=str(exc))
-            for it in items:
-                self._settle(it, "log_unavailable", None)
+            self._unavailable(items, exc)
+            return None
+        return ids, handle, t0
+
+    def commit_end(self, items: list[_Item], now: float, ids: list[int], handle: Any,
+                   t0: float) -> None:  # fmt: skip
+        """Once the group's fsync is done: count it durable, then per result
+        write back its next due time, end its lease, offer it. Sets each
+        item's future."""
+        from node.completion import LogUnavailable
+
+        try:
+            if handle is not None:
+                self.log.flush_end(handle)
+        except LogUnavailable as exc:
+            self._unavailable(items, exc)
             return
         flush_s = time.perf_counter() - t0
         self.stats.groups += 1
@@ -372,6 +402,11 @@ class Ledger:
         self._write_backs(group, now, fresh=True)
         for it, rid in zip(items, ids, strict=True):
             self._settle(it, "ok", rid)  # durable: ok, whatever the store said
+
+    def _unavailable(self, items: list[_Item], exc: Exception) -> None:
+        log.warn("log_unavailable", results=len(items), error=str(exc))
+        for it in items:
+            self._settle(it, "log_unavailable", None)
 
     def _settle(self, it: _Item, status: str, rid: int | None) -> None:
         self._inflight.pop((it.key, it.lease_id), None)
@@ -498,7 +533,16 @@ class Ledger:
                     group += self._queue.pop(0)
                 waiters, self._waiters = self._waiters, []
                 try:
-                    self.commit(group, time.time())
+                    now = time.time()
+                    begun = self.commit_begin(group, now, self._fsync)
+                    if begun is not None:
+                        # The fsync runs on its thread: polls, acks and new
+                        # completions are answered meanwhile (none of this
+                        # group is offered or answered before it is durable).
+                        handle = begun[1]
+                        if handle is not None and handle.future is not None:
+                            await asyncio.wrap_future(handle.future)
+                        self.commit_end(group, now, *begun)
                 except Exception as exc:  # noqa: BLE001 - a bug must not wedge every completion
                     log.error("commit_failed", exc_info=True, results=len(group), error=repr(exc))
                     for it in group:
@@ -953,6 +997,7 @@ class Ledger:
             try:
                 self.log.close()
             finally:
+                self._fsync.shutdown()
                 self.store.close()
                 self.leases.close()
                 if self._state is not None:

@@ -71,6 +71,7 @@ class SegmentWriter(BufferedLog):
         self._fd: int | None = None  # the active segment, read-write
         self._size = 0  # end of its last durable record
         self._wedged = False  # a failed batch may still be on disk past _size
+        self._unsynced = 0  # bytes written past _size, their fsync to come
         self._read_fds: dict[int, int] = {}
         super().__init__(config)
 
@@ -79,6 +80,21 @@ class SegmentWriter(BufferedLog):
     def _commit(
         self, results: list[tuple[int, Result]], retires: list[_Retire], first_id: int
     ) -> tuple[int, list[int]]:
+        segment, offsets = self._write(results, retires, first_id)
+        try:
+            self._sync_written()
+        except OSError as exc:
+            self._written(exc)
+        self._written(None)
+        return segment, offsets
+
+    def _write(
+        self, results: list[tuple[int, Result]], retires: list[_Retire], first_id: int
+    ) -> tuple[int, list[int]]:
+        """One write of the batch past the last durable record, rolling over
+        to a new segment first when it does not fit (a failure then has only
+        one file to put back). Durable once ``_sync_written`` and
+        ``_written`` have run."""
         if self._wedged:
             self._cut_back()
         frames = [encode_result_record(rid, r) for rid, r in results]
@@ -86,8 +102,6 @@ class SegmentWriter(BufferedLog):
         for rt in retires:
             frames.extend(encode_retire(rt))
         total = sum(map(len, frames))
-        # One batch, one segment: rolling over first means a failure has only
-        # one file to put back.
         if self._fd is None or (
             self._size > HEADER.size and self._size + total > self.config.segment_bytes
         ):
@@ -101,19 +115,31 @@ class SegmentWriter(BufferedLog):
         data = b"".join(frames)
         try:
             self._write_all(self._fd, data, self._size)
-            if self.config.fsync != FSYNC_NEVER:
-                self.ops.fsync(self._fd)
         except OSError as exc:
-            self._wedged = True
-            try:
-                self._cut_back()
-            except LogUnavailable:
-                pass
-            raise LogUnavailable(
-                f"completion log: cannot write {self._active_path()}: {exc}"
-            ) from exc
-        self._size += len(data)
+            self._unsynced = 0
+            self._put_back(exc)
+        self._unsynced = len(data)
         return self._active, offsets
+
+    def _sync_written(self) -> None:
+        if self.config.fsync != FSYNC_NEVER and self._fd is not None:
+            self.ops.fsync(self._fd)
+
+    def _written(self, error: OSError | None) -> None:
+        written, self._unsynced = self._unsynced, 0
+        if error is not None:
+            self._put_back(error)
+        self._size += written
+
+    def _put_back(self, exc: OSError) -> None:
+        """A write or its fsync failed: cut the segment back to its last
+        durable record and raise ``LogUnavailable``."""
+        self._wedged = True
+        try:
+            self._cut_back()
+        except LogUnavailable:
+            pass
+        raise LogUnavailable(f"completion log: cannot write {self._active_path()}: {exc}") from exc
 
     def _write_all(self, fd: int, data: bytes, offset: int) -> None:
         view = memoryview(data)
