@@ -114,6 +114,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sortedcontainers import SortedList  # noqa: E402
 
+from bench.common import add_json_option, keep, write_json  # noqa: E402
 from keeper.buckets import Buckets  # noqa: E402
 from keeper.classes import ClassTable  # noqa: E402
 from node.core.config import Config, RouteConfig  # noqa: E402
@@ -667,6 +668,7 @@ def main(argv: list[str] | None = None) -> int:
         help="only the claim path: --leased keys detached against passed as exclude=",
     )
     parser.add_argument("--leased", type=int, default=130_000, help="keys out on lease")
+    add_json_option(parser)
     parser.add_argument("--memory-child", choices=list(LAYOUTS), help=argparse.SUPPRESS)
     parser.add_argument("--traced", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -683,6 +685,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, value in figures.items():
             fastest = f"  {FASTEST[name]:10,.3f}" if name in FASTEST else ""
             print(f"  {name:32} {value:12,.3f}{fastest}")
+        keep({"bench": "buckets_detached", "rows": args.rows, "leased": args.leased, **figures})
+        write_json(args.json)
         return 0
     layouts = list(LAYOUTS) if args.layout == "both" else [args.layout]
     print(
@@ -703,6 +707,9 @@ def main(argv: list[str] | None = None) -> int:
             fastest = f"  {fastest_of[name]:10,.3f}" if name in fastest_of else ""
             print(f"  {name:32} {value:12,.3f}{fastest}")
         sys.stdout.flush()
+        keep({"bench": "buckets", "layout": layout, "rows": args.rows, "changes": args.changes,
+              **figures})  # fmt: skip
+    write_json(args.json)
     return 0
 
 

@@ -84,6 +84,7 @@ from bench.claims_external import (  # noqa: E402 - after the path fix above
     due_of,
     key_of,
 )
+from bench.common import add_json_option, keep, write_json  # noqa: E402 - after the path fix
 
 # A claimer that found nothing for this long decides every row is leased.
 DRAINED_S = 2.0
@@ -460,7 +461,7 @@ def keeper_publish(name: str) -> dict | None:
 
 def report(doc: dict[str, Any]) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    line = json.dumps({"at": time.strftime("%Y-%m-%dT%H:%M:%S"), **doc})
+    line = json.dumps(keep({"at": time.strftime("%Y-%m-%dT%H:%M:%S"), **doc}))
     print(line, flush=True)
     with open(RESULTS / "claims.jsonl", "a") as f:
         f.write(line + "\n")
@@ -543,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         help="run everything this many times, rounds one after another; the "
         "ratios compare each variant's median round",
     )
+    add_json_option(p)
     args = p.parse_args(argv)
     db = template(args.rows)
     results = []
@@ -559,11 +561,14 @@ def main(argv: list[str] | None = None) -> int:
                         res = RUNNERS[variant](args.rows, batch, args.procs, args.seconds)
                     except Exception as exc:  # noqa: BLE001 - a missing server skips its peer
                         print(f"{variant} batch {batch}: skipped: {exc!r}", file=sys.stderr)
+                        why = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:200]
+                        keep({"variant": variant, "batch": batch, "not_run": why})
                         continue
                     res.pop("tried", None)
                     report(res)
                     results.append(res)
     ratios(results)
+    write_json(args.json)
     return 0
 
 

@@ -20,10 +20,15 @@ import argparse
 import json
 import multiprocessing
 import statistics
+import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import add_json_option, keep, write_json  # noqa: E402
 
 RESULT = {"text": "x" * 180}  # about 200 bytes of JSON
 
@@ -112,6 +117,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--modes", nargs="+", default=["single", "items"])
     parser.add_argument("--workers", type=int, default=1, help="the node's HTTP workers")
+    add_json_option(parser)
     args = parser.parse_args()
     name = f"bench-{uuid.uuid4().hex[:8]}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -122,9 +128,11 @@ def main() -> None:
             wait_for(lambda: node.request("POST", "/claim", {"max": 1, "consumer": "probe"})[1]
                      .get("leases"), 60, "the first publish")  # fmt: skip
             for mode in args.modes:
-                print(json.dumps(run(mode, node.base_url, args.procs, args.batch, args.seconds)),
+                res = run(mode, node.base_url, args.procs, args.batch, args.seconds)
+                print(json.dumps(keep({**res, "rows": args.rows, "workers": args.workers})),
                       flush=True)  # fmt: skip
             node.stop()
+            write_json(args.json)
         finally:
             finish([node], name)
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import add_json_option, keep, write_json  # noqa: E402
 from node.completion.base import CompletionConfig, Result  # noqa: E402
 from node.completion.segments import SegmentStore  # noqa: E402
 
@@ -44,7 +45,7 @@ RESULT_BYTES = 1024
 
 def _report(doc: dict, save: bool) -> None:
     doc = {"at": time.strftime("%Y-%m-%dT%H:%M:%S"), **doc}
-    line = json.dumps(doc)
+    line = json.dumps(keep(doc))
     print(line, flush=True)
     if save:
         results = ROOT / "bench" / "results"
@@ -208,8 +209,10 @@ def main() -> None:
     for p in sub.choices.values():
         p.add_argument("--dir", default=None, help="parent of the temporary directory")
         p.add_argument("--save", action="store_true")
+        add_json_option(p)
     args = parser.parse_args()
     {"commit": bench_commit, "recover": bench_recover}[args.cmd](args)
+    write_json(args.json)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROUTES, key_of, seed  # noqa: E402
+from bench.common import ROUTES, add_json_option, keep, key_of, seed, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -45,7 +45,7 @@ RESULTS = ROOT / "bench" / "results"
 def _report(doc: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
     doc = {"at": time.strftime("%Y-%m-%dT%H:%M:%S"), **doc}
-    line = json.dumps(doc)
+    line = json.dumps(keep(doc))
     print(line, flush=True)
     with open(RESULTS / "keeper.jsonl", "a") as f:
         f.write(line + "\n")
@@ -131,6 +131,20 @@ def _stop_node(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
+def _keeper_uss(pid: int) -> int | None:
+    """The keeper's private memory (USS, psutil) once live: the keeper is
+    the node's child titled ``qn-keeper`` (node/core/proc.py's set_title)."""
+    import psutil
+
+    try:
+        for child in psutil.Process(pid).children(recursive=True):
+            if "keeper" in child.name():
+                return int(child.memory_full_info().uss)
+    except psutil.Error:
+        return None
+    return None
+
+
 def bench_startup(args: argparse.Namespace) -> None:
     from node.core.errors import NodeError
     from shm.state import StateBuffer
@@ -165,6 +179,7 @@ def bench_startup(args: argparse.Namespace) -> None:
                 if first_publish is None and state is not None:
                     fp = state.read()["first_publish_at"]
                     first_publish = fp - t_exec if fp else None
+                keeper_uss = _keeper_uss(proc.pid)
             finally:
                 if state is not None:
                     state.close()
@@ -173,6 +188,7 @@ def bench_startup(args: argparse.Namespace) -> None:
                 "bench": "startup", "rows": args.rows, "attempt": attempt,
                 "first_publish_s": round(first_publish, 3) if first_publish else None,
                 "live_exact_s": round(live_exact, 3) if live_exact else None,
+                "keeper_uss_bytes": keeper_uss,
             })
 
 
@@ -266,9 +282,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--rate", type=int, default=15_000)
     parser.add_argument("--seconds", type=float, default=10.0)
+    add_json_option(parser)
     args = parser.parse_args()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     {"feed": bench_feed, "startup": bench_startup, "lag": bench_lag}[args.what](args)
+    write_json(args.json)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,14 @@
 completing its own leases one per call (1 KiB results), against a real
 `python -m workers.ledger` (SQLite store, segment log with fsync=batch).
 
-usage: bench_ledger.py CLIENTS PER_CLIENT [ITEMS_PER_CALL]
+usage: bench_ledger.py CLIENTS PER_CLIENT [ITEMS_PER_CALL] [--json PATH]
 env QUEUE_NODE_LEDGER_GROUP_WINDOW_S sets the ledger's group window; env PROF=FILE
 runs the ledger under cProfile (its stats to FILE at its stop).
 Reports, besides the rate, the ledger process's CPU (user + system, from
 /proc) per completion while the clients ran: ledger_cpu_us_per_item.
 """
 
+import argparse
 import json
 import multiprocessing as mp
 import os
@@ -22,6 +23,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import add_json_option, keep, write_json
 from node.core.config import Config
 from node.core.rows import RowWrite
 from node.ipc import IpcClient, IpcError
@@ -60,8 +62,13 @@ def _cpu_s(pid):
 
 
 def main():
-    n_clients, per_client = int(sys.argv[1]), int(sys.argv[2])
-    per_call = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("clients", type=int)
+    parser.add_argument("per_client", type=int)
+    parser.add_argument("per_call", type=int, nargs="?", default=1)
+    add_json_option(parser)
+    args = parser.parse_args()
+    n_clients, per_client, per_call = args.clients, args.per_client, args.per_call
     name = "bench-" + uuid.uuid4().hex[:8]
     d = Path(tempfile.mkdtemp(prefix="bench-ledger-"))
     window_s = float(os.environ.get("QUEUE_NODE_LEDGER_GROUP_WINDOW_S", "0") or 0)
@@ -123,23 +130,28 @@ def main():
         total = n_clients * per_client
         print(
             json.dumps(
-                {
-                    "clients": n_clients,
-                    "per_call": per_call,
-                    "window_s": window_s,
-                    "completions_per_s": round(total / wall),
-                    "calls": len(lat),
-                    "p50_ms": round(1000 * lat[len(lat) // 2], 3),
-                    "p99_ms": round(1000 * lat[int(len(lat) * 0.99)], 3),
-                    "groups": st["groups"],
-                    "items_per_group": round(total / max(1, st["groups"]), 2),
-                    "flush_ms_mean": st["flush_ms_mean"],
-                    "ledger_cpu_us_per_item": round(1e6 * cpu / total, 1),
-                    "ledger_cpu_share": round(cpu / wall, 2),
-                    "balanced": c.call("accounting")["balanced"],
-                }
+                keep(
+                    {
+                        "bench": "ledger",
+                        "clients": n_clients,
+                        "per_client": per_client,
+                        "per_call": per_call,
+                        "window_s": window_s,
+                        "completions_per_s": round(total / wall),
+                        "calls": len(lat),
+                        "p50_ms": round(1000 * lat[len(lat) // 2], 3),
+                        "p99_ms": round(1000 * lat[int(len(lat) * 0.99)], 3),
+                        "groups": st["groups"],
+                        "items_per_group": round(total / max(1, st["groups"]), 2),
+                        "flush_ms_mean": st["flush_ms_mean"],
+                        "ledger_cpu_us_per_item": round(1e6 * cpu / total, 1),
+                        "ledger_cpu_share": round(cpu / wall, 2),
+                        "balanced": c.call("accounting")["balanced"],
+                    }
+                )
             )
         )
+        write_json(args.json)
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait(30)

@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_completion import RESULT_BYTES, _results  # noqa: E402
+from bench.common import add_json_option, keep, write_json  # noqa: E402
 from node.completion.base import CompletionConfig  # noqa: E402
 from node.completion.segments import SegmentStore  # noqa: E402
 from workers.ledger.delivery import Delivery  # noqa: E402
@@ -77,6 +78,7 @@ def main() -> int:
     p.add_argument("--sizes", type=int, nargs="+", default=[1000, 10_000, 100_000, 1_000_000])
     p.add_argument("--polls", type=int, default=300)
     p.add_argument("--dir", default=None, help="parent of the temporary directory")
+    add_json_option(p)
     args = p.parse_args()
     rows = []
     for size in args.sizes:
@@ -106,7 +108,8 @@ def main() -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     with open(RESULTS / "poll.jsonl", "a") as f:
         f.write(json.dumps(out) + "\n")
-    print(json.dumps(out))
+    print(json.dumps(keep(out)))
+    write_json(args.json)
     return 0
 
 

@@ -51,6 +51,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import bench_claims  # noqa: E402
+from bench.common import add_json_option, keep, write_json  # noqa: E402
 from keeper.process import Keeper  # noqa: E402
 from node.core.config import Config  # noqa: E402
 from node.store import open_store  # noqa: E402
@@ -140,6 +141,7 @@ def main() -> int:
     p.add_argument("--exclude", type=int, default=3000, help="keys excluded, the exclude figure")
     p.add_argument("--reps", type=int, default=200, help="repetitions of the exclude figure")
     p.add_argument("--profile", action="store_true")
+    add_json_option(p)
     args = p.parse_args()
 
     name = f"bp{uuid.uuid4().hex[:8]}"
@@ -190,7 +192,8 @@ def main() -> int:
                 out[f"best_written_excl{n}_p50_ms"], out[f"best_written_excl{n}_max_ms"] = (
                     _p50_max(times)
                 )
-            print(json.dumps(out))
+            print(json.dumps(keep(out)))
+            write_json(args.json)
             if args.profile:
                 stats = pstats.Stats(prof)
                 stats.sort_stats("cumulative").print_stats(15)

@@ -61,7 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import key_of  # noqa: E402
+from bench.common import add_json_option, keep, key_of, write_json  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 TARGET_MS = 1.0
@@ -77,7 +77,7 @@ FLOW_MINUTES = 60
 
 def _report(doc: dict[str, Any]) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    line = json.dumps({"at": time.strftime("%Y-%m-%dT%H:%M:%S"), **doc})
+    line = json.dumps(keep({"at": time.strftime("%Y-%m-%dT%H:%M:%S"), **doc}))
     print(line, flush=True)
     with open(RESULTS / "state.jsonl", "a") as f:
         f.write(line + "\n")
@@ -400,11 +400,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="http: the node's lease-table slots (the node's default 65,536)")
     p.add_argument("--workers", type=int, default=2, help="http: the node's HTTP workers")
     p.add_argument("--ready-size", type=int, default=5000)
+    add_json_option(p)
     args = p.parse_args(argv)
     if args.rows is None:
         args.rows = [250_000, 1_000_000] if args.what == "doc" else [250_000]
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    return bench_doc(args) if args.what == "doc" else bench_http(args)
+    code = bench_doc(args) if args.what == "doc" else bench_http(args)
+    write_json(args.json)
+    return code
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import bench_claims  # noqa: E402 - after the path fix above
 from bench.claims_external import RESULTS, key_of  # noqa: E402
+from bench.common import add_json_option, keep, write_json  # noqa: E402
 from node.core.rows import RowWrite  # noqa: E402
 from node.store import open_store  # noqa: E402
 from node.store.base import WriteBack  # noqa: E402
@@ -86,6 +87,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=200_000)
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--results", type=Path, default=RESULTS)
+    add_json_option(p)
     args = p.parse_args()
     template = bench_claims.template(args.rows, args.results, name="sync", job="j")
     work = Path(tempfile.mkdtemp(prefix="qn-sync-", dir=args.results))
@@ -95,11 +97,13 @@ def main() -> None:
                 for mode in ("NORMAL", "FULL"):
                     path = work / f"{mode}.db"
                     shutil.copyfile(template, path)
-                    print(json.dumps(run(path, mode, op, per_txn, args.rows, args.seconds)))
+                    res = run(path, mode, op, per_txn, args.rows, args.seconds)
+                    print(json.dumps(keep({**res, "rows": args.rows})))
                     for suffix in ("", "-wal", "-shm"):
                         Path(str(path) + suffix).unlink(missing_ok=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    write_json(args.json)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
-"""Shared helpers for the bench scripts: seeding a schedule file quickly."""
+"""Shared helpers for the bench scripts: seeding a schedule file quickly, and
+the ``--json PATH`` option that ``python -m bench`` reads each script's
+figures from."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import random
 import sqlite3
 import time
@@ -56,3 +60,31 @@ def seed(path: Path, rows: int, now: float, seed_value: int = 1) -> Path:
     store.close()
     print(f"seeded {rows} rows in {time.perf_counter() - t0:.1f} s -> {path}", flush=True)
     return path
+
+
+# -- --json PATH: what a script printed, for python -m bench -----------------------------
+
+_KEPT: list[dict] = []
+
+
+def add_json_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also write every result printed, as one JSON list, to PATH (python -m bench)",
+    )
+
+
+def keep(doc: dict) -> dict:
+    """Keeps a result for ``--json`` (the script still prints it as before)."""
+    _KEPT.append(doc)
+    return doc
+
+
+def write_json(path: Path | None) -> None:
+    """Writes the results kept so far to ``path`` (nothing when ``None``)."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(_KEPT, indent=1, default=str) + "\n")
