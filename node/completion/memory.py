@@ -21,7 +21,8 @@ from node.completion.base import (
     RecoveryReport,
     Result,
 )
-from node.completion.buffered import BufferedLog, Checkpoint, _Retire
+from node.completion.buffered import BufferedLog, _Retire
+from node.completion.checkpoint import Checkpoint
 from node.completion.pending import LOC_OFFSET_BITS
 
 # Estimated bytes of a record, to roll over where the files would (roughly).

@@ -33,7 +33,7 @@ from node.completion.base import (
     CompletionConfig,
     RecoveryReport,
 )
-from node.completion.buffered import SegmentStats
+from node.completion.checkpoint import SegmentStats
 from node.completion.pending import LOC_OFFSET_BITS
 from node.completion.segments.files import FileOps
 from node.completion.segments.format import (

@@ -32,7 +32,7 @@ from node.completion.base import (
     RecoveryReport,
     TailCut,
 )
-from node.completion.buffered import Checkpoint, SegmentStats
+from node.completion.checkpoint import Checkpoint, SegmentStats
 from node.completion.pending import LOC_OFFSET_BITS
 from node.completion.segments.deferred import DeferredScan, _ReadAgain
 from node.completion.segments.format import (

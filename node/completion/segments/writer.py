@@ -28,7 +28,8 @@ from node.completion.base import (
     LogUnavailable,
     Result,
 )
-from node.completion.buffered import BufferedLog, Checkpoint, _Retire
+from node.completion.buffered import BufferedLog, _Retire
+from node.completion.checkpoint import Checkpoint
 from node.completion.segments.files import FileOps
 from node.completion.segments.format import (
     CHECKPOINT_HEAD,
