@@ -13,7 +13,7 @@ import abc
 import bisect
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future
 from itertools import chain
 from operator import itemgetter
@@ -143,6 +143,9 @@ class BufferedLog(CompletionStore):
 
     def __init__(self, config: CompletionConfig | None = None) -> None:
         self.config = config or CompletionConfig()
+        # Called before a batch with retire records is written: what must be
+        # durable before an ack is (the ledger syncs the schedule's write-backs).
+        self.before_retires: Callable[[], None] | None = None
         self._recovered = False
         self._closed = False
         self._reset()
@@ -363,6 +366,11 @@ class BufferedLog(CompletionStore):
         first_id = results[0][0] if results else self._next_id
         self._buffered, self._retires = [], []
         try:
+            if retires and self.before_retires is not None:
+                try:
+                    self.before_retires()
+                except OSError as exc:
+                    raise LogUnavailable(f"completion log: cannot retire yet: {exc}") from exc
             segment, offsets = self._write(results, retires, first_id)
         except LogUnavailable:
             self._failed_batch(results, retires)

@@ -24,7 +24,8 @@ __all__ = [
 ]
 
 
-def open_store(url: str) -> Store:
+def open_store(url: str, durable: bool = True) -> Store:
+    """``durable`` (SQLite): each commit synced to disk (FULL), else NORMAL."""
     check_store_url(url)
     if url.startswith("memory://"):
         from node.store.memory import MemoryStore
@@ -33,4 +34,4 @@ def open_store(url: str) -> Store:
     from node.store.sqlite import SQLiteStore
 
     # sqlite:///relative.db and sqlite:////absolute.db, as SQLAlchemy spells them.
-    return SQLiteStore(url[len("sqlite:///") :])
+    return SQLiteStore(url[len("sqlite:///") :], durable)

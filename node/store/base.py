@@ -126,6 +126,12 @@ class Store(abc.ABC):
         """Batched point read; keys with no row are absent from the answer,
         unschedulable rows come back as ``BadRow`` (as ``get``)."""
 
+    def sync(self) -> None:
+        """Make every write committed so far durable, whatever the
+        connection's own sync setting (raises ``OSError``). The default is a
+        store with nothing to sync."""
+        return None
+
     def jobs_of(self, keys: Iterable[str]) -> dict[str, tuple[str, float | None, str]]:
         """What a completion needs of each row, (job, cadence_s, route) by
         key, for schedulable rows only: a key with no row, or a ``BadRow``,

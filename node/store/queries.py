@@ -140,10 +140,15 @@ SET_ORIGIN = "UPDATE write_origin SET origin = ?"
 RESET_ORIGIN = "UPDATE write_origin SET origin = 'external'"
 
 
-def tuning_pragmas(busy_timeout_ms: int, cache_kib: int, mmap_size: int) -> tuple[str, ...]:
-    """The settings each connection runs once it is in WAL mode, in order."""
+def tuning_pragmas(
+    busy_timeout_ms: int, cache_kib: int, mmap_size: int, durable: bool = True
+) -> tuple[str, ...]:
+    """The settings each connection runs once it is in WAL mode, in order.
+    ``durable``: each commit syncs the WAL (FULL: a write answered is on
+    disk); else NORMAL (it survives a crash of the process, not a power
+    loss; the ledger's write-backs, which it can do again from its log)."""
     return (
-        "PRAGMA synchronous = NORMAL",
+        f"PRAGMA synchronous = {'FULL' if durable else 'NORMAL'}",
         f"PRAGMA busy_timeout = {busy_timeout_ms}",
         f"PRAGMA cache_size = -{cache_kib}",
         f"PRAGMA mmap_size = {mmap_size}",

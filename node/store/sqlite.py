@@ -66,6 +66,14 @@ MMAP_SIZE = 0
 # keep one cached statement per chunk size.
 IN_CHUNK = 500
 
+# A test hook: where ``sync`` (and opening the store) leaves a copy of what
+# is durable, for a test that drops everything after it as a power loss would.
+_SNAPSHOT_HOOK = (
+    os.environ.get("QUEUE_NODE_STORE_SYNCED")
+    if os.environ.get("QUEUE_NODE_TEST_HOOKS") == "1"
+    else None
+)
+
 # Connections a forked child inherited: kept referenced so the garbage
 # collector never closes them in the child (see the module docstring).
 _INHERITED: list[sqlite3.Connection] = []
@@ -208,8 +216,11 @@ class _WriteTransaction:
 class SQLiteStore(Store):
     """The schedule in one SQLite file (created mode 0600 if missing)."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], durable: bool = True) -> None:
+        """``durable``: every commit is synced (``synchronous = FULL``); the
+        ledger opens its connections with False (``docs/delivery.md``)."""
         self.path = os.fspath(path)
+        self.durable = durable
         self.url = "sqlite:///" + self.path
         self._closed = False
         self._open()
@@ -243,7 +254,10 @@ class SQLiteStore(Store):
                     f"SQLite store: {self.path} cannot use WAL mode (got {mode!r}); "
                     "is it on a network file system?"
                 )
-            for pragma in q.tuning_pragmas(int(BUSY_TIMEOUT_S * 1000), CACHE_KIB, MMAP_SIZE):
+            pragmas = q.tuning_pragmas(
+                int(BUSY_TIMEOUT_S * 1000), CACHE_KIB, MMAP_SIZE, self.durable
+            )
+            for pragma in pragmas:
                 conn.execute(pragma)
             self._migrate(conn)
         except sqlite3.Error as exc:
@@ -452,6 +466,35 @@ class SQLiteStore(Store):
             except sqlite3.Error as exc:
                 raise _wrap(exc, "get_many") from exc
         return {stored[0]: _row(stored) for stored in found}
+
+    def sync(self) -> None:
+        """fsync the WAL, then the database file: every commit so far is on
+        disk, the NORMAL ones of this connection included. (A commit is
+        appended to the WAL; a checkpoint copies it into the database file
+        and, under NORMAL, syncs that file before the WAL starts over.)"""
+        for path in (self.path + "-wal", self.path):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        if _SNAPSHOT_HOOK is not None:
+            self._snapshot(_SNAPSHOT_HOOK)
+
+    def _snapshot(self, target: str) -> None:
+        """Test hook (QUEUE_NODE_TEST_HOOKS=1, QUEUE_NODE_STORE_SYNCED=path):
+        copy what is committed now to ``target``, which then holds what a
+        power loss would leave at most (tests/integration/test_power_loss.py)."""
+        tmp = target + ".tmp"
+        dest = sqlite3.connect(tmp)
+        try:
+            self._c().backup(dest)
+        finally:
+            dest.close()
+        os.replace(tmp, target)
 
     def jobs_of(self, keys: Iterable[str]) -> dict[str, tuple[str, float | None, str]]:
         wanted = list(dict.fromkeys(keys))

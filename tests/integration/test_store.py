@@ -726,3 +726,21 @@ def test_a_write_cannot_carry_an_outcome_column(field):
     with pytest.raises(ValidationError) as exc:
         parse_row({"key": "k", "route": "r", field: None}, "rows[0].")
     assert (exc.value.code, exc.value.field) == ("unknown_field", f"rows[0].{field}")
+
+
+def _synchronous(store: SQLiteStore) -> int:
+    return store._c().execute("PRAGMA synchronous").fetchone()[0]
+
+
+def test_a_write_answered_is_synced_but_the_ledgers_write_backs_are_not(tmp_path):
+    """What a caller is told is written is on disk: every connection syncs
+    each commit (FULL, 2) unless opened not durable, as the ledger opens its
+    own (NORMAL, 1: its log holds what it would write back again)."""
+    url = f"sqlite:///{tmp_path}/s.db"
+    durable, ledgers = open_store(url), open_store(url, durable=False)
+    try:
+        assert isinstance(durable, SQLiteStore) and isinstance(ledgers, SQLiteStore)
+        assert (_synchronous(durable), _synchronous(ledgers)) == (2, 1)
+    finally:
+        durable.close()
+        ledgers.close()

@@ -137,6 +137,11 @@ class Ledger:
         self.leases = leases
         self.store = store
         self.log = completion
+        # An ack is durable only after the write-backs before it: a power loss
+        # cannot leave a result acknowledged and its row due again, since the
+        # write-back was written before the result was offered (a pending
+        # result's write-back is done again at start, from the log).
+        self.log.before_retires = store.sync
         self.delivery = Delivery(config.offer_timeout_s)
         # config.repeat_window_s: the log keeps the evidence as long
         # (keep_retired_s), so a restart answers the same (docs/delivery.md).
@@ -1064,7 +1069,9 @@ def open_ledger(config: Config) -> Ledger:
     from shm.leases import LeaseTable
 
     leases = LeaseTable.attach(config.name)
-    store = open_store(config.store_url)
+    # Its writes (write-backs, last errors) are synced with NORMAL: the log
+    # holds the evidence to write a result back again (docs/delivery.md).
+    store = open_store(config.store_url, durable=False)
     log_dir = Path(config.data_dir).resolve() / LOG_DIR
     log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     file_ops = None

@@ -1,0 +1,92 @@
+"""A power loss, through a fault seam: the schedule loses every write that
+was not synced, the lease table (shared memory) is gone, the log keeps what
+it fsynced.
+
+The ledger writes its write-backs with ``synchronous = NORMAL`` (durable
+across a crash of a process, not a power loss). What keeps a result from
+being run again after a power loss: an acknowledged result's write-back was
+synced before its ack was (``Store.sync`` before any retire record), and a
+pending one's is done again from the log when the ledger starts. The seam
+(``QUEUE_NODE_STORE_SYNCED``, a test hook) copies the schedule at every
+``Store.sync``: the copy is at most what a power loss leaves, and the test
+puts it in place of the schedule, as the disk would after the reboot.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from node.store import open_store
+from shm.leases import LeaseTable
+from tests.integration.test_ledger import CADENCE_S, World, item, poll_all
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _copy(src: str, dest: Path) -> None:
+    out = sqlite3.connect(dest)
+    try:
+        with sqlite3.connect(src) as conn:
+            conn.backup(out)
+    finally:
+        out.close()
+
+
+def _power_loss(world: World, synced: Path) -> None:
+    """kill -9, then what a reboot leaves: the synced copy of the schedule
+    (its WAL gone with the unsynced pages), no shared memory."""
+    world.ledger.kill9()
+    path = world.store.path
+    world.store.close()
+    for suffix in ("-wal", "-shm"):
+        Path(path + suffix).unlink(missing_ok=True)
+    os.replace(synced, path)
+    world.table.close()
+    LeaseTable.unlink(world.name)
+    world.table = LeaseTable.create(world.name, capacity=1024)
+    world.store = open_store(world.config.store_url)
+
+
+def test_after_a_power_loss_no_acked_or_pending_result_is_due_again(tmp_path, node_name):
+    synced = tmp_path / "synced.db"
+    world = World(tmp_path, node_name)
+    world.ledger.env.update(QUEUE_NODE_TEST_HOOKS="1", QUEUE_NODE_STORE_SYNCED=str(synced))
+    try:
+        world.seed(["acked", "pending"])
+        _copy(world.store.path, synced)  # the seeded rows were synced (FULL)
+        seeded_due = world.store.get("acked").due_at
+        world.ledger.start()
+        with world.ledger.client() as c:
+            acked = world.grant("acked")
+            (done,) = c.call("complete", items=[item(acked)])["outcomes"]
+            assert done["status"] == "ok"
+            (offered,) = poll_all(c, "j")
+            assert c.call("ack", job="j", ids=[offered["id"]])["acked"] == 1
+            pending = world.grant("pending")
+            (kept,) = c.call("complete", items=[item(pending)])["outcomes"]
+            assert kept["status"] == "ok"
+        # Both write-backs are in the store now (NORMAL), the second unsynced.
+        assert world.store.get("pending").due_at > seeded_due
+        _power_loss(world, synced)
+        # What the disk kept: the acked result's write-back (synced before its
+        # ack); the pending one's is gone with the unsynced pages.
+        row = world.store.get("acked")
+        assert row.due_at == pytest.approx(offered["finished_at"] + CADENCE_S, abs=1)
+        assert row.last_result_id == done["id"]
+        assert world.store.get("pending").due_at == seeded_due
+        world.ledger.start()
+        with world.ledger.client() as c:
+            # The pending result's write-back is done again from the log.
+            row = world.store.get("pending")
+            assert row.due_at > time.time() + CADENCE_S / 2
+            assert row.last_result_id == kept["id"]
+            (again,) = poll_all(c, "j")
+            assert again["id"] == kept["id"]
+            assert c.call("accounting")["acknowledged"] == 1
+    finally:
+        world.close()
