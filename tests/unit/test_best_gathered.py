@@ -17,6 +17,7 @@ import pytest
 
 import keeper.buckets.best as best_module
 import keeper.buckets.detach as detach_module
+import keeper.order as order_module
 from keeper.buckets import Buckets
 from keeper.buckets.best import _pick
 from keeper.classes import ClassTable
@@ -42,6 +43,7 @@ def python_only() -> ExitStack:
     stack = ExitStack()
     stack.enter_context(patch.object(best_module, "_best", None))
     stack.enter_context(patch.object(detach_module, "_best", None))
+    stack.enter_context(patch.object(order_module, "_best", None))
     return stack
 
 
