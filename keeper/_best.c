@@ -533,6 +533,7 @@ done:
 /* keeper/_best_order.c: the order merges. */
 PyObject *best_sort_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *best_merge_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *best_positions(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 static PyMethodDef best_methods[] = {
     {"merge", (PyCFunction)(void (*)(void))best_merge, METH_FASTCALL,
@@ -551,6 +552,8 @@ static PyMethodDef best_methods[] = {
     {"merge_blocks", (PyCFunction)(void (*)(void))best_merge_blocks, METH_FASTCALL,
      "merge_blocks(blocks, maxes, new, load): merge ascending int64 values into an order's "
      "blocks, in place (keeper/order.py)"},
+    {"positions", (PyCFunction)(void (*)(void))best_positions, METH_FASTCALL,
+     "positions(blocks, bounds) -> list[int]: how many values are below each ascending bound"},
     {NULL, NULL, 0, NULL},
 };
 

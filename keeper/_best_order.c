@@ -22,6 +22,9 @@
  *                                      of about ``load`` when over twice it;
  *                                      the blocks without one stay as they
  *                                      are (the same objects)
+ *   positions(blocks, bounds)          how many values lie below each of
+ *                                      ascending bounds (the state
+ *                                      document's windows and lateness bins)
  *
  * Values are order values, minute << 32 | slot; the sort flips their sign
  * bit so that a negative one (a due time before 1970) sorts as in Python.
@@ -334,4 +337,77 @@ done:
     Py_XDECREF(out_blocks);
     Py_XDECREF(out_maxes);
     return result;
+}
+
+/* First index in a[0:n) whose value is not below v. */
+static Py_ssize_t
+lower_bound(const int64_t *a, Py_ssize_t n, int64_t v)
+{
+    Py_ssize_t lo = 0, hi = n;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (a[mid] < v)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* positions(blocks, bounds) -> list[int]: for ascending ``bounds``, how many
+   of the order's values are below each (Order.positions). One walk over the
+   blocks up to the last bound, a bisection a bound inside its block. */
+PyObject *
+best_positions(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyList_Check(args[0]) || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "positions(blocks: list, bounds: list)");
+        return NULL;
+    }
+    PyObject *blocks = args[0], *bounds = args[1];
+    Py_ssize_t nblocks = PyList_GET_SIZE(blocks), nbounds = PyList_GET_SIZE(bounds);
+    PyObject *out = PyList_New(nbounds);
+    if (out == NULL)
+        return NULL;
+    Py_ssize_t b = 0, before = 0; /* values in blocks[:b] */
+    Py_buffer view;
+    int held = 0; /* view holds blocks[b] */
+    for (Py_ssize_t j = 0; j < nbounds; j++) {
+        long long bound = PyLong_AsLongLong(PyList_GET_ITEM(bounds, j));
+        if (bound == -1 && PyErr_Occurred())
+            goto fail;
+        Py_ssize_t n = before;
+        for (;;) {
+            if (b == nblocks)
+                break;
+            if (!held) {
+                if (get_values(PyList_GET_ITEM(blocks, b), &view) < 0)
+                    goto fail;
+                held = 1;
+            }
+            const int64_t *a = view.buf;
+            Py_ssize_t len = view.len / 8;
+            if (len && a[len - 1] >= bound) {
+                n = before + lower_bound(a, len, (int64_t)bound);
+                break;
+            }
+            before += len;
+            n = before;
+            PyBuffer_Release(&view);
+            held = 0;
+            b++;
+        }
+        PyObject *v = PyLong_FromSsize_t(n);
+        if (v == NULL)
+            goto fail;
+        PyList_SET_ITEM(out, j, v);
+    }
+    if (held)
+        PyBuffer_Release(&view);
+    return out;
+fail:
+    if (held)
+        PyBuffer_Release(&view);
+    Py_DECREF(out);
+    return NULL;
 }

@@ -133,3 +133,64 @@ def test_blocks_without_a_share_stay_the_same_objects():
     order.add_sorted([1, 3, 151])
     assert all(a is b for a, b in zip(order.blocks[-len(untouched) :], untouched, strict=True))
     check(order, sorted([*range(0, 4000, 2), 1, 3, 151]), 100)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_positions_in_c_count_what_the_python_counts(seed):
+    """``Order.positions`` (the state document's windows and lateness bins)
+    in C and in Python, against a count over a sorted list: bounds below,
+    inside, between and past every block, and repeated."""
+    rnd = Random(seed)
+    load = rnd.choice([2, 8, 64])
+    model = sorted(rnd.sample(range(0, 100_000), rnd.choice([0, 1, 30, 3000])))
+    order = Order.from_sorted(model, load)
+    if model:  # blocks of several sizes, as merges leave them
+        order.add_sorted(sorted(set(rnd.sample(range(100_000, 120_000), 500))))
+        model = list(order)
+    bounds = sorted(rnd.choice([-5, 0, 50_000, 99_999, 100_000, 130_000, *model[:3]])
+                    for _ in range(rnd.randrange(0, 40)))  # fmt: skip
+    want = [sum(v < bound for v in model) for bound in bounds]
+    assert order.positions(bounds) == want
+    with patch.object(order_module, "_best", None):
+        assert order.positions(bounds) == want
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_coming_and_lateness_count_each_row_once_over_many_classes(seed):
+    """``Buckets.coming`` (windows summed over classes) and ``lateness``
+    (bounds shared by the classes of one cadence), in C and in Python,
+    against a count row by row; detached rows included."""
+    from keeper.buckets import Buckets
+    from keeper.classes import ClassTable
+    from node.config import Config, RouteConfig
+
+    rnd = Random(seed)
+    now = 1_800_000_030.0
+    routes = {f"r{i}": RouteConfig(cadence_s=rnd.choice([900, 3600, 86400])) for i in range(12)}
+    buckets = Buckets(ClassTable(Config(routes=routes)), block_load=8)
+    rows = {}
+    for i in range(3000):
+        route = rnd.choice(sorted(routes))
+        cadence = rnd.choice([None, 600, 7200])
+        due = now + rnd.uniform(-3 * 86400, 26 * 3600)
+        buckets.apply(f"k{i}", i + 1, route, cadence, rnd.random() < 0.3, due)
+        rows[f"k{i}"] = (int(due // 60), cadence or routes[route].cadence_s, route)
+    buckets.detach_many(rnd.sample(sorted(rows), 400))
+    edges = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
+    first = int(now // 60) + 1
+    hours = [0] * 24
+    for minute, _cadence, _route in rows.values():
+        if first <= minute < first + 24 * 60:
+            hours[(minute - first) // 60] += 1
+    soon = sum(first <= m < first + 15 for m, _c, _r in rows.values())
+    bins: list[int] = [0] * len(edges)
+    for minute, cadence, _route in rows.values():
+        if minute <= int(now // 60):
+            ratio = (now - minute * 60) / cadence
+            bins[max(i for i, edge in enumerate(edges) if ratio >= edge)] += 1
+    for c in (True, False):
+        with patch.object(order_module, "_best", best if c else None):
+            got = buckets.coming(now)
+            assert got["by_hour"] == hours and got["15m"] == soon and got["24h"] == sum(hours)
+            per_class = buckets.lateness(now, edges)
+            assert [sum(col) for col in zip(*per_class.values(), strict=True)] == bins
