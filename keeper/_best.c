@@ -534,6 +534,7 @@ done:
 PyObject *best_sort_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *best_merge_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *best_positions(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *best_enter_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 static PyMethodDef best_methods[] = {
     {"merge", (PyCFunction)(void (*)(void))best_merge, METH_FASTCALL,
@@ -554,6 +555,9 @@ static PyMethodDef best_methods[] = {
      "blocks, in place (keeper/order.py)"},
     {"positions", (PyCFunction)(void (*)(void))best_positions, METH_FASTCALL,
      "positions(blocks, bounds) -> list[int]: how many values are below each ascending bound"},
+    {"enter_rows", (PyCFunction)(void (*)(void))best_enter_rows, METH_FASTCALL,
+     "enter_rows(rows, cids, table, mask, slot) -> (versions, minutes, [(cid, values)]): "
+     "a load chunk's new rows into the key table (Buckets._enter)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -25,6 +25,10 @@
  *   positions(blocks, bounds)          how many values lie below each of
  *                                      ascending bounds (the state
  *                                      document's windows and lateness bins)
+ *   enter_rows(rows, cids, table, mask, slot)
+ *                                      a load chunk's new rows into the key
+ *                                      table, their columns and their order
+ *                                      values by class (Buckets._enter)
  *
  * Values are order values, minute << 32 | slot; the sort flips their sign
  * bit so that a negative one (a due time before 1970) sorts as in Python.
@@ -32,6 +36,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -410,4 +415,183 @@ fail:
         PyBuffer_Release(&view);
     Py_DECREF(out);
     return NULL;
+}
+
+static PyObject *
+new_typed_array(const char *typecode, const void *data, Py_ssize_t nbytes)
+{
+    if (array_type == NULL) {
+        PyObject *probe = new_array(NULL, 0); /* imports array.array */
+        if (probe == NULL)
+            return NULL;
+        Py_DECREF(probe);
+    }
+    PyObject *raw = PyBytes_FromStringAndSize((const char *)data, nbytes);
+    if (raw == NULL)
+        return NULL;
+    PyObject *out = PyObject_CallFunction(array_type, "sO", typecode, raw);
+    Py_DECREF(raw);
+    return out;
+}
+
+/* enter_rows(rows, cids, table, mask, slot) -> (versions, minutes, groups)
+ *
+ * The loop of Buckets._enter for a chunk whose keys are all new (keeper/
+ * buckets/buckets.py): row j, (key, version, route, cadence_s, sitemap,
+ * due_at), takes slot ``slot + j``, written into the first empty cell of the
+ * key table (int32 cells, -1 empty, linear probing from hash(key) & mask);
+ * its minute is floor(due_at) // 60. Returns the versions (array('q')), the
+ * minutes (array('i')) and, per class id of ``cids`` in ascending order,
+ * ``(cid, array('q'))`` of the rows' order values (minute << 32 | slot), in
+ * row order: what the Python loop leaves pending, with no Python object a
+ * row. The table must have room (the caller reserves). */
+PyObject *
+best_enter_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "enter_rows(rows, cids, table, mask, slot)");
+        return NULL;
+    }
+    Py_ssize_t mask = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t slot0 = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    PyObject *rows = PySequence_Tuple(args[0]);
+    if (rows == NULL)
+        return NULL;
+    PyObject *cid_list = PySequence_Tuple(args[1]);
+    if (cid_list == NULL) {
+        Py_DECREF(rows);
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(rows);
+    PyObject *result = NULL, *groups = NULL;
+    int64_t *versions = NULL, *values = NULL, *grouped = NULL;
+    int32_t *minutes = NULL, *cids = NULL;
+    Py_ssize_t *counts = NULL;
+    Py_buffer tb;
+    int have_table = 0;
+    if (PyTuple_GET_SIZE(cid_list) != n) {
+        PyErr_SetString(PyExc_ValueError, "enter_rows(): rows and cids differ in length");
+        goto done;
+    }
+    if (PyObject_GetBuffer(args[2], &tb, PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
+        goto done;
+    have_table = 1;
+    if (tb.itemsize != 4 || tb.format == NULL || strcmp(tb.format, "i") != 0 ||
+        mask < 0 || tb.len / 4 != mask + 1 || ((mask + 1) & mask)) {
+        PyErr_SetString(PyExc_ValueError, "enter_rows(): the table is not int32 cells of mask + 1");
+        goto done;
+    }
+    if (slot0 < 0 || slot0 + n > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "enter_rows(): slots out of range");
+        goto done;
+    }
+    size_t m = (size_t)(n ? n : 1);
+    versions = PyMem_Malloc(m * sizeof(int64_t));
+    values = PyMem_Malloc(m * sizeof(int64_t));
+    grouped = PyMem_Malloc(m * sizeof(int64_t));
+    minutes = PyMem_Malloc(m * sizeof(int32_t));
+    cids = PyMem_Malloc(m * sizeof(int32_t));
+    if (!versions || !values || !grouped || !minutes || !cids) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* Read every row first: a bad row raises with the table untouched. */
+    long max_cid = -1;
+    Py_hash_t *hashes = (Py_hash_t *)grouped; /* the same size, free until grouping */
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *row = PyTuple_GET_ITEM(rows, j);
+        if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) < 6) {
+            PyErr_SetString(PyExc_TypeError, "enter_rows(): a row is a 6-tuple");
+            goto done;
+        }
+        Py_hash_t h = PyObject_Hash(PyTuple_GET_ITEM(row, 0));
+        if (h == -1)
+            goto done;
+        hashes[j] = h;
+        long long version = PyLong_AsLongLong(PyTuple_GET_ITEM(row, 1));
+        double due = PyFloat_AsDouble(PyTuple_GET_ITEM(row, 5));
+        long cid = PyLong_AsLong(PyTuple_GET_ITEM(cid_list, j));
+        if (PyErr_Occurred())
+            goto done;
+        double fl = floor(due);
+        if (!(fl >= -549755813888.0 && fl < 549755813888.0) || cid < 0 || cid > INT32_MAX) {
+            PyErr_SetString(PyExc_ValueError, "enter_rows(): a due time or class id out of range");
+            goto done;
+        }
+        int64_t secs = (int64_t)fl;
+        int64_t minute = secs >= 0 ? secs / 60 : -((-secs + 59) / 60); /* floor division */
+        if (minute < INT32_MIN || minute > INT32_MAX) {
+            PyErr_SetString(PyExc_ValueError, "enter_rows(): a due minute out of range");
+            goto done;
+        }
+        versions[j] = (int64_t)version;
+        minutes[j] = (int32_t)minute;
+        cids[j] = (int32_t)cid;
+        values[j] = (int64_t)((uint64_t)minute << 32 | (uint32_t)(slot0 + j));
+        if (cid > max_cid)
+            max_cid = cid;
+    }
+    int32_t *table = tb.buf;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        Py_ssize_t i = (Py_ssize_t)hashes[j] & mask;
+        while (table[i] >= 0)
+            i = (i + 1) & mask;
+        table[i] = (int32_t)(slot0 + j);
+    }
+    /* Group the values by class, row order kept (a counting sort). */
+    counts = PyMem_Calloc((size_t)(max_cid + 2), sizeof(Py_ssize_t));
+    if (counts == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < n; j++)
+        counts[cids[j] + 1]++;
+    for (long c = 0; c <= max_cid; c++)
+        counts[c + 1] += counts[c];
+    /* counts[c] is now where class c starts; hashes are not needed any more. */
+    Py_ssize_t *fill = PyMem_Malloc((size_t)(max_cid + 1 > 0 ? max_cid + 1 : 1) * sizeof(Py_ssize_t));
+    if (fill == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    memcpy(fill, counts, (size_t)(max_cid + 1 > 0 ? max_cid + 1 : 0) * sizeof(Py_ssize_t));
+    for (Py_ssize_t j = 0; j < n; j++)
+        grouped[fill[cids[j]]++] = values[j];
+    PyMem_Free(fill);
+    if ((groups = PyList_New(0)) == NULL)
+        goto done;
+    for (long c = 0; c <= max_cid; c++) {
+        Py_ssize_t start = counts[c], end = counts[c + 1];
+        if (end == start)
+            continue;
+        PyObject *arr = new_array(grouped + start, end - start);
+        PyObject *pair = arr == NULL ? NULL : Py_BuildValue("(lN)", c, arr);
+        if (pair == NULL || PyList_Append(groups, pair) < 0) {
+            Py_XDECREF(pair);
+            goto done;
+        }
+        Py_DECREF(pair);
+    }
+    PyObject *vers = new_typed_array("q", versions, n * 8);
+    PyObject *mins = vers == NULL ? NULL : new_typed_array("i", minutes, n * 4);
+    if (mins == NULL) {
+        Py_XDECREF(vers);
+        goto done;
+    }
+    result = Py_BuildValue("(NNO)", vers, mins, groups);
+done:
+    if (have_table)
+        PyBuffer_Release(&tb);
+    Py_XDECREF(groups);
+    Py_DECREF(rows);
+    Py_DECREF(cid_list);
+    PyMem_Free(versions);
+    PyMem_Free(values);
+    PyMem_Free(grouped);
+    PyMem_Free(minutes);
+    PyMem_Free(cids);
+    PyMem_Free(counts);
+    return result;
 }

@@ -194,3 +194,42 @@ def test_coming_and_lateness_count_each_row_once_over_many_classes(seed):
             assert got["by_hour"] == hours and got["15m"] == soon and got["24h"] == sum(hours)
             per_class = buckets.lateness(now, edges)
             assert [sum(col) for col in zip(*per_class.values(), strict=True)] == bins
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_load_in_c_leaves_what_the_python_load_leaves(seed):
+    """``load_rows`` with ``_enter``'s loop in C (``keeper._best.enter_rows``)
+    and in Python: the same key table, columns and orders, chunk after chunk
+    (new keys, keys held already, new classes), and the same reads."""
+    import keeper.buckets.buckets as buckets_impl
+    from keeper.buckets import Buckets
+    from keeper.classes import ClassTable
+    from node.config import Config, RouteConfig
+
+    rnd = Random(seed)
+    config = Config(routes={"pages": RouteConfig(cadence_s=3600)})
+    now = 1_800_000_000.0
+    chunks = []
+    for c in range(6):
+        start = c * 700 - (300 if c == 3 else 0)  # chunk 3 walks keys held already
+        rows = [
+            (f"key-{i:06d}-{'é' if i % 7 == 0 else 'x'}", i + 1 + c * 10_000,
+             rnd.choice(["pages", "feeds", f"r{c}"]), rnd.choice([None, 900, 86400]),
+             rnd.random() < 0.3, now + rnd.uniform(-86400, 3600) + rnd.choice([0, 0.5]))
+            for i in range(start, start + 700)
+        ]  # fmt: skip
+        chunks.append(rows)
+    loaded = []
+    for c_path in (True, False):
+        with patch.object(buckets_impl, "_best", best if c_path else None):
+            buckets = Buckets(ClassTable(config), block_load=16)
+            buckets.reserve(3000)
+            for rows in chunks:
+                buckets.load_rows(rows)
+            loaded.append(buckets)
+    c_buckets, py_buckets = loaded
+    for name in ("_table", "_keys", "_vers", "_mins", "_cids", "_det"):
+        assert getattr(c_buckets, name) == getattr(py_buckets, name), name
+    assert c_buckets.best(now, 10_000) == py_buckets.best(now, 10_000)
+    assert c_buckets.counts(now) == py_buckets.counts(now)
+    assert sorted(c_buckets.items()) == sorted(py_buckets.items())
