@@ -281,8 +281,10 @@ class KeyTable:
                 self._due[cid] = 0
             self._dirty[cid] = order
         # An int64 array from C is exact already; a list is packed into one.
-        exact = isinstance(values, array) and values.typecode == "q"
-        order.pending.append(values if exact else array("q", values))
+        if isinstance(values, array) and values.typecode == "q":
+            order.pending.append(values)
+        else:
+            order.pending.append(array("q", values))
         order.size += len(values)
 
     def _flush(self) -> None:
