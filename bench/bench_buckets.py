@@ -62,6 +62,10 @@ cells, about 11 ms), and an insert that carries the drain on takes at most a
 few ms (``table_doubling_insert_max_ms``, p99 50-80 us; about 63,000 inserts
 drain it). ``load_rows_chunk_max_ms`` is the longest 20,000-row chunk of the
 load and ``best5000_max_ms`` the slowest of the timed ``best`` calls.
+``pending_first_read_ms`` is the first read after a whole load, which merges
+every value the load left pending (the best of three loads;
+``pending_first_read_max_ms`` the worst): at 1,000,000 rows 26-38 ms with
+the merge in C (keeper/_best_order.c), 230-535 ms before.
 
 (*) ``load_us_per_row``: at 250k the bench's own load by load_rows, at 1M the
 ``--apply-load`` run's. (**) ``best`` now brings the due counts to the
