@@ -171,10 +171,13 @@ class Counts(KeyTable):
                 lasts = [min(last_minute(now, edge, cadence_s), now_minute) for edge in edges]
                 bounds = [(last + 1) << SLOT_BITS for last in reversed(lasts)]
                 bounds_of[cadence_s] = bounds
-            at_least = list(map(sum, zip(*(o.positions(bounds) for o in orders), strict=True)))
+            if len(orders) == 1:
+                at_least = orders[0].positions(bounds)
+            else:
+                at_least = list(map(add, *(o.positions(bounds) for o in orders)))
             at_least.reverse()  # at_least[i]: due rows with ratio >= edges[i]
             at_least.append(0)
-            out[cid] = [a - b for a, b in pairwise(at_least)]
+            out[cid] = list(map(sub, at_least, islice(at_least, 1, None)))
         return out
 
     def oldest_due(self, now: float) -> dict[int, int]:
