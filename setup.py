@@ -60,6 +60,10 @@ claim = Extension(
     extra_compile_args=["-O2"],
     libraries=["dl"],  # dlopen/dlsym (in libc itself from glibc 2.34)
 )
-best = Extension("keeper._best", sources=["keeper/_best.c"], extra_compile_args=["-O2"])
+best = Extension(
+    "keeper._best",
+    sources=["keeper/_best.c", "keeper/_best_order.c"],  # the merge of class runs; order merges
+    extra_compile_args=["-O2"],
+)
 
 setup(ext_modules=[atomic, claim] if TEST_STOPS else [atomic, best, claim])

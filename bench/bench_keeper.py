@@ -2,12 +2,15 @@
 
     .venv/bin/python bench/bench_keeper.py feed    --rows 250000
     .venv/bin/python bench/bench_keeper.py startup --rows 250000
+    .venv/bin/python bench/bench_keeper.py load    --rows 1000000
     .venv/bin/python bench/bench_keeper.py lag     --rows 250000 --rate 15000 --seconds 10
 
 - feed: keeper work per applied change, reading the change feed included
   (a burst of mixed inserts, updates and deletes, applied by drain_feed);
 - startup: time from the exec of `python -m node run` to the first publish
   and to live-and-exact;
+- load: the keeper's load alone, in this process (a Keeper ticked until
+  live): wall and CPU time, the longest tick and the longest publish;
 - lag: commit-to-applied lag p50/p99 while a producer writes through the
   node's HTTP API at --rate rows/s and another program writes the file
   directly, as the keeper itself measures it (apply time minus the time the
@@ -192,6 +195,57 @@ def bench_startup(args: argparse.Namespace) -> None:
             })
 
 
+def bench_load(args: argparse.Namespace) -> None:
+    """The keeper's load in process: a Keeper over a copy of the seeded file
+    with a real ready set and state buffer, ticked until live and once more
+    (the first publish of the complete picture). Reports the wall and CPU
+    time of it all, the ticks, the longest tick and the p90 (the keeper's
+    pauses while it loads: a tick walks one LOAD_CHUNK) and the longest
+    publish (the first publish during a load merges what the load left
+    pending). No other process runs beside it, so on a shared machine the
+    CPU time is the steadier figure."""
+    from keeper.process import Keeper
+    from node.core.config import Config
+    from node.store import open_store
+    from shm.ready import ReadySet
+    from shm.state import StateBuffer
+
+    src = _seeded(args.rows, time.time())
+    for attempt in range(args.repeat):
+        with tempfile.TemporaryDirectory() as tmp:
+            store = open_store(f"sqlite:///{_copy(src, Path(tmp))}")
+            name = f"bl{uuid.uuid4().hex[:8]}"
+            ready = ReadySet.create(name, 5000)
+            state = StateBuffer.create(name, started_at=time.time())
+            try:
+                keeper = Keeper(Config(name=name, workers=1), store, ready, state)
+                t0, cpu0 = time.perf_counter(), time.process_time()
+                keeper.start(time.time())
+                ticks = []
+                while True:
+                    live = keeper.status == "live"
+                    t = time.perf_counter()
+                    keeper.tick(time.time())
+                    ticks.append(time.perf_counter() - t)
+                    if live:
+                        break
+                wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            finally:
+                for seg in (ready, state):
+                    seg.close()
+                ReadySet.unlink(name)
+                StateBuffer.unlink(name)
+                store.close()
+            ticks.sort()
+            _report({
+                "bench": "load", "rows": args.rows, "attempt": attempt,
+                "live_s": round(wall, 3), "cpu_s": round(cpu, 3), "ticks": len(ticks),
+                "tick_max_ms": round(ticks[-1] * 1000, 1),
+                "tick_p90_ms": round(ticks[len(ticks) * 9 // 10] * 1000, 1),
+                "publish_max_ms": keeper.stats.publish["max_ms"],
+            })
+
+
 def bench_lag(args: argparse.Namespace) -> None:
     from keeper.ask import ask
     from node.core.errors import NodeError
@@ -276,7 +330,7 @@ def bench_lag(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["feed", "startup", "lag"])
+    parser.add_argument("what", choices=["feed", "startup", "load", "lag"])
     parser.add_argument("--rows", type=int, default=250_000)
     parser.add_argument("--changes", type=int, default=110_000)
     parser.add_argument("--repeat", type=int, default=3)
@@ -285,7 +339,8 @@ def main() -> None:
     add_json_option(parser)
     args = parser.parse_args()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    {"feed": bench_feed, "startup": bench_startup, "lag": bench_lag}[args.what](args)
+    benches = {"feed": bench_feed, "startup": bench_startup, "load": bench_load, "lag": bench_lag}
+    benches[args.what](args)
     write_json(args.json)
 
 

@@ -11,7 +11,8 @@
   them (``reserve``, then ``load_rows`` 20,000 rows at a time, keys from
   ``bench.common.key_of``), 3 routes x 3 cadences (the route's and two row
   cadences) x the sitemap flag = 18 classes, due times spread evenly from
-  ``--late-days`` late to ``--ahead-days`` ahead. The keeper's other state is
+  ``--late-days`` late to ``--ahead-days`` ahead (``--classes N``: more
+  routes, 6 classes each, for about N). The keeper's other state is
   filled as a busy keeper's is: 10,000 lag samples per origin (the ring is
   full after 10,000 writes) and 60 minutes of flow. Each call is one state
   write's worth: ``now`` moves on by ``--step-s`` (5 s, the default state
@@ -103,14 +104,25 @@ def _ms_figures(seconds: list[float]) -> dict[str, Any]:
 # -- doc: Keeper.counts_doc ------------------------------------------------------------
 
 
-def build_keeper(rows: int, late_days: float, ahead_days: float, seed: int = 1) -> Any:
-    """A live Keeper holding ``rows`` rows in 18 classes, with full lag rings
-    and an hour of flow, over a memory store (counts_doc reads no store)."""
+def bench_routes(classes: int) -> tuple[tuple[str, int], ...]:
+    """The routes for about ``classes`` classes (6 a route: 3 cadences x the
+    sitemap flag): ROUTES, then more with their cadences in turn."""
+    more = max(0, -(-classes // 6) - len(ROUTES))
+    return ROUTES + tuple((f"route{i}", ROUTES[i % len(ROUTES)][1]) for i in range(more))
+
+
+def build_keeper(
+    rows: int, late_days: float, ahead_days: float, seed: int = 1, classes: int = 18
+) -> Any:
+    """A live Keeper holding ``rows`` rows in ``classes`` classes (18: the 3
+    routes of ROUTES), with full lag rings and an hour of flow, over a memory
+    store (counts_doc reads no store)."""
     from keeper.process import FLOW_FIELDS, Keeper
     from node.core.config import Config, RouteConfig
     from node.store import open_store
 
-    routes = {name: RouteConfig(cadence_s=cadence) for name, cadence in ROUTES}
+    route_list = bench_routes(classes)
+    routes = {name: RouteConfig(cadence_s=cadence) for name, cadence in route_list}
     config = Config(name="bench-state", data_dir=Path(tempfile.gettempdir()), routes=routes)
     keeper = Keeper(config, open_store("memory://"), ready=None, state=None)
     rnd = random.Random(seed)
@@ -121,7 +133,7 @@ def build_keeper(rows: int, late_days: float, ahead_days: float, seed: int = 1) 
     for start in range(0, rows, LOAD_CHUNK):
         chunk = []
         for i in range(start, min(rows, start + LOAD_CHUNK)):
-            route, _cadence = ROUTES[rnd.randrange(len(ROUTES))]
+            route, _cadence = route_list[rnd.randrange(len(route_list))]
             cadence_s = ROW_CADENCES[rnd.randrange(len(ROW_CADENCES))]
             sitemap = int(rnd.random() < 0.3)
             chunk.append((key_of(i), i + 1, route, cadence_s, sitemap, lo + rnd.random() * span))
@@ -187,7 +199,7 @@ def bench_doc(args: argparse.Namespace) -> int:
 
     missed = False
     for rows in args.rows:
-        keeper = build_keeper(rows, args.late_days, args.ahead_days)
+        keeper = build_keeper(rows, args.late_days, args.ahead_days, classes=args.classes)
         start = NOW + 1.0
         t0 = time.perf_counter()
         doc = keeper.counts_doc(start)
@@ -387,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=500, help="doc: timed calls per size")
     p.add_argument("--step-s", type=float, default=5.0, help="doc: now moves on this much a call")
     p.add_argument("--late-days", type=float, default=21.0)
+    p.add_argument(
+        "--classes", type=int, default=18, help="doc: about this many classes (6 a route)"
+    )
     p.add_argument("--ahead-days", type=float, default=3.0)
     p.add_argument("--profile-calls", type=int, default=200)
     p.add_argument("--strict", action="store_true", help="doc: exit 1 when the target is missed")

@@ -530,6 +530,12 @@ done:
     return result;
 }
 
+/* keeper/_best_order.c: the order merges. */
+PyObject *best_sort_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *best_merge_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *best_positions(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *best_enter_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
 static PyMethodDef best_methods[] = {
     {"merge", (PyCFunction)(void (*)(void))best_merge, METH_FASTCALL,
      "merge(values, starts, cadences, boosts, cids, now, k) -> (picks, ranks, slots, minutes, "
@@ -542,6 +548,16 @@ static PyMethodDef best_methods[] = {
      "_move_many's key loop"},
     {"flag", (PyCFunction)(void (*)(void))best_flag, METH_FASTCALL,
      "flag(flags, at, value): flags[i] = value for each i in at"},
+    {"sort_runs", (PyCFunction)(void (*)(void))best_sort_runs, METH_FASTCALL,
+     "sort_runs(runs) -> array('q'): the int64 values of runs, ascending"},
+    {"merge_blocks", (PyCFunction)(void (*)(void))best_merge_blocks, METH_FASTCALL,
+     "merge_blocks(blocks, maxes, new, load): merge ascending int64 values into an order's "
+     "blocks, in place (keeper/order.py)"},
+    {"positions", (PyCFunction)(void (*)(void))best_positions, METH_FASTCALL,
+     "positions(blocks, bounds) -> list[int]: how many values are below each ascending bound"},
+    {"enter_rows", (PyCFunction)(void (*)(void))best_enter_rows, METH_FASTCALL,
+     "enter_rows(rows, cids, table, mask, slot) -> (versions, minutes, [(cid, values)]): "
+     "a load chunk's new rows into the key table (Buckets._enter)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -16,8 +16,11 @@ the last minutes rather than the node's whole life.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterable
+from itertools import accumulate
 from math import log
+from operator import add
 from typing import Any
 
 # Bins from LOWEST_S up, each BIN_RATIO wider: 10 µs to beyond an hour in 430.
@@ -74,24 +77,21 @@ class LagWindow:
 
     def figures(self) -> dict[str, Any] | None:
         """``{samples, p50_ms, p99_ms, max_ms}``, or None without samples."""
-        counts = [a + b for a, b in zip(self._current, self._previous, strict=True)]
-        n = sum(counts)
+        # Samples up to and including each bin: a percentile is a bisection.
+        seen = list(accumulate(map(add, self._current, self._previous)))
+        n = seen[-1]
         if not n:
             return None
         top = max(self._max, self._max_previous)
         return {
             "samples": n,
-            "p50_ms": round(min(_upper_edge(counts, n // 2), top) * 1000, 3),
-            "p99_ms": round(min(_upper_edge(counts, (n * 99) // 100), top) * 1000, 3),
+            "p50_ms": round(min(_upper_edge(seen, n // 2), top) * 1000, 3),
+            "p99_ms": round(min(_upper_edge(seen, (n * 99) // 100), top) * 1000, 3),
             "max_ms": round(top * 1000, 3),
         }
 
 
-def _upper_edge(counts: list[int], rank: int) -> float:
-    """The upper edge of the bin holding the sample of 0-based ``rank``."""
-    seen = 0
-    for i, count in enumerate(counts):
-        seen += count
-        if seen > rank:
-            return LOWEST_S * BIN_RATIO**i
-    return LOWEST_S * BIN_RATIO**_TOP
+def _upper_edge(seen: list[int], rank: int) -> float:
+    """The upper edge of the bin holding the sample of 0-based ``rank``
+    (``seen``: the samples up to and including each bin)."""
+    return LOWEST_S * BIN_RATIO ** min(bisect_right(seen, rank), _TOP)

@@ -7,6 +7,7 @@ held and parked keys, and the keys of live sets, out of every publish.
 from __future__ import annotations
 
 import time
+from itertools import filterfalse
 from typing import Any
 
 from keeper.base import KeeperBase
@@ -128,8 +129,7 @@ class Publish(KeeperBase):
                 # Not all granted (the common case is a set drained and all
                 # granted): the rest come back. Of a live set's keys, those
                 # in ``both`` are exactly those the lease table keeps out.
-                exclude = self.exclude
-                self.buckets.attach_many([key for key in keys if key not in exclude])
+                self.buckets.attach_many(list(filterfalse(self.exclude.__contains__, keys)))
 
     # -- pause and resume -----------------------------------------------------
 

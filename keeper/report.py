@@ -6,6 +6,7 @@ the lifetime received count, kept over restarts in the store's meta.
 
 from __future__ import annotations
 
+from operator import add
 from typing import Any
 
 from keeper.base import KeeperBase
@@ -92,10 +93,9 @@ class Report(KeeperBase):
         for cid, counts in self.buckets.lateness(now, LATENESS_EDGES).items():
             info = self.classes.info(cid)
             kind = kinds["sitemap" if info.sitemap else "discovered"]
-            route = routes.setdefault(info.route, [0] * bins)
-            for i, n in enumerate(counts):
-                kind[i] += n
-                route[i] += n
+            route = routes.get(info.route)
+            routes[info.route] = counts if route is None else list(map(add, route, counts))
+            kind[:] = map(add, kind, counts)
         busiest = sorted(routes, key=lambda r: (-sum(routes[r]), r))
         heads = []
         for cid, minute in oldest.items():

@@ -26,6 +26,11 @@ from keeper.buckets.best import Best
 from keeper.buckets.counts import Counts
 from keeper.buckets.detach import Detach
 from keeper.order import SLOT_BITS, SLOT_MASK, Order
+
+try:  # _enter's loop in C (keeper/_best_order.c); the Python below does the same
+    from keeper import _best  # type: ignore[attr-defined]  # C, built by setup.py
+except ImportError:
+    _best = None  # type: ignore[assignment]
 from node.core.config import Config
 from node.core.errors import TooManyClasses
 
@@ -295,6 +300,17 @@ class Buckets(Best, Detach, Counts):
         index, slot)`` and left alone. Plain loops: cheaper here than passes
         of ``map``, each of which would miss the cache again."""
         table, mask, held = self._table, self._mask, self._keys
+        if not probe and _best is not None:  # the loop below, in C
+            versions_c, minutes_c, groups = _best.enter_rows(rows, cids, table, mask, len(held))
+            held += keys
+            self._vers += versions_c
+            self._mins += minutes_c
+            self._cids += array("i", cids)
+            self._det += bytes(len(versions_c))
+            self._live += len(versions_c)
+            for cid, run in groups:
+                self._pend(cid, run)
+            return []
         pending: dict[int, list[int]] = {cid: [] for cid in set(cids)}
         add = {cid: values.append for cid, values in pending.items()}
         slot = len(held)

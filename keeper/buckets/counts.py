@@ -25,8 +25,9 @@ high-water minute, is never counted.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import chain, pairwise
+from itertools import chain, islice, pairwise
 from math import isfinite
+from operator import add, sub
 from typing import Any
 
 from keeper.buckets.table import KeyTable
@@ -120,16 +121,15 @@ class Counts(KeyTable):
         offsets = [0, COMING_15M, *range(60, 60 * COMING_HOURS + 1, 60)]
         bounds = [(first + off) << SLOT_BITS for off in offsets]
         lo, hi = bounds[0], bounds[-1]
-        soon = 0
-        by_hour = [0] * COMING_HOURS
+        # Each class's positions summed bound by bound (a pass of C a class);
+        # the windows are differences of the sums.
+        p = [0] * len(bounds)
         for order in chain(self._order.values(), self._order_detached.values()):
             if not order.size or order.maxes[-1] < lo or order.blocks[0][0] >= hi:
                 continue
-            p = order.positions(bounds)
-            soon += p[1] - p[0]
-            by_hour[0] += p[2] - p[0]
-            for h in range(1, COMING_HOURS):
-                by_hour[h] += p[h + 2] - p[h + 1]
+            p = list(map(add, p, order.positions(bounds)))
+        soon = p[1] - p[0]
+        by_hour = [p[2] - p[0], *map(sub, islice(p, 3, None), islice(p, 2, None))]
         return {"15m": soon, "60m": by_hour[0], "24h": sum(by_hour), "by_hour": by_hour}
 
     def count_due_between(self, lo_minute: int, hi_minute: int) -> int:
@@ -159,18 +159,25 @@ class Counts(KeyTable):
         limit = (now_minute + 1) << SLOT_BITS
         info = self.classes.info
         out: dict[int, list[int]] = {}
+        bounds_of: dict[float, list[int]] = {}  # by cadence: classes share a few
         for cid, order in self._order.items():
             orders = [o for o in self._orders_of(cid, order) if o.size and o.blocks[0][0] < limit]
             if not orders:
                 continue
             cadence_s = info(cid).cadence_s
-            # ratio >= edge  <=>  minute <= last: bounds ascend as edges descend.
-            lasts = [min(last_minute(now, edge, cadence_s), now_minute) for edge in edges]
-            bounds = [(last + 1) << SLOT_BITS for last in reversed(lasts)]
-            at_least = list(map(sum, zip(*(o.positions(bounds) for o in orders), strict=True)))
+            bounds = bounds_of.get(cadence_s)
+            if bounds is None:
+                # ratio >= edge  <=>  minute <= last: bounds ascend as edges descend.
+                lasts = [min(last_minute(now, edge, cadence_s), now_minute) for edge in edges]
+                bounds = [(last + 1) << SLOT_BITS for last in reversed(lasts)]
+                bounds_of[cadence_s] = bounds
+            if len(orders) == 1:
+                at_least = orders[0].positions(bounds)
+            else:
+                at_least = list(map(add, *(o.positions(bounds) for o in orders)))
             at_least.reverse()  # at_least[i]: due rows with ratio >= edges[i]
             at_least.append(0)
-            out[cid] = [a - b for a, b in pairwise(at_least)]
+            out[cid] = list(map(sub, at_least, islice(at_least, 1, None)))
         return out
 
     def oldest_due(self, now: float) -> dict[int, int]:

@@ -280,7 +280,11 @@ class KeyTable:
                 order = self._order[cid] = Order(self._block_load)
                 self._due[cid] = 0
             self._dirty[cid] = order
-        order.pending.append(array("q", values))
+        # An int64 array from C is exact already; a list is packed into one.
+        if isinstance(values, array) and values.typecode == "q":
+            order.pending.append(values)
+        else:
+            order.pending.append(array("q", values))
         order.size += len(values)
 
     def _flush(self) -> None:

@@ -16,7 +16,9 @@ from unittest.mock import patch
 import pytest
 
 import keeper.buckets.best as best_module
+import keeper.buckets.buckets as buckets_impl
 import keeper.buckets.detach as detach_module
+import keeper.order as order_module
 from keeper.buckets import Buckets
 from keeper.buckets.best import _pick
 from keeper.classes import ClassTable
@@ -42,6 +44,8 @@ def python_only() -> ExitStack:
     stack = ExitStack()
     stack.enter_context(patch.object(best_module, "_best", None))
     stack.enter_context(patch.object(detach_module, "_best", None))
+    stack.enter_context(patch.object(order_module, "_best", None))
+    stack.enter_context(patch.object(buckets_impl, "_best", None))
     return stack
 
 
