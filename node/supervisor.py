@@ -59,6 +59,10 @@ IDLE_WAKE_S = 0.5
 SEAL_WAIT_S = 5.0
 # Every file, directory, segment and queue the node makes is owner-only.
 NODE_UMASK = 0o077
+# The ledger's log folder in the data dir (workers/ledger/process.py, LOG_DIR).
+LEDGER_LOG_DIR = "log"
+# After a reboot the ledger starts first; the others wait at most this long.
+LEDGER_FIRST_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -353,6 +357,40 @@ class Supervisor:
             return list(self.config.gpus)
         return [None] * max(self.config.inference_procs, 1)
 
+    def _ledger_first(self) -> bool:
+        """After a host reboot (or a power loss) the lease table is new and
+        the schedule may have lost the ledger's last write-backs, which its
+        log still holds: the ledger writes them back at start. Until then the
+        keeper must not publish those keys with their old due times, so the
+        ledger starts alone and the others once it serves (or has died,
+        or LEDGER_FIRST_TIMEOUT_S has passed: said in the log). With the
+        table reattached (a restart, the host up) nothing was lost, and all
+        start at once."""
+        log_dir = self.data_dir / LEDGER_LOG_DIR
+        if self.leases.segment.reattached or not any(log_dir.glob("*.seg")):
+            return False
+        from node.core.names import ledger_address
+        from node.ipc import IpcClient, IpcError
+
+        ledger = next(c for c in self.children if c.role == "ledger")
+        self._spawn(ledger)
+        assert ledger.proc is not None
+        deadline = time.monotonic() + LEDGER_FIRST_TIMEOUT_S
+        while time.monotonic() < deadline and ledger.proc.poll() is None:
+            try:
+                client = IpcClient(ledger_address(self.name), timeout_s=2)
+                try:
+                    client.call("stats")
+                finally:
+                    client.close()
+                log.log("ledger_first", reason="lease table new, log not empty", serving=True)
+                return True
+            except (IpcError, OSError):
+                time.sleep(0.05)  # polling its socket to a deadline
+        log.warn("ledger_first", reason="lease table new, log not empty", serving=False,
+                 exited=ledger.proc.poll())  # fmt: skip
+        return True
+
     def _spawn(self, child: Child) -> None:
         # Block the signals we handle while forking, so a signal cannot land
         # in the child between fork and exec and run our handler there.
@@ -451,8 +489,10 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(sig, self._on_signal)
         self._plan_children()
+        self._ledger_first()
         for child in self.children:
-            self._spawn(child)
+            if child.proc is None:
+                self._spawn(child)
         self.write_node_json()
         log.log("node_start", name=self.name, http=self.http, workers=self.config.workers,
                 store=self.config.store_url, data_dir=str(self.data_dir))

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from node.store import open_store
+from node.testing import NodeProcess, cleanup_segments, finish, wait_for
 from shm.leases import LeaseTable
 from tests.integration.test_ledger import CADENCE_S, World, item, poll_all
 
@@ -90,3 +91,46 @@ def test_after_a_power_loss_no_acked_or_pending_result_is_due_again(tmp_path, no
             assert c.call("accounting")["acknowledged"] == 1
     finally:
         world.close()
+
+
+def test_after_a_reboot_the_keeper_publishes_once_the_ledger_has_written_back(tmp_path, node_name):
+    """A whole node, a power loss after a completion (kill -9 of every
+    process, the shared memory gone, the schedule back to its last synced
+    state), and a ledger slow to start (a test hook): the keeper must not
+    publish the completed key with its old due time before the ledger has
+    written it back, so a claim after the restart never grants it."""
+    data = tmp_path / "data"
+    db = data / "schedule.db"
+    synced = tmp_path / "synced.db"
+    node = NodeProcess(data, node_name)
+    try:
+        node.start()
+        now = time.time()
+        rows = [{"key": "done", "route": "r", "cadence_s": 600, "due_at": now - 300, "job": "j"},
+                {"key": "fresh", "route": "r", "cadence_s": 600, "due_at": now - 5, "job": "j"}]
+        assert node.request("POST", "/rows", rows)[0] == 200
+
+        def claim_one() -> dict | None:
+            status, body = node.request("POST", "/claim", {"max": 1, "consumer": "t"})
+            return body["leases"][0] if status == 200 and body["leases"] else None
+
+        lease = wait_for(claim_one, 20, "a lease")
+        assert lease["key"] == "done"  # the most late first
+        _copy(str(db), synced)  # the rows are synced (FULL); the write-back will not be
+        status, _ = node.request(
+            "POST", "/complete", {"lease_id": lease["lease_id"], "key": "done", "result": 1}
+        )
+        assert status == 200
+        node.kill()
+        cleanup_segments(node_name)  # a reboot
+        for suffix in ("-wal", "-shm"):
+            Path(str(db) + suffix).unlink(missing_ok=True)
+        os.replace(synced, db)
+        node.env["QUEUE_NODE_TEST_LEDGER_START_DELAY_S"] = "2"
+        node.start()
+        granted = wait_for(claim_one, 20, "the other key's lease")
+        assert granted["key"] == "fresh"
+        assert node.request("POST", "/claim", {"max": 10, "consumer": "t"})[1]["leases"] == []
+        assert "ledger_first" in node.log()
+    finally:
+        finish([node], node_name)

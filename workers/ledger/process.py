@@ -1096,6 +1096,11 @@ def open_ledger(config: Config) -> Ledger:
 async def _amain(config: Config) -> Ledger:
     ledger = open_ledger(config)
     try:
+        delay = os.environ.get("QUEUE_NODE_TEST_LEDGER_START_DELAY_S")
+        if delay and os.environ.get("QUEUE_NODE_TEST_HOOKS") == "1":
+            # Test hook: a slow recovery (tests/integration/test_power_loss.py).
+            log.warn("test_hook_ledger_start_delay", seconds=float(delay))
+            await asyncio.sleep(float(delay))
         ledger.recover(time.time())
         await ledger.run(ledger_address(config.name))
     finally:
