@@ -236,7 +236,7 @@ class CompletionConfig:
     # Results made durable lately are kept in memory up to this many bytes of
     # data, so that offering them reads nothing back from disk (the oldest go
     # first; an ack or a discard drops its own). 0: every offer reads the log.
-    recent_bytes: int = 32 << 20
+    recent_bytes: int = 8 << 20
 
     def __post_init__(self) -> None:
         if self.fsync not in FSYNC_POLICIES:

@@ -702,7 +702,9 @@ def test_kill_9_of_an_http_worker_mid_claim(nodes):
 
 
 # 1,000 results of 32 KiB: 31 MiB if the ledger kept them in memory. It keeps
-# ids and log positions (tens of bytes a result); the results stay on disk.
+# ids and log positions (tens of bytes a result) and, to offer them without a
+# read, the latest results up to CompletionConfig.recent_bytes (8 MiB); the
+# rest stay on disk.
 RESULT_BYTES = 32 * 1024
 # The ledger at rest is a Python process with SQLite, msgpack and the lease
 # table's touched pages: ~40-60 MB here. 150 MB leaves room for allocator
