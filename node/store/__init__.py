@@ -24,8 +24,10 @@ __all__ = [
 ]
 
 
-def open_store(url: str, durable: bool = True) -> Store:
-    """``durable`` (SQLite): each commit synced to disk (FULL), else NORMAL."""
+def open_store(url: str, durable: bool = True, autocheckpoint: bool = True) -> Store:
+    """``durable`` (SQLite): each commit synced to disk (FULL), else NORMAL;
+    ``autocheckpoint`` False: commits never checkpoint the WAL (the caller
+    does, ``Store.checkpoint_wal``)."""
     check_store_url(url)
     if url.startswith("memory://"):
         from node.store.memory import MemoryStore
@@ -34,4 +36,4 @@ def open_store(url: str, durable: bool = True) -> Store:
     from node.store.sqlite import SQLiteStore
 
     # sqlite:///relative.db and sqlite:////absolute.db, as SQLAlchemy spells them.
-    return SQLiteStore(url[len("sqlite:///") :], durable)
+    return SQLiteStore(url[len("sqlite:///") :], durable, autocheckpoint)

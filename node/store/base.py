@@ -132,6 +132,17 @@ class Store(abc.ABC):
         store with nothing to sync."""
         return None
 
+    def wal_bytes(self) -> int:
+        """How much the store's write-ahead log holds that a checkpoint
+        would copy home (0: a store without one)."""
+        return 0
+
+    def checkpoint_wal(self) -> None:
+        """Copy the write-ahead log's commits home, waiting for no reader or
+        writer; safe to call on a thread of its own (a store without a
+        write-ahead log has nothing to do)."""
+        return None
+
     def jobs_of(self, keys: Iterable[str]) -> dict[str, tuple[str, float | None, str]]:
         """What a completion needs of each row, (job, cadence_s, route) by
         key, for schedulable rows only: a key with no row, or a ``BadRow``,

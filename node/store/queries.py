@@ -132,6 +132,10 @@ SET_META = """INSERT INTO meta (name, value) VALUES (?, ?)
 # -- connections and transactions ----------------------------------------------------
 
 JOURNAL_WAL = "PRAGMA journal_mode = WAL"
+# A connection that leaves the WAL's checkpoints to someone else (the ledger's:
+# it runs them on a thread of its own, CHECKPOINT_WAL, not inside a commit).
+NO_AUTOCHECKPOINT = "PRAGMA wal_autocheckpoint = 0"
+CHECKPOINT_WAL = "PRAGMA wal_checkpoint(PASSIVE)"
 BEGIN_WRITE = "BEGIN IMMEDIATE"
 COMMIT = "COMMIT"
 ROLLBACK = "ROLLBACK"

@@ -216,11 +216,19 @@ class _WriteTransaction:
 class SQLiteStore(Store):
     """The schedule in one SQLite file (created mode 0600 if missing)."""
 
-    def __init__(self, path: str | os.PathLike[str], durable: bool = True) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], durable: bool = True, autocheckpoint: bool = True
+    ) -> None:
         """``durable``: every commit is synced (``synchronous = FULL``); the
-        ledger opens its connections with False (``docs/delivery.md``)."""
+        ledger opens its connections with False (``docs/delivery.md``).
+        ``autocheckpoint`` False: a commit never runs the WAL's checkpoint
+        (SQLite's default, at 1,000 pages, copies and fsyncs inside the
+        commit); the owner calls ``checkpoint_wal`` instead."""
         self.path = os.fspath(path)
         self.durable = durable
+        self.autocheckpoint = autocheckpoint
+        self._ckpt_lock = threading.Lock()
+        self._ckpt_conn: sqlite3.Connection | None = None
         self.url = "sqlite:///" + self.path
         self._closed = False
         self._open()
@@ -259,6 +267,8 @@ class SQLiteStore(Store):
             )
             for pragma in pragmas:
                 conn.execute(pragma)
+            if not self.autocheckpoint:
+                conn.execute(q.NO_AUTOCHECKPOINT)
             self._migrate(conn)
         except sqlite3.Error as exc:
             conn.close()
@@ -306,6 +316,10 @@ class SQLiteStore(Store):
         if self._pid != os.getpid():
             _INHERITED.append(self._conn)
             return
+        with self._ckpt_lock:
+            if self._ckpt_conn is not None:
+                self._ckpt_conn.close()
+                self._ckpt_conn = None
         with self._lock:
             try:
                 self._conn.close()
@@ -466,6 +480,31 @@ class SQLiteStore(Store):
             except sqlite3.Error as exc:
                 raise _wrap(exc, "get_many") from exc
         return {stored[0]: _row(stored) for stored in found}
+
+    def wal_bytes(self) -> int:
+        try:
+            return os.stat(self.path + "-wal").st_size
+        except OSError:
+            return 0
+
+    def checkpoint_wal(self) -> None:
+        """PASSIVE, on a connection of its own (so it may run on another
+        thread while this store's connection serves): under NORMAL it syncs
+        the WAL first and the database file after, as an automatic one does."""
+        with self._ckpt_lock:
+            try:
+                if self._ckpt_conn is None:
+                    conn = sqlite3.connect(
+                        self.path,
+                        timeout=BUSY_TIMEOUT_S,
+                        isolation_level=None,
+                        check_same_thread=False,
+                    )
+                    conn.execute("PRAGMA synchronous = NORMAL")
+                    self._ckpt_conn = conn
+                self._ckpt_conn.execute(q.CHECKPOINT_WAL).fetchall()
+            except sqlite3.Error as exc:
+                raise _wrap(exc, "checkpoint_wal") from exc
 
     def sync(self) -> None:
         """fsync the WAL, then the database file: every commit so far is on

@@ -744,3 +744,25 @@ def test_a_write_answered_is_synced_but_the_ledgers_write_backs_are_not(tmp_path
     finally:
         durable.close()
         ledgers.close()
+
+
+def test_a_connection_without_autocheckpoint_leaves_the_wal_to_checkpoint_wal(tmp_path):
+    """The ledger's connection never checkpoints inside a commit; its
+    ``checkpoint_wal`` (on another thread in the ledger) copies the WAL home."""
+    url = f"sqlite:///{tmp_path}/s.db"
+    store = open_store(url, durable=False, autocheckpoint=False)
+    try:
+        assert store._c().execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
+        now = time.time()
+        for n in range(40):  # well past 1,000 pages of WAL: an automatic one would have run
+            store.upsert(
+                [RowWrite(f"k{n}-{i}", "r", payload="x" * 2000) for i in range(100)], now=now
+            )
+        assert store.wal_bytes() > 4 << 20
+        home = os.path.getsize(f"{tmp_path}/s.db")
+        assert home < 1 << 20  # every page still in the WAL only
+        store.checkpoint_wal()
+        assert os.path.getsize(f"{tmp_path}/s.db") > 4 << 20  # copied home
+        assert store.get("k39-99") is not None
+    finally:
+        store.close()

@@ -26,7 +26,7 @@ import os
 import signal
 import sys
 import time
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
@@ -44,6 +44,9 @@ from node.store import WriteBack
 LOG_DIR = "log"
 # Expiry sweep, retries of write-backs and lease ends, accounting checkpoint.
 SWEEP_INTERVAL_S = 0.1
+# The schedule's WAL is checkpointed (on the checkpointer thread) once it
+# holds this much: about 1,000 pages, SQLite's own default.
+CHECKPOINT_WAL_BYTES = 4 << 20
 # Job retention ([jobs.NAME] retention_s): how often the ledger discards the
 # results that outlived it, and at most how many per job at a time (the rest
 # go at the next sweep: a long backlog never stalls the loop).
@@ -155,6 +158,9 @@ class Ledger:
         self._stopping = asyncio.Event()
         # The group commit's fsync runs here, off the event loop's thread.
         self._fsync = ThreadPoolExecutor(1, thread_name_prefix="ledger-fsync")
+        # And the schedule's WAL checkpoints here (its commits run none).
+        self._checkpointer = ThreadPoolExecutor(1, thread_name_prefix="ledger-checkpoint")
+        self._checkpointing: Future | None = None
         self._unended: list[tuple[str, int, int, str]] = []  # key, lease_id, id, job
         # Write-backs the store refused to take (StoreError), retried every
         # sweep, each with the lease to end once it is written (None: none).
@@ -756,6 +762,17 @@ class Ledger:
             self.compact(now)
         if now >= self._checkpoint_due:
             self.checkpoint(now)
+        ckpt = self._checkpointing
+        if (ckpt is None or ckpt.done()) and self.store.wal_bytes() >= CHECKPOINT_WAL_BYTES:
+            self._checkpointing = self._checkpointer.submit(self._checkpoint_wal)
+
+    def _checkpoint_wal(self) -> None:
+        """On the checkpointer thread: the write-backs' commits copied into
+        the schedule's file (a failure is said and tried again next sweep)."""
+        try:
+            self.store.checkpoint_wal()
+        except NodeError as exc:
+            log.warn("wal_checkpoint_failed", error=str(exc))
 
     def _expired_errors(self, expired: list, now: float) -> None:
         """The rows' last_error for the leases this sweep expired."""
@@ -1003,6 +1020,7 @@ class Ledger:
                 self.log.close()
             finally:
                 self._fsync.shutdown()
+                self._checkpointer.shutdown()
                 self.store.close()
                 self.leases.close()
                 if self._state is not None:
@@ -1071,7 +1089,9 @@ def open_ledger(config: Config) -> Ledger:
     leases = LeaseTable.attach(config.name)
     # Its writes (write-backs, last errors) are synced with NORMAL: the log
     # holds the evidence to write a result back again (docs/delivery.md).
-    store = open_store(config.store_url, durable=False)
+    # Nor does a commit of its run the WAL's checkpoint: the sweep has one
+    # run on a thread of its own (Ledger.sweep).
+    store = open_store(config.store_url, durable=False, autocheckpoint=False)
     log_dir = Path(config.data_dir).resolve() / LOG_DIR
     log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     file_ops = None
