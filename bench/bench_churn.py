@@ -408,6 +408,7 @@ def churn(db: Path, args: argparse.Namespace) -> dict:
             "timeline": timeline,
             "store_mb_before": store_mb_before,
             "store_mb_after": _store_mb(node.data_dir),
+            "files_mb_after": _files_mb(node.data_dir),
         }
         res["lag"] = _lag_summary(timeline)
         uss = [s["keeper_uss_bytes"] for s in timeline if s["keeper_uss_bytes"]]
@@ -435,6 +436,17 @@ def _cpu(node: Any) -> dict[str, float]:
 
 def _store_mb(data: Path) -> float:
     return round(sum(f.stat().st_size for f in data.rglob("*") if f.is_file()) / 2**20, 1)
+
+
+def _files_mb(data: Path) -> dict[str, float]:
+    """MiB by top-level entry of the data directory (schedule.db, its WAL, the
+    completion log's folder, ...)."""
+    out: dict[str, float] = {}
+    for f in data.rglob("*"):
+        if f.is_file():
+            top = f.relative_to(data).parts[0]
+            out[top] = out.get(top, 0.0) + f.stat().st_size / 2**20
+    return {k: round(v, 1) for k, v in sorted(out.items()) if v >= 0.1}
 
 
 def _lag_summary(timeline: list[dict]) -> dict:
