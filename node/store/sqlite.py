@@ -507,10 +507,11 @@ class SQLiteStore(Store):
                 raise _wrap(exc, "checkpoint_wal") from exc
 
     def sync(self) -> None:
-        """fsync the WAL, then the database file: every commit so far is on
-        disk, the NORMAL ones of this connection included. (A commit is
-        appended to the WAL; a checkpoint copies it into the database file
-        and, under NORMAL, syncs that file before the WAL starts over.)"""
+        """fsync the WAL (the database file when there is none): every
+        commit so far is on disk, the NORMAL ones of this connection
+        included. A commit is appended to the WAL; a checkpoint copies it
+        into the database file and, under NORMAL or FULL, syncs that file
+        before the WAL is reused, so what has left the WAL is on disk."""
         for path in (self.path + "-wal", self.path):
             try:
                 fd = os.open(path, os.O_RDONLY)
@@ -520,6 +521,7 @@ class SQLiteStore(Store):
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            break
         if _SNAPSHOT_HOOK is not None:
             self._snapshot(_SNAPSHOT_HOOK)
 

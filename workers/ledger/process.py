@@ -143,8 +143,11 @@ class Ledger:
         # An ack is durable only after the write-backs before it: a power loss
         # cannot leave a result acknowledged and its row due again, since the
         # write-back was written before the result was offered (a pending
-        # result's write-back is done again at start, from the log).
-        self.log.before_retires = store.sync
+        # result's write-back is done again at start, from the log). On the
+        # loop, not the fsync thread: a hop there cost more than the fsync.
+        self.log.before_retires = self._sync_before_retires
+        self._written_gen = 0  # write-back transactions committed so far
+        self._synced_gen = 0  # ... of which the schedule has synced
         self.delivery = Delivery(config.offer_timeout_s)
         # config.repeat_window_s: the log keeps the evidence as long
         # (keep_retired_s), so a restart answers the same (docs/delivery.md).
@@ -419,6 +422,14 @@ class Ledger:
         for it in items:
             self._settle(it, "log_unavailable", None)
 
+    def _sync_before_retires(self) -> None:
+        """The log's hook before it writes acks or discards: the schedule
+        synced if a write-back was committed since it last was."""
+        if self._synced_gen != self._written_gen:
+            gen = self._written_gen
+            self.store.sync()
+            self._synced_gen = gen
+
     def _settle(self, it: _Item, status: str, rid: int | None) -> None:
         self._inflight.pop((it.key, it.lease_id), None)
         if not it.done.done():
@@ -444,6 +455,7 @@ class Ledger:
 
         try:
             versions = self.store.write_back_many([wb for wb, _ in group])
+            self._written_gen += 1
         except Exception as exc:  # noqa: BLE001 - nothing lost: every item is retried
             self.stats.writeback_failed += len(group)
             self._writebacks += group
