@@ -38,11 +38,8 @@ from typing import Any
 
 from node.core.errors import StoreError, StoreUnavailable
 from node.core.rows import (
-    DEFAULT_JOB,
-    MISSING,
     ORIGIN_NODE,
     ORIGIN_WRITEBACK,
-    ORIGINS,
     Change,
     Row,
     RowWrite,
@@ -51,10 +48,21 @@ from node.core.rows import (
 from node.store import queries as q
 from node.store.base import BadRow, ClaimSource, LastError, Store, WriteBack
 from node.store.queries import MIGRATIONS, SCHEMA_VERSION  # also read here by tests
+from node.store.sqlite_values import (  # noqa: F401 - also read from here
+    BUSY_TIMEOUT_S,
+    _check_origin,
+    _params,
+    _row,
+    _set_wal,
+    _wrap,
+    _WriteTransaction,
+    bad_reason,
+    decode_payload,
+    encode_payload,
+    store_error,
+    wrap_error,
+)
 
-# A writer holding the file's write lock (another node process, an importer)
-# is waited for this long before the operation fails as unavailable.
-BUSY_TIMEOUT_S = 5.0
 # Page cache per connection. Every worker process opens one connection, so
 # this is paid N times; 16 MiB keeps the upper b-tree levels of a 1M-row table
 # hot (measured: ~0.5 us less per point read than the 2 MiB default).
@@ -77,140 +85,6 @@ _SNAPSHOT_HOOK = (
 # Connections a forked child inherited: kept referenced so the garbage
 # collector never closes them in the child (see the module docstring).
 _INHERITED: list[sqlite3.Connection] = []
-
-# -- values in and out ---------------------------------------------------------
-
-
-def encode_payload(payload: Any) -> str | None:
-    if payload is None:
-        return None
-    return json.dumps(payload, separators=(",", ":"), allow_nan=False)
-
-
-def decode_payload(stored: Any) -> Any:
-    """Parsed JSON; what another program stored that is not JSON comes back raw."""
-    if stored is None:
-        return None
-    try:
-        return json.loads(stored)
-    except (ValueError, TypeError):
-        return stored
-
-
-def bad_reason(route: Any, cadence_s: Any, sitemap: Any, due_at: Any) -> str:
-    return (
-        "stored values are not schedulable: "
-        f"route={route!r} cadence_s={cadence_s!r} sitemap={sitemap!r} due_at={due_at!r}"
-    )
-
-
-def _row(stored: tuple) -> Row | BadRow:
-    key, route, cadence_s, sitemap, due_at, payload, job, version, rid, finished, error = stored
-    if not stored_row_is_valid(route, cadence_s, sitemap, due_at):
-        return BadRow(key, version, bad_reason(route, cadence_s, sitemap, due_at))
-    return Row(
-        key, route, cadence_s, sitemap == 1, due_at, decode_payload(payload), job, version,
-        rid, finished, error,
-    )  # fmt: skip
-
-
-def _params(w: RowWrite, now: float) -> tuple:
-    cadence_s, sitemap, due_at, payload, job = w.cadence_s, w.sitemap, w.due_at, w.payload, w.job
-    return (
-        w.key,
-        w.route,
-        None if cadence_s is MISSING else cadence_s,
-        0 if sitemap is MISSING else sitemap,
-        now if due_at is MISSING else due_at,
-        None if payload is MISSING else encode_payload(payload),
-        DEFAULT_JOB if job is MISSING else job,
-    )
-
-
-# Primary result codes that mean "not reachable now" rather than "broken".
-_UNAVAILABLE_CODES = frozenset(
-    (
-        sqlite3.SQLITE_PERM,
-        sqlite3.SQLITE_BUSY,
-        sqlite3.SQLITE_LOCKED,
-        sqlite3.SQLITE_FULL,
-        sqlite3.SQLITE_CANTOPEN,
-    )
-)
-
-
-def store_error(code: int | None, message: str, action: str) -> StoreError:
-    """A SQLite failure (its result code, when known, and message) as the
-    store's error: StoreUnavailable when it means "not reachable now", else
-    StoreError. The claim path in C reports its failures through this too."""
-    if code is not None and code & 0xFF in _UNAVAILABLE_CODES:
-        return StoreUnavailable(f"SQLite store: {action}: {message}")
-    return StoreError(f"SQLite store: {action}: {message}")
-
-
-def wrap_error(exc: sqlite3.Error, action: str) -> StoreError:
-    """A SQLite error raised by Python's sqlite3 as the store's (store_error)."""
-    return store_error(getattr(exc, "sqlite_errorcode", None), str(exc), action)
-
-
-_wrap = wrap_error
-
-
-def _set_wal(conn: sqlite3.Connection) -> str:
-    """Switch to WAL, retrying while another process does the same: changing
-    the journal mode of a new file needs an exclusive lock, and SQLite answers
-    "database is locked" at once there instead of calling the busy handler."""
-    deadline = time.monotonic() + BUSY_TIMEOUT_S
-    delay = 0.001
-    while True:
-        try:
-            return conn.execute(q.JOURNAL_WAL).fetchone()[0]
-        except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) or time.monotonic() >= deadline:
-                raise
-        time.sleep(delay)  # backing off from another opener's lock, bounded
-        delay = min(delay * 2, 0.05)
-
-
-def _check_origin(origin: str) -> None:
-    if origin not in ORIGINS:
-        raise ValueError(f"origin must be one of {ORIGINS}, not {origin!r}")
-
-
-class _WriteTransaction:
-    """BEGIN IMMEDIATE, rolled back on any error. With an origin, the origin
-    is set for the triggers first and put back to 'external' before COMMIT,
-    so the committed value is always 'external'."""
-
-    __slots__ = ("conn", "origin")
-
-    def __init__(self, conn: sqlite3.Connection, origin: str | None) -> None:
-        self.conn = conn
-        self.origin = origin
-
-    def __enter__(self) -> sqlite3.Connection:
-        self.conn.execute(q.BEGIN_WRITE)
-        if self.origin is not None:
-            try:
-                self.conn.execute(q.SET_ORIGIN, (self.origin,))
-            except BaseException:
-                self.conn.execute(q.ROLLBACK)
-                raise
-        return self.conn
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is None:
-            try:
-                if self.origin is not None:
-                    self.conn.execute(q.RESET_ORIGIN)
-                self.conn.execute(q.COMMIT)
-                return
-            except BaseException:
-                if self.conn.in_transaction:
-                    self.conn.execute(q.ROLLBACK)
-                raise
-        if self.conn.in_transaction:
-            self.conn.execute(q.ROLLBACK)
 
 
 class SQLiteStore(Store):
