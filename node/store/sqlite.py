@@ -343,6 +343,11 @@ class SQLiteStore(Store):
     def get_many(self, keys: Iterable[str]) -> dict[str, Row | BadRow]:
         """Batched point read: Row or BadRow (as ``get``) by key; keys with
         no row are absent."""
+        found = self._read_keys(keys, q.get_many_sql, "get_many")
+        return {stored[0]: _row(stored) for stored in found}
+
+    def _read_keys(self, keys: Iterable[str], sql_of: Any, action: str) -> list[tuple]:
+        """The rows ``sql_of(n)`` reads for the distinct keys, IN_CHUNK at a time."""
         wanted = list(dict.fromkeys(keys))
         found: list[tuple] = []
         conn = self._c()
@@ -350,10 +355,10 @@ class SQLiteStore(Store):
             try:
                 for i in range(0, len(wanted), IN_CHUNK):
                     chunk = wanted[i : i + IN_CHUNK]
-                    found += conn.execute(q.get_many_sql(len(chunk)), chunk).fetchall()
+                    found += conn.execute(sql_of(len(chunk)), chunk).fetchall()
             except sqlite3.Error as exc:
-                raise _wrap(exc, "get_many") from exc
-        return {stored[0]: _row(stored) for stored in found}
+                raise _wrap(exc, action) from exc
+        return found
 
     def wal_bytes(self) -> int:
         try:
@@ -412,16 +417,7 @@ class SQLiteStore(Store):
         os.replace(tmp, target)
 
     def jobs_of(self, keys: Iterable[str]) -> dict[str, tuple[str, float | None, str]]:
-        wanted = list(dict.fromkeys(keys))
-        found: list[tuple] = []
-        conn = self._c()
-        with self._lock:
-            try:
-                for i in range(0, len(wanted), IN_CHUNK):
-                    chunk = wanted[i : i + IN_CHUNK]
-                    found += conn.execute(q.jobs_of_sql(len(chunk)), chunk).fetchall()
-            except sqlite3.Error as exc:
-                raise _wrap(exc, "jobs_of") from exc
+        found = self._read_keys(keys, q.jobs_of_sql, "jobs_of")
         valid = stored_row_is_valid
         return {
             key: (job, cadence_s, route)
