@@ -308,6 +308,15 @@ def ledger_cpu_figures(docs: list[dict], setup: dict) -> list[Fig]:
     return out
 
 
+def churn_figures(docs: list[dict], setup: dict) -> list[Fig]:
+    """bench/bench_churn.py's own records (``{"records": [...], "run": ...}``)."""
+    out = []
+    for doc in docs:
+        for r in doc["records"]:
+            out.append(fig(r["name"], r["value"], r["unit"], {**setup, **r["setup"]}))
+    return out
+
+
 # -- the micro benchmarks (pytest-benchmark) --------------------------------------------------
 
 
@@ -375,18 +384,18 @@ STEPS: tuple[Step, ...] = (
          poll_figures),
     Step("sync", ("bench/bench_sync.py",), ("--rows", "20000", "--seconds", "1"),
          ("--rows", "200000", "--seconds", "5"), sync_figures),
+    Step("churn", ("bench/bench_churn.py",), (), ("--rows", "1000000", "--minutes", "10"),
+         churn_figures, (600.0, 3600.0)),
     Step("micro", ("-m", "pytest", "bench/micro", "-q"), (), (), micro_figures,
          env={"QN_MICRO_ROWS": ("20000", "1000000"), "QN_MICRO_RESULTS": ("20000", "1000000")},
          json_flag="--benchmark-json"),
 )  # fmt: skip
-QUICK_SKIPS = {"keeper_startup_1m"}  # a full-only size
+QUICK_SKIPS = {"keeper_startup_1m", "churn"}  # full-only sizes
 
 # Figures issue 16 names that no bench measures yet: reported, never dropped.
 NOT_MEASURED = (
     fig("keeper.state_doc.classes1000.p50_ms", None, "ms", {"classes": 1000},
         not_run="bench/bench_state.py builds 18 classes only; no 1,000-class document yet"),
-    fig("churn.restart.live_exact_s", None, "s", {"rows": 1_000_000, "minutes": 10},
-        not_run="issue 16 item 5 (the churned run, kill -9 of the keeper): no bench yet"),
     fig("model.node_over_direct", None, "x", {"rows": 100_000, "procs": 2},
         not_run="bench/bench_model.py (the model extra; on CPUs a 100,000-row run takes hours): "
                 "not in the suite, run it on its own",
