@@ -37,8 +37,8 @@ def test_python_m_bench_quick_writes_results_and_a_report(tmp_path: Path) -> Non
         assert record["machine"]["cores"] >= 1 and record["machine"]["cpu_model"]
     assert figures["completion.commit.batch64.durable_per_s"]["setup"]["batch"] == 64
     # what issue 16 names and no bench measures yet is listed, not dropped
-    assert figures["churn.restart.live_exact_s"]["value"] is None
-    assert figures["churn.restart.live_exact_s"]["not_run"]
+    assert figures["model.node_over_direct"]["value"] is None
+    assert figures["model.node_over_direct"]["not_run"]
     text = (out / "report.md").read_text()
     assert "| delivery.poll.backlog10000.one_job_p50_ms |" in text
     assert (out / "completion.png").read_bytes()[:4] == b"\x89PNG"
