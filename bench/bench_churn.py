@@ -60,6 +60,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.claims_external import RESULTS, due_of, key_of  # noqa: E402 - after the path fix
+from bench.common import reusable  # noqa: E402 - after the path fix
 
 JOB = "j"
 BATCH = 64
@@ -83,17 +84,8 @@ def route_of(i: int) -> str:
 def template(rows: int, results: Path = RESULTS) -> Path:
     """``results/churn-<rows>.db``, seeded once and reused."""
     path = results / f"churn-{rows}.db"
-    if path.exists():
-        conn = sqlite3.connect(path)
-        try:
-            if conn.execute("SELECT count(*) FROM schedule").fetchone()[0] == rows:
-                return path
-        except sqlite3.Error:
-            pass
-        finally:
-            conn.close()
-        for suffix in ("", "-wal", "-shm"):
-            Path(str(path) + suffix).unlink(missing_ok=True)
+    if reusable(path, rows):
+        return path
     from node.core.rows import RowWrite
     from node.store import open_store
 

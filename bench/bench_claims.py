@@ -84,7 +84,7 @@ from bench.claims_external import (  # noqa: E402 - after the path fix above
     due_of,
     key_of,
 )
-from bench.common import add_json_option, keep, write_json  # noqa: E402 - after the path fix
+from bench.common import add_json_option, keep, reusable, write_json  # noqa: E402 - after the path fix
 
 # A claimer that found nothing for this long decides every row is leased.
 DRAINED_S = 2.0
@@ -108,17 +108,8 @@ def template(rows: int, results: Path = RESULTS, name: str = "claims", job: str 
     (``results/<name>-<rows>.db``): keys of about 55 characters, 20 routes, the
     due times spread; job ``job``, or one of seven when it is empty."""
     path = results / f"{name}-{rows}.db"
-    if path.exists():
-        conn = sqlite3.connect(path)
-        try:
-            if conn.execute("SELECT count(*) FROM schedule").fetchone()[0] == rows:
-                return path
-        except sqlite3.Error:
-            pass
-        finally:
-            conn.close()
-        for suffix in ("", "-wal", "-shm"):
-            Path(str(path) + suffix).unlink(missing_ok=True)
+    if reusable(path, rows):
+        return path
     from node.core.rows import RowWrite
     from node.store import open_store
 

@@ -67,6 +67,23 @@ def seed(path: Path, rows: int, now: float, seed_value: int = 1) -> Path:
 _KEPT: list[dict] = []
 
 
+def reusable(path: Path, rows: int) -> bool:
+    """Whether the template schedule at ``path`` holds ``rows`` rows; when it
+    does not (or cannot be read), its files are removed for a new seeding."""
+    if path.exists():
+        conn = sqlite3.connect(path)
+        try:
+            if conn.execute("SELECT count(*) FROM schedule").fetchone()[0] == rows:
+                return True
+        except sqlite3.Error:
+            pass
+        finally:
+            conn.close()
+        for suffix in ("", "-wal", "-shm"):
+            Path(str(path) + suffix).unlink(missing_ok=True)
+    return False
+
+
 def add_json_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json",
