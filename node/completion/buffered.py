@@ -121,11 +121,13 @@ def _check_result(r: Result) -> None:
 class BufferedLog(CompletionStore):
     """Everything but storage. Subclasses implement:
 
-    - ``_commit(results, retires, first_id) -> (segment, offsets)``: make the
-      (id, result) pairs and retire records durable per policy, all in one
-      segment (rolling over first if they do not fit); offsets of the results
-      in order. On failure raise ``LogUnavailable`` with nothing of the batch
-      left to be recovered.
+    - ``_write(results, retires, first_id) -> (segment, offsets)``: write the
+      (id, result) pairs and retire records, all in one segment (rolling over
+      first if they do not fit); offsets of the results in order. On failure
+      raise ``LogUnavailable`` with nothing of the batch left to be recovered.
+      A backend whose writes are durable at once stops there; one that syncs
+      later also implements ``_sync_written`` (the fsync, on any thread) and
+      ``_written(error)`` (count the batch durable, or put it back).
     - ``_load(report)``: rebuild ``_index``, ``_segments``, ``_checkpoint``
       from storage (retire records via ``_loaded_retire``).
     - ``_read(result_id, segment, offset) -> Result``.
@@ -177,17 +179,9 @@ class BufferedLog(CompletionStore):
     # -- storage hooks --------------------------------------------------------------
 
     @abc.abstractmethod
-    def _commit(
-        self, results: list[tuple[int, Result]], retires: list[_Retire], first_id: int
-    ) -> tuple[int, list[int]]: ...
-
     def _write(
         self, results: list[tuple[int, Result]], retires: list[_Retire], first_id: int
-    ) -> tuple[int, list[int]]:
-        """Write a batch without its fsync (``_sync_written``, then
-        ``_written``, finish it). A backend that cannot split makes the batch
-        durable here."""
-        return self._commit(results, retires, first_id)
+    ) -> tuple[int, list[int]]: ...
 
     def _sync_written(self) -> None:
         """The fsync of what ``_write`` wrote; may run on another thread

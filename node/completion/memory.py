@@ -41,7 +41,7 @@ class MemoryCompletionStore(BufferedLog):
         self.disk_full = False
         super().__init__(config)
 
-    def _commit(
+    def _write(
         self, results: list[tuple[int, Result]], retires: list[_Retire], first_id: int
     ) -> tuple[int, list[int]]:
         if self.disk_full:

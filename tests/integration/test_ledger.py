@@ -632,12 +632,12 @@ def test_a_grant_between_the_peek_and_the_lease_end_keeps_the_durable_result(tmp
     second = []
 
     class StallingLog(MemoryCompletionStore):
-        def _commit(self, results, retires, first_id):
+        def _write(self, results, retires, first_id):
             if results:  # meanwhile: released, unheld, granted to another holder
                 table.release("a", first.lease_id, time.time())
                 table.unhold(["a"])
                 second.append(table.grant("a", "gpu-1", 60, time.time(), CADENCE_S))
-            return super()._commit(results, retires, first_id)
+            return super()._write(results, retires, first_id)
 
     ledger = Ledger(config, LeaseTable.attach(node_name), store, StallingLog())
     try:

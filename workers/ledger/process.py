@@ -164,7 +164,7 @@ class Ledger:
         # And the schedule's WAL checkpoints here (its commits run none).
         self._checkpointer = ThreadPoolExecutor(1, thread_name_prefix="ledger-checkpoint")
         self._checkpointing: Future | None = None
-        self._unended: list[tuple[str, int, int, str]] = []  # key, lease_id, id, job
+        self._unended: list[_End] = []
         # Write-backs the store refused to take (StoreError), retried every
         # sweep, each with the lease to end once it is written (None: none).
         self._writebacks: list[tuple[Any, _End | None]] = []
@@ -359,13 +359,6 @@ class Ledger:
         cadence_s = lease_cadence_s or row_cadence_s or self.config.route(route).cadence_s
         return job, float(cadence_s)
 
-    def commit(self, items: list[_Item], now: float) -> None:
-        """One group, all of it on this thread (the committer overlaps the
-        fsync instead: ``commit_begin``, ``commit_end``)."""
-        begun = self.commit_begin(items, now)
-        if begun is not None:
-            self.commit_end(items, now, *begun)
-
     def commit_begin(
         self, items: list[_Item], now: float, executor: Executor | None = None
     ) -> tuple[list[int], Any, float] | None:
@@ -478,7 +471,7 @@ class Ledger:
         is logged and retried every sweep (durable already: it answered ok).
 
         ``fresh``: the results were made durable in this same synchronous
-        step (``commit``), so none can have been acked or discarded since:
+        step (``commit_end``), so none can have been acked or discarded since:
         a COMPLETED one is offered without asking the log again."""
         from shm.leases import Outcome
 

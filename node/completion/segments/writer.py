@@ -2,8 +2,9 @@
 
 ``SegmentWriter`` holds the store's open files (the active segment, read-only
 descriptors of older ones, the writer's lock) and makes a batch durable
-(``_commit``: one write and at most one fsync, rolling over to a new segment
-first when the batch does not fit), reads a pending result back for an offer,
+(``_write``: one write, rolling over to a new segment first when the batch
+does not fit; ``_sync_written``: at most one fsync, on any thread;
+``_written``: the batch counted, or cut back), reads a pending result back for an offer,
 and writes what compaction leaves (lease summaries, then the checkpoint, then
 the unlinks). Reading the log back after a restart is ``recovery.py``; the
 bytes are ``format.py``.
@@ -77,17 +78,6 @@ class SegmentWriter(BufferedLog):
         super().__init__(config)
 
     # -- commit ---------------------------------------------------------------------
-
-    def _commit(
-        self, results: list[tuple[int, Result]], retires: list[_Retire], first_id: int
-    ) -> tuple[int, list[int]]:
-        segment, offsets = self._write(results, retires, first_id)
-        try:
-            self._sync_written()
-        except OSError as exc:
-            self._written(exc)
-        self._written(None)
-        return segment, offsets
 
     def _write(
         self, results: list[tuple[int, Result]], retires: list[_Retire], first_id: int
