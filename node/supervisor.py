@@ -59,8 +59,6 @@ IDLE_WAKE_S = 0.5
 SEAL_WAIT_S = 5.0
 # Every file, directory, segment and queue the node makes is owner-only.
 NODE_UMASK = 0o077
-# The ledger's log folder in the data dir (workers/ledger/process.py, LOG_DIR).
-LEDGER_LOG_DIR = "log"
 # After a reboot the ledger starts first; the others wait at most this long.
 LEDGER_FIRST_TIMEOUT_S = 120.0
 
@@ -357,7 +355,7 @@ class Supervisor:
             return list(self.config.gpus)
         return [None] * max(self.config.inference_procs, 1)
 
-    def _ledger_first(self) -> bool:
+    def _ledger_first(self) -> None:
         """After a host reboot (or a power loss) the lease table is new and
         the schedule may have lost the ledger's last write-backs, which its
         log still holds: the ledger writes them back at start. Until then the
@@ -366,11 +364,12 @@ class Supervisor:
         or LEDGER_FIRST_TIMEOUT_S has passed: said in the log). With the
         table reattached (a restart, the host up) nothing was lost, and all
         start at once."""
-        log_dir = self.data_dir / LEDGER_LOG_DIR
-        if self.leases.segment.reattached or not any(log_dir.glob("*.seg")):
-            return False
         from node.core.names import ledger_address
         from node.ipc import IpcClient, IpcError
+        from workers.ledger.process import LOG_DIR
+
+        if self.leases.segment.reattached or not any((self.data_dir / LOG_DIR).glob("*.seg")):
+            return
 
         ledger = next(c for c in self.children if c.role == "ledger")
         self._spawn(ledger)
@@ -384,12 +383,11 @@ class Supervisor:
                 finally:
                     client.close()
                 log.log("ledger_first", reason="lease table new, log not empty", serving=True)
-                return True
+                return
             except (IpcError, OSError):
                 time.sleep(0.05)  # polling its socket to a deadline
         log.warn("ledger_first", reason="lease table new, log not empty", serving=False,
                  exited=ledger.proc.poll())  # fmt: skip
-        return True
 
     def _spawn(self, child: Child) -> None:
         # Block the signals we handle while forking, so a signal cannot land
