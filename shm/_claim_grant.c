@@ -212,7 +212,7 @@ skip_ws(PyObject *s, Py_ssize_t i)
     return i;
 }
 
-/* node.store.sqlite.decode_payload: JSON text parsed, anything that is not
+/* node.store.sqlite_values.decode_payload: JSON text parsed, anything that is not
    JSON as stored. For str, json.loads's steps without its Python frames: the
    C scanner between JSON whitespace; other values go to decode_payload. */
 static PyObject *

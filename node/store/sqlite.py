@@ -48,7 +48,7 @@ from node.core.rows import (
 from node.store import queries as q
 from node.store.base import BadRow, ClaimSource, LastError, Store, WriteBack
 from node.store.queries import MIGRATIONS, SCHEMA_VERSION  # also read here by tests
-from node.store.sqlite_values import (  # noqa: F401 - also read from here
+from node.store.sqlite_values import (
     BUSY_TIMEOUT_S,
     _check_origin,
     _params,
@@ -58,9 +58,7 @@ from node.store.sqlite_values import (  # noqa: F401 - also read from here
     _WriteTransaction,
     bad_reason,
     decode_payload,
-    encode_payload,
     store_error,
-    wrap_error,
 )
 
 # Page cache per connection. Every worker process opens one connection, so
@@ -74,8 +72,8 @@ MMAP_SIZE = 0
 # keep one cached statement per chunk size.
 IN_CHUNK = 500
 
-# A test hook: where ``sync`` (and opening the store) leaves a copy of what
-# is durable, for a test that drops everything after it as a power loss would.
+# A test hook: where ``sync`` leaves a copy of what is durable, for a test
+# that drops everything after it, as a power loss would.
 _SNAPSHOT_HOOK = (
     os.environ.get("QUEUE_NODE_STORE_SYNCED")
     if os.environ.get("QUEUE_NODE_TEST_HOOKS") == "1"
