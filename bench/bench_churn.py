@@ -44,7 +44,6 @@ import platform
 import random
 import shutil
 import signal
-import sqlite3
 import sys
 import tempfile
 import time
@@ -60,7 +59,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.claims_external import RESULTS, due_of, key_of  # noqa: E402 - after the path fix
-from bench.common import reusable  # noqa: E402 - after the path fix
+from bench.common import finish_template, reusable  # noqa: E402 - after the path fix
 
 JOB = "j"
 BATCH = 64
@@ -107,13 +106,7 @@ def template(rows: int, results: Path = RESULTS) -> Path:
             ],
             now=now,
         )
-    store.trim_changes(store.last_seq())
-    store.close()
-    conn = sqlite3.connect(path)
-    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    conn.close()
-    print(f"seeded {rows} rows in {time.perf_counter() - t0:.1f} s -> {path}", flush=True)
-    return path
+    return finish_template(store, path, rows, t0)
 
 
 # -- the load (child processes) ----------------------------------------------------------------

@@ -60,7 +60,6 @@ import queue as queue_mod
 import resource
 import shutil
 import signal
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -84,7 +83,13 @@ from bench.claims_external import (  # noqa: E402 - after the path fix above
     due_of,
     key_of,
 )
-from bench.common import add_json_option, keep, reusable, write_json  # noqa: E402 - after the path fix
+from bench.common import (  # noqa: E402 - after the path fix
+    add_json_option,
+    finish_template,
+    keep,
+    reusable,
+    write_json,
+)
 
 # A claimer that found nothing for this long decides every row is leased.
 DRAINED_S = 2.0
@@ -129,13 +134,7 @@ def template(rows: int, results: Path = RESULTS, name: str = "claims", job: str 
             for i in range(lo, min(rows, lo + 10_000))
         ]
         store.upsert(batch, now=now)
-    store.trim_changes(store.last_seq())
-    store.close()
-    conn = sqlite3.connect(path)
-    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    conn.close()
-    print(f"seeded {rows} rows in {time.perf_counter() - t0:.1f} s -> {path}", flush=True)
-    return path
+    return finish_template(store, path, rows, t0)
 
 
 # -- a node ----------------------------------------------------------------------------

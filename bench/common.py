@@ -10,6 +10,7 @@ import random
 import sqlite3
 import time
 from pathlib import Path
+from typing import Any
 
 ROUTES = [f"route{i:02d}" for i in range(20)]
 CADENCES = [None, None, 900, 3600, 86400, 604800]
@@ -82,6 +83,18 @@ def reusable(path: Path, rows: int) -> bool:
         for suffix in ("", "-wal", "-shm"):
             Path(str(path) + suffix).unlink(missing_ok=True)
     return False
+
+
+def finish_template(store: Any, path: Path, rows: int, t0: float) -> Path:
+    """A seeded template made ready to copy: its change log trimmed, the
+    store closed, the WAL folded into the file; says how long it took."""
+    store.trim_changes(store.last_seq())
+    store.close()
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+    print(f"seeded {rows} rows in {time.perf_counter() - t0:.1f} s -> {path}", flush=True)
+    return path
 
 
 def add_json_option(parser: argparse.ArgumentParser) -> None:
