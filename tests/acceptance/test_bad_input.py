@@ -320,7 +320,8 @@ def test_a_body_cut_off_by_the_client_changes_nothing(world: World) -> None:
 def test_a_request_line_too_long_is_400_and_one_log_line(world: World) -> None:
     """A request aiohttp cannot parse (a request line over its 8,190 bytes,
     as the fuzz sent) is answered 400 before any handler; the worker logs one
-    line for it, not a traceback, and goes on serving."""
+    line for it, not a traceback, and goes on serving. The answer has the
+    JSON error shape, as every error does."""
     host, port = world.node.info["http"].rsplit(":", 1)
 
     def too_long() -> Answer:
@@ -334,6 +335,11 @@ def test_a_request_line_too_long_is_400_and_one_log_line(world: World) -> None:
 
     answer = unchanged(world, too_long)
     assert answer.status == 400, answer.raw[:300]
+    head, _, body = answer.raw.partition(b"\r\n\r\n")
+    assert b"application/json" in head.lower(), head
+    error = json.loads(body)["error"]
+    assert error["code"] == "bad_request" and error["field"] is None, error
+    assert "8190" in error["message"], error
     deadline = time.monotonic() + 10
     log_path = world.node.log_path
     while "action=http_bad_request" not in (text := log_path.read_text(errors="replace")):

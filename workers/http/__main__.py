@@ -53,7 +53,7 @@ from node.core.proc import (
     die_with_parent,
     set_title,
 )
-from workers.http.errors import raw_error
+from workers.http.errors import json_parse_errors, raw_error
 
 # How long a read of the keeper's class list is reused: every POST /rows needs
 # it, and the keeper rewrites it only every state_interval_s (5 s).
@@ -230,7 +230,7 @@ class _Connections:
         def protocol() -> asyncio.Protocol:
             if len(self.open) + len(self.pending) >= self.limit:
                 return _Refuse(self)
-            guard = _Guard(self, make_protocol())
+            guard = _Guard(self, json_parse_errors(make_protocol()))
             self.pending.add(guard)
             return guard
 

@@ -25,6 +25,7 @@ from typing import Any
 import msgpack
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
 
 from node.core.errors import StoreError, ValidationError
 from node.core.log import warn
@@ -187,6 +188,46 @@ TOKEN = web.AppKey("token", str)
 
 
 _REASONS = {408: "Request Timeout", 503: "Service Unavailable"}
+
+
+class _JsonErrorAnswers(RequestHandler):  # type: ignore[misc]
+    """aiohttp's protocol for one connection, its own error answers given
+    the JSON shape. aiohttp answers a request it cannot parse (a request line
+    over 8,190 bytes, a broken header) before any handler or middleware runs,
+    as text/plain; the contract says every error is JSON."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: Any,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        answer = super().handle_error(request, status, exc, message)  # logs; refuses once sent
+        code = _CODE_FOR_STATUS.get(status) or ("internal_error" if status == 500 else None)
+        if code is None:  # a status with no code of ours (504 on a handler timeout)
+            return answer
+        if status == 500:
+            text = ERROR_CODES[code][1]
+        else:
+            text = str(getattr(exc, "message", None) or message or ERROR_CODES[code][1])
+        if len(text) > 200:
+            text = text[:200] + "…"
+        body = {"error": {"code": code, "message": text, "field": None}}
+        response = web.Response(status=status, text=json.dumps(body), content_type=JSON_TYPE)
+        response.force_close()
+        return response
+
+
+def json_parse_errors(protocol: RequestHandler) -> RequestHandler:
+    """``protocol`` (what the runner's server made for a new connection)
+    answering its own errors in JSON. The server builds aiohttp's class with
+    settings of its own; the subclass adds no state (empty ``__slots__``), so
+    the object takes the subclass's behaviour as it is."""
+    protocol.__class__ = _JsonErrorAnswers
+    return protocol
 
 
 def raw_error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> bytes:
