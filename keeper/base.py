@@ -107,6 +107,14 @@ class KeeperBase:
         self._received_base = 0
         self._came_due_offset = 0
         self._received_saved: dict[str, int] | None = None
+        # Occurrences withdrawn before a grant (``withdrawn``): a due row not
+        # leased that a write (not the node's own write-back) deleted or moved
+        # past the current minute. Lifetime: the saved count plus this run's.
+        self.withdrawn = 0
+        self._withdrawn_base = 0
+        # Keys of rows refused (too many classes) while due: counted
+        # received and held nowhere, until a write of the key takes them out.
+        self.refused_due: set[str] = set()
         # Counter values at the last flow sample: the deltas go to the minute.
         self._came_due_mark = 0
         self._grants_mark: int | None = None

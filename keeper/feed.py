@@ -18,6 +18,9 @@ from node.core import metrics
 from node.core.errors import TooManyClasses
 from node.core.rows import OP_DELETE, OP_INSERT, ORIGIN_EXTERNAL, ORIGIN_WRITEBACK
 
+# Lease-table states (shm/leases CODE_NAMES) of a key that is leased: its
+# occurrence was routed, so a write that moves it is not a withdrawal.
+LEASED_NAMES = frozenset({"leased", "claiming"})
 # Rows per load step: large enough that a step's own costs stay small per
 # row, small enough that a step (the walk and load_rows, ~2.5 µs a row) stays
 # well under the 50 ms a keeper may pause, and the first publish comes within
@@ -48,6 +51,9 @@ class Feed(KeeperBase):
         tombstones = self._tombstones
         exclude = self.exclude if self.leases is not None else ()
         out = self._out
+        get = self.buckets.get
+        buckets = self.buckets
+        refused_due = self.refused_due
         for _ in range(FEED_BATCHES_PER_TICK):
             batch = changes(self.feed_seq, FEED_BATCH)
             if not batch:
@@ -56,8 +62,18 @@ class Feed(KeeperBase):
             flow = self._flow_minute(now)
             self._record_lag(batch)
             for ch in batch:
+                # The input side (docs/accounting.md): whether a write other
+                # than the node's own write-back takes a due row out.
+                before = None if loading or ch.origin == ORIGIN_WRITEBACK else get(ch.key)
+                if refused_due and ch.key in refused_due and not loading:
+                    # A row the keeper refused while due (counted received,
+                    # never waiting), written again or deleted: it leaves.
+                    refused_due.discard(ch.key)
+                    self.withdrawn += 1
                 if ch.op == OP_DELETE or not ch.valid:
                     remove(ch.key)
+                    if before is not None:
+                        self._withdraw(ch.key, before, None)
                     if loading:
                         tombstones[ch.key] = ch.seq
                     if ch.op == OP_DELETE:
@@ -70,6 +86,16 @@ class Feed(KeeperBase):
                 except TooManyClasses:
                     remove(ch.key)
                     self.stats.apply["refused_classes"] += 1
+                    if not loading and int(ch.due_at // 60) <= buckets.due_through:  # type: ignore[operator]  # an upsert carries due_at
+                        # Due per the store, and held nowhere: received, never
+                        # waiting, so the input law shows it until a write
+                        # takes the row out (below).
+                        if ch.key not in self.refused_due:
+                            buckets.came_due += before is None or before[0] > buckets.due_through
+                            self.refused_due.add(ch.key)
+                else:
+                    if before is not None:
+                        self._withdraw(ch.key, before, get(ch.key))
                 if ch.key in exclude:
                     # Inserted again while out (deleted and written back
                     # during its lease): it stays out.
@@ -100,6 +126,26 @@ class Feed(KeeperBase):
         if applied and not self._loading and self._caught_up:
             self._set_exact(True, now)
         return applied
+
+    def _withdraw(
+        self,
+        key: str,
+        before: tuple[int, int, int],
+        after: tuple[int, int, int] | None,
+    ) -> None:
+        """Count ``withdrawn`` when a write took ``key`` out of the due state
+        (``before`` and ``after``: its ``(minute, class, version)`` in the
+        buckets; ``after`` None: removed) while no lease held it. A held or
+        parked key is waiting, so it counts; a leased one was routed, and
+        its lease's end decides (a result, or requeued)."""
+        through = self.buckets.due_through
+        if before[0] > through or (after is not None and after[0] <= through):
+            return
+        if key in self.exclude and self.leases is not None:
+            found = self.leases.lookup(key)
+            if found is not None and found[0] in LEASED_NAMES:
+                return
+        self.withdrawn += 1
 
     def _record_lag(self, batch: list[Any]) -> None:
         """Each change's commit-to-applied lag into its origin's window, in

@@ -23,8 +23,12 @@ LATENESS_LABELS = ("<0.25", "0.25-0.5", "0.5-1", "1-2", "2-4", ">=4")
 STATE_ROUTE_ROWS = 200
 # Flow counts per minute, in the order the document lists them.
 FLOW_FIELDS = ("came_due", "added", "updated", "triggered", "rescheduled", "removed")
-# The store meta entry that carries the lifetime received count over restarts.
+# The store meta entry that carries the lifetime received and withdrawn
+# counts over restarts.
 RECEIVED_META = "received"
+# A state document whose input law did not close (taken mid-flight) is
+# written again this soon, not a whole state interval later.
+INPUT_RECHECK_S = 0.5
 
 
 class Report(KeeperBase):
@@ -65,7 +69,7 @@ class Report(KeeperBase):
             "classes": class_rows[:STATE_CLASS_ROWS],
             "classes_truncated": truncated,
             "flow": self._flow_doc(),
-            "counters": {"received": self.received()},
+            "counters": self._input_side(counts["due"]["total"], now),
             "trust": {
                 "phase": self._phase(),
                 "load": self.stats.load,
@@ -125,11 +129,62 @@ class Report(KeeperBase):
         return {"minutes": minutes, "last_hour": last_hour}
 
     def write_state(self, now: float) -> None:
-        self.next_state = now + self.config.state_interval_s
+        interval = self.config.state_interval_s
+        self.next_state = now + interval
         self._read_paused()  # a pause written while no keeper was asked
         self._sample_flow(now)
-        self.state.write_doc(self.counts_doc(now), now)
+        doc = self.counts_doc(now)
+        self.state.write_doc(doc, now)
         self._save_received(now)
+        if doc["counters"].get("input_gap"):
+            # Taken mid-flight (changes not applied yet, a grant between two
+            # reads): look again soon rather than show the gap for a whole
+            # interval once the node is quiet.
+            self.next_state = now + min(interval, INPUT_RECHECK_S)
+
+    # -- the input side of the books -------------------------------------------------
+
+    def _input_side(self, due: int, now: float) -> dict[str, Any]:
+        """The input law's terms as of this moment (docs/accounting.md):
+        received + requeued = routed + waiting + withdrawn. ``received``,
+        ``withdrawn`` and ``due`` are the keeper's own; ``routed``,
+        ``requeued`` and ``in_flight`` the lease table's counters (without the
+        base the ledger adds after a reboot), read together: a live count
+        before and after them that differ means a lease moved in between,
+        and they are read again. ``waiting`` = due rows no lease holds.
+        ``unapplied``: changes committed that the buckets do not show yet,
+        what a gap under load is bounded by (with the leases that moved)."""
+        received, withdrawn = self.received(), self.withdrawn_total()
+        out: dict[str, Any] = {
+            "received": received, "withdrawn": withdrawn, "due": due, "at": round(now, 3)
+        }
+        leases = self.leases
+        if leases is None or self._loading:
+            return out
+        for _ in range(3):
+            before = leases.live_count()
+            table = leases.counters()
+            in_flight = leases.live_count()
+            if in_flight == before:
+                break
+        routed = table["grants"]
+        requeued = (
+            table["expired"] - table["late_expired"] + table["released"] - table["late_released"]
+        )
+        waiting = due - in_flight
+        try:
+            unapplied = max(0, self.store.last_seq() - self.feed_seq)
+        except NodeError:
+            unapplied = None
+        out.update(
+            routed=routed,
+            requeued=requeued,
+            in_flight=in_flight,
+            waiting=waiting,
+            unapplied=unapplied,
+            input_gap=received + requeued - routed - waiting - withdrawn,
+        )
+        return out
 
     # -- flow ---------------------------------------------------------------------
 
@@ -170,6 +225,7 @@ class Report(KeeperBase):
         )
         self._came_due_offset = self.buckets.came_due
         self._came_due_mark = self.buckets.came_due
+        self._withdrawn_base = int(saved.get("withdrawn", 0))
 
     def received(self) -> int:
         """Occurrences that came due, lifetime (counted once the load is done)."""
@@ -177,12 +233,22 @@ class Report(KeeperBase):
             return int((self._received_saved or {}).get("total", 0))
         return self._received_base + self.buckets.came_due - self._came_due_offset
 
+    def withdrawn_total(self) -> int:
+        """Occurrences withdrawn before a grant, lifetime."""
+        if self._loading:
+            return int((self._received_saved or {}).get("withdrawn", 0))
+        return self._withdrawn_base + self.withdrawn
+
     def _save_received(self, now: float) -> None:
         """Keep the received count over a restart: the count through the
         current minute (the buckets have advanced to it)."""
         if self._loading:
             return
-        value = {"total": self.received(), "minute": int(now // 60)}
+        value = {
+            "total": self.received(),
+            "minute": int(now // 60),
+            "withdrawn": self.withdrawn_total(),
+        }
         try:
             self.store.set_meta(RECEIVED_META, value)
         except NodeError as exc:  # a locked or full store: the next write catches up

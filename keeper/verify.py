@@ -90,8 +90,12 @@ class Verify(KeeperBase):
             return False
         if held is not None and held == (int(row.due_at // 60), cid, row.version):
             return False
+        came_due = self.buckets.came_due
         self.buckets.remove(key)
         self.buckets.apply(key, row.version, row.route, row.cadence_s, row.sitemap, row.due_at)
+        # A repair puts back what the table held all along: restored state,
+        # not an occurrence coming due (docs/accounting.md, the input law).
+        self.buckets.came_due = came_due
         if key in self.exclude or key in self._out:
             self.buckets.detach(key)
         return True

@@ -428,11 +428,14 @@ def _trust(state: dict, doc: dict, now: float, reason: str | None) -> dict[str, 
         state_age_s=_age(now, state["counts_at"]),
         heartbeat_age_s=hb_age,
         # Rows the verification walk put right, by cause: rows a change of
-        # class membership gained, and writes the change feed missed.
+        # class membership gained, and writes the change feed missed; and
+        # the rows the re-read of each publish's top put right (``top``,
+        # not in ``total``).
         repairs={
             "total": verify.get("repairs", 0),
             "membership": verify.get("repairs_membership", 0),
             "feed_missed": verify.get("repairs_feed_missed", 0),
+            "top": verify.get("top_repairs", 0),
         },
     )
     return trust

@@ -337,6 +337,12 @@ class KeyTable:
 
     # -- reading ---------------------------------------------------------------
 
+    @property
+    def due_through(self) -> int:
+        """The minute the due counts are at: a row whose minute is at or
+        before it is due (``advance`` moves it)."""
+        return self._through
+
     def get(self, key: str) -> tuple[int, int, int] | None:
         """``(due minute, class id, version)`` of a row, or None."""
         slot = self._table[self._cell(key)]

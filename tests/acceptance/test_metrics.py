@@ -42,9 +42,15 @@ CONTRACT_NAMES = (
     "queue_node_keeper_vouched",
     "queue_node_keeper_apply_seconds",
     "queue_node_keeper_lag_seconds",
+    "queue_node_requeued_total",
+    "queue_node_withdrawn_total",
+    "queue_node_discarded_total",
+    "queue_node_waiting",
+    "queue_node_keeper_repairs_total",
 )
 LEDGER_COUNTERS = (
     "received", "routed", "finished", "acknowledged", "expired", "released", "refused",
+    "requeued", "withdrawn", "discarded",
 )
 # The keeper writes its counts this often in these tests (default 5 s).
 FAST_STATE = {"QUEUE_NODE_STATE_INTERVAL_S": "0.2"}
@@ -244,7 +250,13 @@ def _accounting_matches(node: NodeProcess) -> Scrape | None:
     s = scrape(node)
     got = {name: s.value(f"queue_node_{name}_total") for name in LEDGER_COUNTERS}
     want = {name: float(acct[name]) for name in LEDGER_COUNTERS}
-    return s if got == want and s.value("queue_node_in_flight") == acct["in_flight"] else None
+    return (
+        s
+        if got == want
+        and s.value("queue_node_in_flight") == acct["in_flight"]
+        and s.value("queue_node_waiting") == acct["waiting"]
+        else None
+    )
 
 
 @pytest.mark.timeout(180)

@@ -151,7 +151,7 @@ def test_queue_state_groups_from_a_document_and_lease_counts():
     assert got["counters"] == {"received": 12} and got["flow"] == DOC["flow"]
     trust = got["trust"]
     assert trust["vouched"] is True and trust["live"] is True and trust["reason"] is None
-    assert trust["repairs"] == {"total": 3, "membership": 1, "feed_missed": 2}
+    assert trust["repairs"] == {"total": 3, "membership": 1, "feed_missed": 2, "top": 0}
     assert (trust["state_age_s"], trust["heartbeat_age_s"]) == (1.0, 1.0)
     # The estimate never goes below zero.
     many = counts | {"leased": 50}

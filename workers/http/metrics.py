@@ -48,8 +48,17 @@ LEDGER_COUNTERS = {
     "expired": "Leases that ran out without a result.",
     "released": "Leases handed back without a result.",
     "refused": "Grants the lease table had no slot for.",
+    "requeued": "Leases that ended without a result and put their key back (expired + released).",
+    "withdrawn": "Occurrences a write took out before a grant (deleted, rescheduled).",
+    "discarded": "Results retired without delivery (retention, an operator).",
 }
 DUE_KINDS = ("sitemap", "discovered")
+# queue_node_keeper_repairs_total{kind}: the keeper's verify stats they come from.
+REPAIR_KINDS = {
+    "top": "top_repairs",
+    "feed_missed": "repairs_feed_missed",
+    "membership": "repairs_membership",
+}
 
 routes = web.RouteTableDef()
 
@@ -155,6 +164,34 @@ def ledger_families(accounting: dict[str, Any] | None) -> list[Metric]:
                 value=int(accounting.get(name) or 0),
             )
         )
+    if accounting.get("waiting") is not None:
+        out.append(
+            GaugeMetricFamily(
+                "queue_node_waiting",
+                "Due rows no lease holds (unclaimed, held, parked, paused), as GET /accounting.",
+                value=int(accounting["waiting"]),
+            )
+        )
+    gaps = accounting.get("gaps") or {}
+    if gaps.get("input") is not None:
+        gap = GaugeMetricFamily(
+            "queue_node_ledger_gap",
+            "A law's left side minus its right side (0 when it holds), as GET /accounting's gaps.",
+            labels=["law"],
+        )
+        for law in ("input", "output", "finished"):
+            gap.add_metric([law], int(gaps.get(law) or 0))
+        bound = gaps.get("input_bound")
+        out.append(gap)
+        if bound is not None:
+            out.append(
+                GaugeMetricFamily(
+                    "queue_node_ledger_input_bound",
+                    "Changes committed that the keeper's snapshot did not show yet: "
+                    "what the input gap under load is bounded by.",
+                    value=int(bound),
+                )
+            )
     return out
 
 
@@ -183,9 +220,22 @@ def state_families(
     )
     gauge.add_metric([], 1 if vouched else 0)
     out: list[Metric] = [gauge]
-    if state is None or not vouched:
+    if state is None:
         return out
     doc = state["doc"] or {}
+    verify = (doc.get("trust") or {}).get("verify") or {}
+    repairs = CounterMetricFamily(
+        "queue_node_keeper_repairs",
+        "Rows the keeper's self-checks put right in its copy, by check: the top-of-set "
+        "re-read (top), the verification walk (feed_missed), a change of class membership "
+        "(membership). Counted since the keeper process started.",
+        labels=["kind"],
+    )
+    for kind, field in REPAIR_KINDS.items():
+        repairs.add_metric([kind], int(verify.get(field) or 0))
+    out.append(repairs)
+    if not vouched:
+        return out
     due = (doc.get("now") or {}).get("due") or {}
     due_gauge = GaugeMetricFamily(
         "queue_node_due", "Rows due now (as of the keeper's last counts).", labels=["kind"]

@@ -12,13 +12,18 @@ Where each term is counted:
 | finished | results made durable (RESULT records) | completion log |
 | acknowledged, discarded | durable ACK / DISCARD records | completion log |
 | awaiting_ack | the log's pending index, counted, not derived | completion log |
-| received | occurrences that came due (lifetime), outside the law | the keeper's state document |
+| received, withdrawn | occurrences that came due; those a write took out first | keeper |
+| waiting | due rows no lease holds, at the keeper's snapshot | keeper |
 
-The law, exact at quiescence (no grant, completion, release or sweep in
+The laws, exact at quiescence (no grant, completion, release or sweep in
 progress, and the log flushed)::
 
-    routed   = finished + expired + released + in_flight
+    received + requeued = routed + waiting + withdrawn      (input)
+    routed   = finished + expired + released + in_flight    (output)
     finished = acknowledged + discarded + awaiting_ack
+
+with requeued = expired + released. The input law is checked on the
+keeper's snapshot (its own terms and the lease table's, read together).
 
 The lease-table counters survive the death of any process (shared memory)
 and a clean shutdown (saved with the leases). A host reboot after a crash
@@ -76,27 +81,45 @@ def build(
     in_flight: int,
     log: LogCounts,
     since: float,
-    received: int | None = None,
+    keeper: Mapping[str, Any] | None = None,
+    base: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
-    """The contract's ``/accounting`` object (plus ``discarded``).
+    """The contract's ``/accounting`` object (plus ``discarded`` and the gaps).
 
     ``table`` is the lease table's counters with any restored base added
-    (``AccountingFile.totals``). ``received`` is the keeper's lifetime count
-    of occurrences that came due (``counters.received`` in the state
-    buffer's document, read by the ledger); None reports 0. It is not part
-    of the law: an occurrence can come due and not be routed yet, or come
-    due again before it is (``docs/accounting.md``).
+    (``AccountingFile.totals``). ``keeper`` is the ``counters`` object of
+    the keeper's state document (``keeper/report.py``, ``_input_side``): its
+    received, withdrawn and waiting, with the lease table's counters read at
+    the same moment, so that the input law is checked on one snapshot even
+    under load; ``base`` (``AccountingFile.base``) is added to those
+    counters as it is to ``table``. None (no document yet, or one from a
+    keeper still loading, or no keeper: the ledger alone): the input side is
+    unknown, ``gaps.input`` is None and ``balanced`` judges the output side.
     """
     routed = table["grants"]
     expired = table["expired"] - table["late_expired"]
     released = table["released"] - table["late_released"]
-    balanced = (
-        routed == log.finished + expired + released + in_flight
-        and log.finished == log.acknowledged + log.discarded + log.awaiting_ack
-    )
+    output_gap = routed - (log.finished + expired + released + in_flight)
+    finished_gap = log.finished - (log.acknowledged + log.discarded + log.awaiting_ack)
+    keeper = keeper or {}
+    input_gap: int | None = None
+    if "input_gap" in keeper:
+        base = base or {}
+        requeued_base = (
+            base.get("expired", 0) - base.get("late_expired", 0)
+            + base.get("released", 0) - base.get("late_released", 0)
+        )
+        input_gap = (
+            int(keeper["received"]) + int(keeper["requeued"]) + requeued_base
+            - int(keeper["routed"]) - base.get("grants", 0)
+            - int(keeper["waiting"]) - int(keeper["withdrawn"])
+        )
     return {
-        "received": received or 0,
+        "received": int(keeper.get("received") or 0),
+        "requeued": expired + released,
         "routed": routed,
+        "waiting": keeper.get("waiting"),
+        "withdrawn": int(keeper.get("withdrawn") or 0),
         "finished": log.finished,
         "acknowledged": log.acknowledged,
         "discarded": log.discarded,
@@ -105,8 +128,15 @@ def build(
         "refused": table["refused_full"],
         "in_flight": in_flight,
         "awaiting_ack": log.awaiting_ack,
-        "balanced": balanced,
+        "balanced": output_gap == 0 and finished_gap == 0 and not input_gap,
         "since": since,
+        "gaps": {
+            "input": input_gap,
+            "input_bound": keeper.get("unapplied"),
+            "input_as_of": keeper.get("at"),
+            "output": output_gap,
+            "finished": finished_gap,
+        },
     }
 
 

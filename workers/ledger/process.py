@@ -60,9 +60,9 @@ OUTCOME_SCAN_INTERVAL_S = 1.0
 # How often the ledger looks for segments it can remove (a cheap check over
 # the segments' counts; the removal itself only when there is one).
 COMPACT_INTERVAL_S = 1.0
-# /accounting's received: the keeper's state document is read at most this
-# often (it is rewritten every state_interval_s, 5 s; decoding it costs a few
-# milliseconds of the ledger's loop).
+# /accounting's input side: the keeper's state document is read at most this
+# often (it is rewritten every state_interval_s, 5 s, and 0.5 s after one whose
+# input law did not close; decoding it costs a few milliseconds of the loop).
 RECEIVED_REREAD_S = 1.0
 # Test hooks only (QUEUE_NODE_TEST_HOOKS=1): a file whose content injects disk
 # faults into the completion log (node/completion/faults.py).
@@ -181,7 +181,7 @@ class Ledger:
             job: jc.retention_s for job, jc in config.jobs.items() if jc.retention_s is not None
         }
         self._state: Any = None  # the keeper's state buffer, attached on first use
-        self._received = 0  # the last counters.received read from it
+        self._keeper_counters: dict = {}  # the last counters read from it
         self._received_read_at = float("-inf")
         self._connections: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task] = set()  # requests being answered, all connections
@@ -662,18 +662,26 @@ class Ledger:
         c = self.log.counters()
         counts = LogCounts(c.durable, c.acked, c.discarded, self.log.pending_count())
         totals = self.acct.totals(self.leases.counters())
-        return build(totals, self.leases.live_count(), counts, self.acct.since, self.received())
+        return build(
+            totals,
+            self.leases.live_count(),
+            counts,
+            self.acct.since,
+            self.keeper_counters(),
+            self.acct.base,
+        )
 
-    def received(self) -> int:
-        """The keeper's lifetime count of occurrences that came due
-        (``counters.received`` in the state buffer's document): the last
-        value read, when the buffer cannot be read now; 0 before the keeper
+    def keeper_counters(self) -> dict:
+        """The input side of the books as the keeper last wrote it
+        (``counters`` in the state buffer's document: received, withdrawn,
+        waiting and the lease counters of the same moment): the last one
+        read, when the buffer cannot be read now; empty before the keeper
         first wrote it."""
         from shm.state import StateBuffer
 
         now = time.monotonic()
         if now - self._received_read_at < RECEIVED_REREAD_S:
-            return self._received
+            return self._keeper_counters
         self._received_read_at = now
         try:
             if self._state is None:
@@ -686,11 +694,10 @@ class Ledger:
                 except Exception:  # noqa: BLE001
                     pass
                 self._state = None
-            return self._received
-        value = counters.get("received") if isinstance(counters, dict) else None
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            self._received = value
-        return self._received
+            return self._keeper_counters
+        if isinstance(counters, dict) and isinstance(counters.get("received"), int):
+            self._keeper_counters = counters
+        return self._keeper_counters
 
     def unhold(self, request: dict) -> dict:
         keys = request.get("keys")

@@ -295,6 +295,8 @@
   }
 
   function renderTrust(trust) {
+    const repairs = (trust || {}).repairs;
+    setText("ledger-repairs", repairs ? (repairs.total || 0) + (repairs.top || 0) : "–");
     const list = byId("trust");
     list.replaceChildren();
     for (const [key, value] of Object.entries(trust || {})) {
@@ -311,6 +313,12 @@
     return acc.routed - acc.finished - acc.expired - acc.released - acc.in_flight;
   }
 
+  function inputSide(gaps) {
+    if (gaps.input === null || gaps.input === undefined) return " (input side unknown: no keeper counts)";
+    if (gaps.input !== 0) return " (input side off by " + gaps.input + ")";
+    return "";
+  }
+
   function renderLedger(acc) {
     const badge = byId("ledger-balanced");
     if (!acc) {
@@ -319,13 +327,15 @@
       return;
     }
     for (const key of ["received", "routed", "finished", "acknowledged", "expired",
-      "released", "refused"]) {
-      setText("ledger-" + key, acc[key]);
+      "released", "refused", "requeued", "waiting", "withdrawn", "discarded"]) {
+      setText("ledger-" + key, acc[key] === null || acc[key] === undefined ? "–" : acc[key]);
     }
     setText("ledger-in-flight", acc.in_flight);
     setText("ledger-awaiting-ack", acc.awaiting_ack);
     setText("ledger-gap", ledgerGap(acc));
-    badge.textContent = acc.balanced ? "balanced" : "NOT balanced";
+    const gaps = acc.gaps || {};
+    setText("ledger-input-gap", gaps.input === null || gaps.input === undefined ? "unknown" : gaps.input);
+    badge.textContent = acc.balanced ? "balanced" : "NOT balanced" + inputSide(gaps);
     badge.className = "badge " + (acc.balanced ? "ok" : "bad");
   }
 
