@@ -9,9 +9,12 @@ the limit. After each, the keeper refused no row written through the node
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -160,3 +163,29 @@ def test_keeper_kill_and_node_restart_keep_the_table(tmp_path: Path) -> None:
     finally:
         if not node.exited():
             assert node.stop() == 0, node.log()
+
+
+def _import(node: NodeProcess, tmp_path: Path, name: str, cadence_s: int) -> int:
+    """``python -m node import`` of one row of a class of its own, into the
+    running node's store: the exit status."""
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text(json.dumps({"key": name, "route": "r", "cadence_s": cadence_s}) + "\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "node", "import", str(path),
+         "--data-dir", str(node.data_dir), "--name", node.name],
+        env=node.env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert "Traceback" not in done.stderr, done.stderr
+    return done.returncode
+
+
+@pytest.mark.parametrize("started", [(3, 1)], indirect=True)
+def test_the_importer_reserves_in_the_running_node(started: NodeProcess, tmp_path: Path) -> None:
+    node = started
+    assert _post(node, _rows(1, 2)) == (200, {"upserted": 2})
+    assert _import(node, tmp_path, "imported", 60 * 50) == 0  # the third class
+    status, answer = _post(node, _rows(3, 1))  # a fourth, at once
+    assert (status, answer["error"]["code"]) == (400, "too_many_classes"), answer
+    assert _import(node, tmp_path, "refused", 60 * 51) == 2  # nothing imported
+    doc = _settled(node, 3)
+    assert _refused(doc) == 0 and doc["now"]["classes"] == 3
