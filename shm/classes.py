@@ -223,7 +223,8 @@ class SharedClasses:
         lacks are reserved together, or none is (TooManyClasses when they
         would pass ``limit``; ValueError for one that ``fits`` refuses).
         Returns how many slots this call reserved."""
-        want = {(r, c or None, bool(s)) for r, c, s in triples} - self._known.keys()
+        known = self._known
+        want = {t for t in ((r, c or None, bool(s)) for r, c, s in triples) if t not in known}
         for triple in want:
             if not fits(triple):
                 raise ValueError(f"class {triple!r} cannot have a slot")
@@ -234,7 +235,7 @@ class SharedClasses:
             # CAS that succeeds saw no slot appear since, so what it adds
             # is in no slot yet.
             self._refresh(min(used, self.capacity))
-            want -= self._known.keys()
+            want = {t for t in want if t not in known}
             if not want:
                 break
             limit = view.load64(LIMIT_OFFSET)
