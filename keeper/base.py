@@ -75,6 +75,11 @@ class Stats:
         return out
 
 
+# ``shared_classes`` default: attach the class table of the node named in the
+# configuration, when one runs.
+BY_NAME: Any = object()
+
+
 class KeeperBase:
     def __init__(
         self,
@@ -85,6 +90,7 @@ class KeeperBase:
         *,
         test_hooks: bool = False,
         leases: Any = None,
+        shared_classes: Any = BY_NAME,
     ) -> None:
         self.config = config
         # The lease table (shm/leases/), once the work path runs: its
@@ -94,7 +100,13 @@ class KeeperBase:
         self.ready = ready
         self.state = state
         self.test_hooks = test_hooks
-        self.classes = ClassTable(config)
+        if shared_classes is BY_NAME:
+            # The node's shared class table (shm/classes.py); a keeper run
+            # without a node (tests, tools) has none and keeps its own limit.
+            from shm.classes import attach_or_none
+
+            shared_classes = attach_or_none(config.name)
+        self.classes = ClassTable(config, shared_classes)
         self.buckets = Buckets(self.classes, remember_best=leases is not None)
         self.status = "loading"
         self.exact = False

@@ -7,6 +7,11 @@ default; that default comes from the configuration, so such a class is
 "route-sourced" and follows the configuration when it changes (SIGHUP),
 while a row-sourced class keeps the cadence its rows carry.
 
+With the node's shared class table (shm/classes.py), a class is created
+only when the table holds it or has room for it: the workers reserve a
+write's classes there before the write, so the keeper's table and theirs
+agree and a row written through the node always has its class.
+
 Ids are never reused while the keeper lives: an id seen in a published entry
 can never come to mean another class. An id is retired only when the buckets
 find its class empty and need room under ``max_classes``.
@@ -15,7 +20,7 @@ find its class empty and need room under ``max_classes``.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from node.core.classes import SOURCE_ROUTE, ClassId, class_id
 from node.core.config import Config
@@ -42,8 +47,12 @@ class ClassTable:
     """Class ids for the keeper; ``class_of`` is on the hot path (one dict
     lookup when the class exists)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, shared: Any = None) -> None:
         self._config = config
+        # The node's shm.classes.SharedClasses, or None (a keeper alone).
+        self.shared = shared
+        if shared is not None:
+            shared.set_limit(config.max_classes)
         self._info: dict[int, ClassInfo] = {}
         self._by_identity: dict[Identity, int] = {}
         # (route, cadence_s as the row carries it (None: route default), sitemap)
@@ -82,6 +91,11 @@ class ClassTable:
                     "(max_classes)",
                     "cadence_s" if cadence_s is not None else "route",
                 )
+            if self.shared is not None:
+                try:
+                    self.shared.reserve([(route, cadence_s, sitemap)])
+                except ValueError:  # no slot can name it (a route over 128 bytes)
+                    raise TooManyClasses(f"route {route!r} cannot have a class", "route") from None
             cid = self._next_id
             self._next_id += 1
             self._info[cid] = info
@@ -149,6 +163,8 @@ class ClassTable:
                 merges.append((cid, winner))
                 del described[cid]
         self._config = config
+        if self.shared is not None:
+            self.shared.set_limit(config.max_classes)
         self._info = described
         self._by_identity = by_identity
         self._lookup = {}

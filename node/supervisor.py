@@ -149,10 +149,10 @@ class Supervisor:
 
     def _check_names(self) -> None:
         from node.names import check_all
-        from shm import leases, ready, state
+        from shm import classes, leases, ready, state
 
         layouts = {"ready": ready.LAYOUT_VERSION, "leases": leases.LAYOUT_VERSION,
-                   "state": state.LAYOUT_VERSION}  # fmt: skip
+                   "state": state.LAYOUT_VERSION, "classes": classes.LAYOUT_VERSION}  # fmt: skip
         check_all(self.name, self.identity[0], layouts)
 
     def _bind(self) -> socket.socket:
@@ -263,6 +263,25 @@ class Supervisor:
             identity=self.identity,
         )
         self.wake = Wake.create(self.name)
+        self._create_classes()
+
+    def _create_classes(self) -> None:
+        """The shared class table (shm/classes.py), filled with the classes
+        of the store's rows before any worker can reserve one, so that a row
+        written before this start keeps its class's slot. Past
+        ``max_classes`` (rows other programs wrote), the classes of the
+        oldest rows have the slots."""
+        from node.store import open_store
+        from shm.classes import SharedClasses, fits
+
+        self.classes = SharedClasses.create(
+            self.name, self.config.max_classes, identity=self.identity
+        )
+        with open_store(self.config.store_url) as store:
+            found = [t for t in store.classes_in_use() if fits(t)]
+        taken = self.classes.reserve(found[: self.config.max_classes])
+        if len(found) > taken:
+            log.warn("classes_over_limit", classes=len(found), max_classes=self.config.max_classes)
 
     @property
     def leases_file(self) -> Path:
@@ -302,12 +321,13 @@ class Supervisor:
 
     def _unlink_segments(self) -> None:
         from keeper.ask import unlink_all
+        from shm.classes import SharedClasses
         from shm.leases import LeaseTable
         from shm.ready import ReadySet
         from shm.state import StateBuffer
         from shm.wake import Wake
 
-        for seg in (self.ready, self.state, self.wake, self.leases):
+        for seg in (self.ready, self.state, self.wake, self.leases, self.classes):
             try:
                 seg.close()
             except Exception as exc:  # noqa: BLE001 - shutting down; say and go on
@@ -316,6 +336,7 @@ class Supervisor:
         StateBuffer.unlink(self.name)
         Wake.unlink(self.name)
         LeaseTable.unlink(self.name)
+        SharedClasses.unlink(self.name)
         unlink_all(self.name)
 
     # -- children -------------------------------------------------------------------

@@ -57,12 +57,13 @@ def cleanup_segments(name: str) -> None:
     """Remove what a node of ``name`` may have left in shared memory (a node
     that was killed leaves its segments, as a crash would)."""
     from keeper.ask import unlink_all
+    from shm.classes import SharedClasses
     from shm.leases import LeaseTable
     from shm.ready import ReadySet
     from shm.state import StateBuffer
     from shm.wake import Wake
 
-    for cls in (ReadySet, StateBuffer, Wake, LeaseTable):
+    for cls in (ReadySet, StateBuffer, Wake, LeaseTable, SharedClasses):
         cls.unlink(name)
     unlink_all(name)
 

@@ -25,3 +25,15 @@ def class_id(route: str, cadence_s: int | None, sitemap: bool, route_cadence_s: 
     if cadence_s is None:
         return (route, int(route_cadence_s), SOURCE_ROUTE, bool(sitemap))
     return (route, int(cadence_s), SOURCE_ROW, bool(sitemap))
+
+
+# (route, cadence_s as the row carries it (None: the route's default),
+# sitemap): one-to-one with ClassId under any one configuration, and the same
+# under every one (shm/classes.py names classes so).
+Carried = tuple[str, int | None, bool]
+
+
+def carried(cid: ClassId) -> Carried:
+    """The fields a row of class ``cid`` carries that make its class."""
+    route, cadence_s, source, sitemap = cid
+    return (route, None if source == SOURCE_ROUTE else cadence_s, bool(sitemap))

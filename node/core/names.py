@@ -26,7 +26,7 @@ from node.core.errors import ConfigError
 # Every name starts with this: /queue-node.<node>.<what>.
 PREFIX = "queue-node"
 # The shared-memory segments a node has, by kind.
-SEGMENT_KINDS = ("ready", "leases", "state")
+SEGMENT_KINDS = ("ready", "leases", "state", "classes")
 # A node name: what may sit between the dots of every name above.
 NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 

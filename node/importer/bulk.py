@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from node.core.config import Config
 from node.core.errors import StoreError, ValidationError
@@ -45,6 +46,7 @@ def import_file(
     now: float | None = None,
     config: Config | None = None,
     known_classes: set[ClassId] | frozenset[ClassId] = frozenset(),
+    reserve: Callable[[set[ClassId]], Any] | None = None,
     fmt: str | None = None,
     on_invalid: Callable[[LineError], None] | None = None,
     on_progress: Callable[[str], None] | None = None,
@@ -55,7 +57,9 @@ def import_file(
     report says how many (``imported`` 0). Raises ``ImportFileError`` for a
     file that cannot be read at all, ``TooManyClasses`` when the file would
     take the node past ``config.max_classes`` (counting ``known_classes``,
-    the running keeper's), ``ImportFailed`` when the store fails part-way.
+    the running keeper's; with ``reserve``, the running node's shared class
+    table: the file's classes are reserved there instead, all or none),
+    ``ImportFailed`` when the store fails part-way.
     """
     path = Path(path)
     config = config or Config()
@@ -68,7 +72,10 @@ def import_file(
     classes = run.check()
     if report.invalid and not skip_invalid:
         return report
-    check_class_limit(set(known_classes), classes, config.max_classes, None)
+    if reserve is not None:
+        reserve(classes)
+    else:
+        check_class_limit(set(known_classes), classes, config.max_classes, None)
     run.write(time.time() if now is None else now)
     return report
 

@@ -4,11 +4,13 @@ says what it does)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from node.core.config import Config, load_config, parse_duration
 from node.core.errors import ConfigError, StoreError, ValidationError
@@ -92,6 +94,15 @@ def _running_classes(name: str) -> set[ClassId]:
         return set()
 
 
+@contextlib.contextmanager
+def _closing(table: Any) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        if table is not None:
+            table.close()
+
+
 def _wake(name: str) -> None:
     """Nudge a running node's keeper; nothing happens when none runs."""
     try:
@@ -161,7 +172,14 @@ def _run(args: argparse.Namespace) -> int:
     def progress(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    with open_store(config.store_url) as store:
+    from node.core.classes import carried
+    from shm.classes import attach_or_none
+
+    # A node running here: the file's classes are reserved in its shared
+    # class table (shm/classes.py), as a write through the node's are.
+    table = attach_or_none(config.name)
+    reserve = None if table is None else (lambda cs: table.reserve(map(carried, cs)))
+    with open_store(config.store_url) as store, _closing(table):
         report = import_file(
             path,
             store,
@@ -170,7 +188,8 @@ def _run(args: argparse.Namespace) -> int:
             job=fill.job,
             skip_invalid=args.skip_invalid,
             config=config,
-            known_classes=_running_classes(config.name),
+            known_classes=set() if table is not None else _running_classes(config.name),
+            reserve=reserve,
             fmt=args.format,
             on_invalid=bad_line,
             on_progress=progress,

@@ -179,6 +179,21 @@ class Store(abc.ABC):
         bad = [r for r in found if isinstance(r, BadRow)]
         return rows, bad, (found[-1].key if len(found) >= limit else None)
 
+    def classes_in_use(self) -> list[tuple[str, int | None, bool]]:
+        """The classes of the schedulable rows, as rows carry them:
+        ``(route, cadence_s or None, sitemap)`` (shm/classes.py), the class
+        of the oldest row (lowest version) first. Backends override this for
+        speed; this default walks the table."""
+        oldest: dict[tuple[str, int | None, bool], int] = {}
+        after: str | None = None
+        while True:
+            rows, _bad, after = self.walk_schedule(after, 10_000)
+            for r in rows:
+                triple = (r[2], r[3], bool(r[4]))
+                oldest[triple] = min(oldest.get(triple, r[1]), r[1])
+            if after is None:
+                return sorted(oldest, key=oldest.__getitem__)
+
     @abc.abstractmethod
     def count(self) -> int:
         """Rows in the table."""

@@ -190,6 +190,10 @@ WALK_SCHEDULE_AFTER = (
     f"SELECT {_SCHEDULE_COLUMNS} FROM schedule WHERE key > ? ORDER BY key LIMIT ?"
 )
 COUNT_ROWS = "SELECT count(*) FROM schedule"
+CLASSES_IN_USE = (
+    "SELECT route, cadence_s, sitemap, MIN(version) AS oldest FROM schedule "
+    "GROUP BY route, cadence_s, sitemap ORDER BY oldest"
+)
 
 
 def get_many_sql(n: int) -> str:

@@ -88,7 +88,7 @@ shm.close_fd()
 
 
 @needs_root
-@pytest.mark.parametrize("kind", ["ready", "leases", "state"])
+@pytest.mark.parametrize("kind", ["ready", "leases", "state", "classes"])
 def test_a_segment_another_user_made_first_is_refused(
     tmp_path: Path, node_name: str, kind: str
 ) -> None:
@@ -286,7 +286,7 @@ def test_clear_refuses_while_a_node_runs(tmp_path: Path, node_name: str) -> None
                               capture_output=True, text=True, timeout=30)  # fmt: skip
         assert done.returncode == 2
         assert "still in use" in done.stderr and "\n" not in done.stderr.strip()
-        assert len(_node_names(node_name)) == 4  # three segments and the semaphore
+        assert len(_node_names(node_name)) == 5  # four segments and the semaphore
         assert node.stop() == 0
     finally:
         finish([node], node_name)

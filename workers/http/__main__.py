@@ -89,6 +89,13 @@ class _KeeperSide:
         self._state: Any = None
         self._classes: set = set()
         self._classes_at = float("-inf")
+        # The shared class table a write reserves its classes in (None:
+        # the check falls back to the classes of the state document).
+        from shm.classes import attach_or_none
+
+        self.classes = attach_or_none(name)
+        if self.classes is None:
+            log.warn("classes_attach_failed", node=name)
         try:
             from shm.wake import Wake
 
@@ -127,7 +134,7 @@ class _KeeperSide:
         return answer
 
     def close(self) -> None:
-        for seg in (self._wake, self._state):
+        for seg in (self._wake, self._state, self.classes):
             if seg is not None:
                 seg.close()
 
@@ -443,6 +450,7 @@ async def serve(
             keeper_state=keeper.keeper_state,
             explain=keeper.explain,
             known_classes=keeper.known_classes,
+            classes=keeper.classes,
             store_executor=store_thread,
         )
         ctx.work = await work_side.start(ctx, config, keeper.wake)

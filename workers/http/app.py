@@ -41,6 +41,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from node.core import log
+from node.core.classes import carried
 from node.core.config import Config
 from node.core.errors import ValidationError
 from node.core.rows import ORIGIN_NODE, RowWrite, check_key, parse_row
@@ -100,8 +101,12 @@ class WorkerContext:
     keeper_state: Callable[[], dict[str, Any] | None] = _no_state
     # The keeper's view of one key, or None when the keeper did not answer.
     explain: Callable[[str], dict[str, Any] | None] = _no_answer
-    # The class identities (route, cadence_s, source, sitemap) the keeper reports.
+    # The class identities (route, cadence_s, source, sitemap) the keeper
+    # reports: what the class check uses when there is no shared table.
     known_classes: Callable[[], set[ClassId]] = _no_classes
+    # The node's shared class table (shm.classes.SharedClasses), used on the
+    # store's thread only: a write reserves its new classes there.
+    classes: Any = None
     # The thread the store lives on; None: call the store inline.
     store_executor: Executor | None = None
     # The work path (workers.http.work.WorkPath): claims, leases, the ledger.
@@ -282,11 +287,16 @@ def strict_query(request: web.Request, name: str, code: str) -> str:
 
 
 def write_rows(ctx: WorkerContext, writes: list[RowWrite], known: set[ClassId]) -> int:
-    """Check the class limit against the stored rows, then upsert. Nothing is
-    written when the check refuses."""
+    """Reserve the write's classes (or, with no shared table, check the
+    limit against ``known``), then upsert. Nothing is written when the
+    reservation or the check refuses; a reservation whose upsert then fails
+    keeps its slot (shm/classes.py)."""
     stored = ctx.store.get_many(needs_stored(writes))
     batch = write_classes(ctx.config, writes, stored)
-    check_class_limit(known, batch, ctx.config.max_classes)
+    if ctx.classes is not None:
+        ctx.classes.reserve(map(carried, batch))
+    else:
+        check_class_limit(known, batch, ctx.config.max_classes)
     return ctx.store.upsert(writes, now=ctx.clock(), origin=ORIGIN_NODE)
 
 
@@ -322,7 +332,7 @@ async def post_rows(request: web.Request) -> web.Response:
     writes = parse_rows(await read_body(request))
     if not writes:
         return reply(request, {"upserted": 0})
-    known = _safely("classes", ctx.known_classes) or set()
+    known = set() if ctx.classes is not None else _safely("classes", ctx.known_classes) or set()
     n = await _in_store(ctx, write_rows, ctx, writes, known)
     if n:
         _wake(ctx)
