@@ -86,6 +86,7 @@ class Feed(KeeperBase):
                 except TooManyClasses:
                     remove(ch.key)
                     self.stats.apply["refused_classes"] += 1
+                    buckets.refused_keys.append(ch.key)
                     if not loading and int(ch.due_at // 60) <= buckets.due_through:  # type: ignore[operator]  # an upsert carries due_at
                         # Due per the store, and held nowhere: received, never
                         # waiting, so the input law shows it until a write

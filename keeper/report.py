@@ -76,6 +76,13 @@ class Report(KeeperBase):
                 "publish": self.stats.publish,
                 "verify": self.stats.verify,
                 "apply": self.stats.apply,
+                # Rows held nowhere for want of a class slot (max_classes):
+                # how many, the newest keys, and those due (in the input law).
+                "refused": {
+                    "rows": self.stats.apply["refused_classes"],
+                    "keys": list(self.buckets.refused_keys),
+                    "due": len(self.refused_due),
+                },
                 "lag": self.stats.lag_figures(),
                 "feed_seq": self.feed_seq,
             },

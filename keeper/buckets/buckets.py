@@ -264,6 +264,7 @@ class Buckets(Best, Detach, Counts):
                 applied += self.apply(*row)
             except TooManyClasses:
                 refused += 1
+                self.refused_keys.append(row[0])
         # Walked rows are restored state, not new occurrences: undo what
         # ``apply`` counted as coming due.
         self.came_due = came_due

@@ -34,10 +34,14 @@ from __future__ import annotations
 import sys
 from array import array
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 from keeper.classes import ClassTable
 from keeper.order import BLOCK_LOAD, SLOT_BITS, Order
+
+# Refused rows named in the keeper's trust (the newest).
+REFUSED_KEYS = 20
 
 # Smallest hash table (cells); it doubles when more than 2/3 full, and a
 # table holding more than ``KeyTable.GROW_AT_ONCE`` rows doubles incrementally.
@@ -126,6 +130,9 @@ class KeyTable:
         # and the highest minute ``advance`` has reached (None: never called).
         self.came_due = 0
         self._high: int | None = None
+        # The last rows refused for want of a class slot (``TooManyClasses``),
+        # by key, newest last: named in the keeper's trust.
+        self.refused_keys: deque[str] = deque(maxlen=REFUSED_KEYS)
         # Where the last ``best`` found its threshold, and how many
         # excluded keys its candidates held: the next call starts from them.
         self._best_hint: float | None = None

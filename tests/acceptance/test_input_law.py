@@ -149,6 +149,8 @@ def _mixed_load_then_broken(node: Any, client: Client) -> None:
             )
         off = _off(client, 1)
         assert off["received"] == 31 and off["waiting"] == 9
+        refused = client.queue_state()["trust"]["refused"]
+        assert refused["keys"] == ["x"] and refused["due"] == 1 and refused["rows"] == 1, refused
         with db:
             db.execute("DELETE FROM schedule WHERE key = 'x'")
     finally:
