@@ -70,7 +70,17 @@ HISTOGRAMS = {
     "queue_node_claim_seconds",
 }
 HISTOGRAM_SERIES = {f"{h}{s}" for h in HISTOGRAMS for s in ("_bucket", "_sum", "_count")}
-KNOWN_SERIES = COUNTERS | GAUGES | HISTOGRAM_SERIES
+# The input side of the books (issue 17): in the alert rules, not required on the dashboard.
+INPUT_SIDE = {
+    "queue_node_requeued_total",
+    "queue_node_withdrawn_total",
+    "queue_node_discarded_total",
+    "queue_node_waiting",
+    "queue_node_ledger_gap",
+    "queue_node_ledger_input_bound",
+    "queue_node_keeper_repairs_total",
+}
+KNOWN_SERIES = COUNTERS | GAUGES | HISTOGRAM_SERIES | INPUT_SIDE
 
 
 # -- the files, served by the app ------------------------------------------------------
@@ -230,6 +240,7 @@ def test_alert_rules_parse_and_name_only_the_contracts_metrics() -> None:
     expected = {
         "QueueNodeKeeperNotVouching": "1m",
         "QueueNodeLedgerUnbalanced": "5m",
+        "QueueNodeInputUnbalanced": "5m",
         "QueueNodeParkedKeysRising": "30m",
         "QueueNodeLatenessPastOneCadence": "15m",
     }
@@ -247,6 +258,10 @@ def test_alert_rules_parse_and_name_only_the_contracts_metrics() -> None:
         "queue_node_in_flight",
     }
     assert "> 1" in rules["QueueNodeLatenessPastOneCadence"]["expr"]
+    assert _metric_names(rules["QueueNodeInputUnbalanced"]["expr"]) == {
+        "queue_node_ledger_gap",
+        "queue_node_ledger_input_bound",
+    }
 
 
 def test_keda_scaled_object_falls_back_when_the_node_cannot_vouch() -> None:
