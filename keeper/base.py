@@ -124,6 +124,9 @@ class KeeperBase:
         # past the current minute. Lifetime: the saved count plus this run's.
         self.withdrawn = 0
         self._withdrawn_base = 0
+        # The feed position the last saved counts include: the change log is
+        # trimmed no further (a successor replays what came after it).
+        self._saved_seq = 0
         # Keys of rows refused (too many classes) while due: counted
         # received and held nowhere, until a write of the key takes them out.
         self.refused_due: set[str] = set()
@@ -169,6 +172,7 @@ class KeeperBase:
         def _check_top(self, top: list[str], now: float) -> None: ...
         def _flow_minute(self, now: float) -> dict[str, int]: ...
         def _start_received(self, now: float) -> None: ...
+        def _leased(self, key: str) -> bool: ...
 
     def _phase(self) -> str:
         if self._loading:

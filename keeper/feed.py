@@ -18,9 +18,6 @@ from node.core import metrics
 from node.core.errors import TooManyClasses
 from node.core.rows import OP_DELETE, OP_INSERT, ORIGIN_EXTERNAL, ORIGIN_WRITEBACK
 
-# Lease-table states (shm/leases CODE_NAMES) of a key that is leased: its
-# occurrence was routed, so a write that moves it is not a withdrawal.
-LEASED_NAMES = frozenset({"leased", "claiming"})
 # Rows per load step: large enough that a step's own costs stay small per
 # row, small enough that a step (the walk and load_rows, ~2.5 µs a row) stays
 # well under the 50 ms a keeper may pause, and the first publish comes within
@@ -142,11 +139,8 @@ class Feed(KeeperBase):
         through = self.buckets.due_through
         if before[0] > through or (after is not None and after[0] <= through):
             return
-        if key in self.exclude and self.leases is not None:
-            found = self.leases.lookup(key)
-            if found is not None and found[0] in LEASED_NAMES:
-                return
-        self.withdrawn += 1
+        if not self._leased(key):
+            self.withdrawn += 1
 
     def _record_lag(self, batch: list[Any]) -> None:
         """Each change's commit-to-applied lag into its origin's window, in
@@ -193,5 +187,8 @@ class Feed(KeeperBase):
 
     def _trim(self, now: float) -> None:
         self.next_trim = now + TRIM_INTERVAL_S
-        if self.feed_seq:
-            self.store.trim_changes(self.feed_seq)
+        # Only what the saved input counts include: a keeper that starts
+        # after this one died replays the rest (``_start_received``).
+        through = min(self.feed_seq, self._saved_seq)
+        if through:
+            self.store.trim_changes(through)

@@ -12,6 +12,7 @@ from typing import Any
 from keeper.base import KeeperBase
 from node.core import log
 from node.core.errors import NodeError
+from node.core.rows import OP_DELETE, ORIGIN_WRITEBACK
 
 # Class rows in the state document; more are summarised and flagged truncated.
 STATE_CLASS_ROWS = 1_000
@@ -26,6 +27,10 @@ FLOW_FIELDS = ("came_due", "added", "updated", "triggered", "rescheduled", "remo
 # The store meta entry that carries the lifetime received and withdrawn
 # counts over restarts.
 RECEIVED_META = "received"
+# Changes read a query when a starting keeper replays its predecessor's last ones.
+REPLAY_BATCH = 10_000
+# Lease-table states (shm/leases CODE_NAMES) of a key that is leased.
+LEASED_NAMES = frozenset({"leased", "claiming"})
 # A state document whose input law did not close (taken mid-flight) is
 # written again this soon, not a whole state interval later.
 INPUT_RECHECK_S = 0.5
@@ -219,20 +224,69 @@ class Report(KeeperBase):
     # -- the received count -----------------------------------------------------
 
     def _start_received(self, now: float) -> None:
-        """At the end of the load: the lifetime received count is the saved
-        one plus the rows that came due while no keeper counted them (due
-        minutes after the saved minute, through now). From here the buckets
-        count (``came_due``)."""
+        """At the end of the load: the lifetime received and withdrawn counts
+        are the saved ones plus what happened since they were saved and no
+        keeper counted (docs/accounting.md, "After a restart of the keeper").
+        From here the buckets count (``came_due``) and the feed (``withdrawn``).
+
+        The counts were saved with the feed position and the minute they
+        were counted through (``seq``, ``minute``). The changes logged after
+        that position (kept: the log is trimmed only up to it) are replayed
+        from their due times and the ones they replaced, each at its own
+        minute; the clock's crossings are counted for each row from its last
+        change (or the saved minute) to now. A save without ``seq`` (an older
+        keeper) counts the crossings alone."""
         minute = int(now // 60)
         self.buckets.advance(minute)
         saved = self._received_saved or {}
         since = int(saved.get("minute", -(2**31)))
-        self._received_base = int(saved.get("total", 0)) + (
-            self.buckets.count_due_between(since, minute) if since < minute else 0
-        )
+        received = int(saved.get("total", 0))
+        withdrawn = int(saved.get("withdrawn", 0))
+        crossed = self.buckets.count_due_between(since, minute) if since < minute else 0
+        if "seq" in saved and since >= 0:
+            came, took, last_minute = self._replay_since(int(saved["seq"]), since)
+            received += came
+            withdrawn += took
+            for key, last in last_minute.items():
+                held = self.buckets.get(key)
+                if held is not None and since < held[0] <= min(last, minute):
+                    crossed -= 1  # due at its last change: counted by the replay
+        self._received_base = received + crossed
+        self._withdrawn_base = withdrawn
+        self._saved_seq = int(saved.get("seq", 0))
         self._came_due_offset = self.buckets.came_due
         self._came_due_mark = self.buckets.came_due
-        self._withdrawn_base = int(saved.get("withdrawn", 0))
+
+    def _replay_since(self, after_seq: int, since: int) -> tuple[int, int, dict[str, int]]:
+        """(came due, withdrawn, the minute of each replayed key's last change)
+        over the changes after ``after_seq`` through the feed position."""
+        came = took = 0
+        last_minute: dict[str, int] = {}
+        while True:
+            batch = self.store.due_history(after_seq, self.feed_seq, REPLAY_BATCH)
+            for ch in batch:
+                at = max(since, int(ch.at // 60))
+                before = last_minute.get(ch.key, since)
+                old = None if ch.old_due_at is None else int(ch.old_due_at // 60)
+                if old is not None and before < old <= at:
+                    came += 1  # the clock brought it due before this change
+                was_due = old is not None and old <= at
+                new = None if ch.op == OP_DELETE or ch.due_at is None else int(ch.due_at // 60)
+                if new is not None and new <= at:
+                    came += not was_due
+                elif was_due and ch.origin != ORIGIN_WRITEBACK and not self._leased(ch.key):
+                    took += 1
+                last_minute[ch.key] = at
+            if len(batch) < REPLAY_BATCH:
+                return came, took, last_minute
+            after_seq = batch[-1].seq
+
+    def _leased(self, key: str) -> bool:
+        """Whether a lease (not a hold or a parking) keeps ``key`` out now."""
+        if self.leases is None or key not in self.exclude:
+            return False
+        found = self.leases.lookup(key)
+        return found is not None and found[0] in LEASED_NAMES
 
     def received(self) -> int:
         """Occurrences that came due, lifetime (counted once the load is done)."""
@@ -255,8 +309,10 @@ class Report(KeeperBase):
             "total": self.received(),
             "minute": int(now // 60),
             "withdrawn": self.withdrawn_total(),
+            "seq": self.feed_seq,  # every change through it is in the counts
         }
         try:
             self.store.set_meta(RECEIVED_META, value)
+            self._saved_seq = self.feed_seq
         except NodeError as exc:  # a locked or full store: the next write catches up
             log.warn("received_save_failed", error=str(exc))

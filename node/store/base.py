@@ -40,6 +40,26 @@ class WriteBack(NamedTuple):
     finished_at: float
 
 
+class DueChange(NamedTuple):
+    """One change-log entry as ``Store.due_history`` gives it."""
+
+    seq: int
+    op: str
+    key: str
+    origin: str
+    due_at: float | None  # None for a delete
+    old_due_at: float | None  # the due time it replaced; None for an insert, or not kept
+    at: float
+
+
+def due_or_none(value: Any) -> float | None:
+    """A stored due time as ``DueChange`` carries it: a number in the range
+    a row may have (0 to the year 3000), else None (absent, or not valid)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if 0 <= value <= 32503680000.0 else None
+
+
 class LastError(NamedTuple):
     """A lease that ended without a result (released, expired, parked): the
     row's ``last_error``, as of ``at``."""
@@ -211,6 +231,14 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def trim_changes(self, through_seq: int) -> int:
         """Drop consumed change-log entries with seq <= ``through_seq``."""
+
+    @abc.abstractmethod
+    def due_history(self, after_seq: int, through_seq: int, limit: int) -> list[DueChange]:
+        """The change log's entries with ``after_seq < seq <= through_seq``,
+        in seq order, at most ``limit``: each change's due time and the due
+        time it replaced (None for an insert, and for a change logged before
+        the store kept it). What a keeper replays at its start to count the
+        input side of the books its predecessor had not saved."""
 
     # -- node metadata (paused routes, lifetime counters, …) ------------------
 

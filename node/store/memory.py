@@ -36,7 +36,7 @@ from node.core.rows import (
     RowWrite,
     stored_row_is_valid,
 )
-from node.store.base import BadRow, LastError, Store, WriteBack
+from node.store.base import BadRow, DueChange, LastError, Store, WriteBack, due_or_none
 
 # Positions in a stored row (a list, so an update can assign in place).
 _ROUTE, _CADENCE, _SITEMAP, _DUE, _PAYLOAD, _JOB, _VERSION = range(7)
@@ -119,6 +119,7 @@ class MemoryStore(Store):
         self.url = url
         self._rows: SortedDict = SortedDict()  # key -> [route, cadence_s, ..., version]
         self._changes: list[Change] = []  # in seq order
+        self._old_due: dict[int, Any] = {}  # seq -> the due time the change replaced
         self._seq = 0
         self._meta: dict[str, str] = {}  # JSON text, so reads return copies
         self._closed = False
@@ -127,9 +128,12 @@ class MemoryStore(Store):
         if self._closed:
             raise StoreError("memory store: the store is closed")
 
-    def _log(self, op: str, key: str, origin: str, stored: list | None) -> int:
+    def _log(
+        self, op: str, key: str, origin: str, stored: list | None, old_due: Any = None
+    ) -> int:
         self._seq += 1
         at = time.time()
+        self._old_due[self._seq] = old_due
         if stored is None:
             change = Change(self._seq, op, key, origin, None, None, False, None, at)
         elif stored_row_is_valid(*stored[_ROUTE : _DUE + 1]):
@@ -167,12 +171,14 @@ class MemoryStore(Store):
                 ]
                 self._rows[key] = stored
                 op = OP_INSERT
+                old_due = None
             else:
+                old_due = stored[_DUE]
                 stored[_ROUTE] = fields.pop("route")
                 for name, value in fields.items():
                     stored[_FIELD_INDEX[name]] = value
                 op = OP_UPDATE
-            stored[_VERSION] = self._log(op, key, origin, stored)
+            stored[_VERSION] = self._log(op, key, origin, stored, old_due)
         return len(rows)
 
     def delete(self, keys: Sequence[str], *, origin: str = ORIGIN_NODE) -> int:
@@ -180,8 +186,8 @@ class MemoryStore(Store):
         _check_origin(origin)
         deleted = 0
         for key in keys:
-            if self._rows.pop(key, None) is not None:
-                self._log(OP_DELETE, key, origin, None)
+            if (gone := self._rows.pop(key, None)) is not None:
+                self._log(OP_DELETE, key, origin, None, gone[_DUE])
                 deleted += 1
         return deleted
 
@@ -192,8 +198,9 @@ class MemoryStore(Store):
             return None
         if due_at is None or math.isnan(due_at):
             raise StoreError("memory store: write_next_due: NOT NULL constraint failed")
+        old_due = stored[_DUE]
         stored[_DUE] = _real(due_at)
-        stored[_VERSION] = self._log(OP_UPDATE, key, ORIGIN_WRITEBACK, stored)
+        stored[_VERSION] = self._log(OP_UPDATE, key, ORIGIN_WRITEBACK, stored, old_due)
         return stored[_VERSION]
 
     def write_back_many(self, items: Sequence[WriteBack]) -> list[int | None]:
@@ -207,11 +214,12 @@ class MemoryStore(Store):
             if stored is None or stored[_VERSION] != it.if_version:
                 out.append(None)
                 continue
+            old_due = stored[_DUE]
             stored[_DUE] = _real(it.due_at)
             stored[_RESULT_ID] = _integer(it.result_id)
             stored[_FINISHED] = _real(it.finished_at)
             stored[_ERROR] = None
-            stored[_VERSION] = self._log(OP_UPDATE, it.key, ORIGIN_WRITEBACK, stored)
+            stored[_VERSION] = self._log(OP_UPDATE, it.key, ORIGIN_WRITEBACK, stored, old_due)
             out.append(stored[_VERSION])
         return out
 
@@ -273,8 +281,20 @@ class MemoryStore(Store):
     def trim_changes(self, through_seq: int) -> int:
         self._check_open()
         end = bisect.bisect_right(self._changes, through_seq, key=_seq_of)
+        for change in self._changes[:end]:
+            self._old_due.pop(change.seq, None)
         del self._changes[:end]
         return end
+
+    def due_history(self, after_seq: int, through_seq: int, limit: int) -> list[DueChange]:
+        self._check_open()
+        out = []
+        for ch in self.changes(after_seq, limit):
+            if ch.seq > through_seq:
+                break
+            out.append(DueChange(ch.seq, ch.op, ch.key, ch.origin, due_or_none(ch.due_at),
+                                 due_or_none(self._old_due.get(ch.seq)), ch.at))
+        return out
 
     # -- meta ------------------------------------------------------------------
 

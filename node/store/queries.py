@@ -99,6 +99,38 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             "ALTER TABLE schedule ADD COLUMN last_error TEXT",
         ],
     ),
+    (
+        3,
+        "the due time a change replaced",
+        [
+            # An update's and a delete's change carries the row's due time
+            # before it (NULL for an insert): a keeper that starts after
+            # another died counts, from the changes its predecessor had not
+            # saved counts through, which rows came due and which were taken
+            # out (docs/accounting.md, the input law).
+            "ALTER TABLE changes ADD COLUMN old_due_at REAL",
+            "DROP TRIGGER schedule_log_update",
+            "DROP TRIGGER schedule_log_delete",
+            f"""CREATE TRIGGER schedule_log_update
+            AFTER UPDATE OF key, route, cadence_s, sitemap, due_at, payload, job ON schedule
+            BEGIN
+                INSERT INTO changes (op, key, origin, at, old_due_at)
+                SELECT 'D', OLD.key, {_ORIGIN_SQL}, {_NOW_SQL}, OLD.due_at
+                WHERE OLD.key IS NOT NEW.key;
+                INSERT INTO changes (op, key, origin, route, cadence_s, sitemap, due_at, at,
+                                     old_due_at)
+                VALUES (CASE WHEN OLD.key IS NEW.key THEN 'U' ELSE 'I' END, NEW.key,
+                        {_ORIGIN_SQL}, NEW.route, NEW.cadence_s, NEW.sitemap, NEW.due_at,
+                        {_NOW_SQL}, CASE WHEN OLD.key IS NEW.key THEN OLD.due_at END);
+                UPDATE schedule SET version = last_insert_rowid() WHERE rowid = NEW.rowid;
+            END""",
+            f"""CREATE TRIGGER schedule_log_delete AFTER DELETE ON schedule
+            BEGIN
+                INSERT INTO changes (op, key, origin, at, old_due_at)
+                VALUES ('D', OLD.key, {_ORIGIN_SQL}, {_NOW_SQL}, OLD.due_at);
+            END""",
+        ],
+    ),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -235,6 +267,8 @@ def upsert_sql(present: tuple[str, ...]) -> str:
 CHANGES_AFTER = f"SELECT {_CHANGE_COLUMNS} FROM changes WHERE seq > ? ORDER BY seq LIMIT ?"
 LAST_SEQ = "SELECT seq FROM sqlite_sequence WHERE name = 'changes'"
 TRIM_CHANGES = "DELETE FROM changes WHERE seq <= ?"
+DUE_HISTORY = """SELECT seq, op, key, origin, due_at, old_due_at, at FROM changes
+        WHERE seq > ? AND seq <= ? ORDER BY seq LIMIT ?"""
 
 # -- the claim path (shm/_claim_path.c, on its own connection) -------------------------
 

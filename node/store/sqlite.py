@@ -46,7 +46,15 @@ from node.core.rows import (
     stored_row_is_valid,
 )
 from node.store import queries as q
-from node.store.base import BadRow, ClaimSource, LastError, Store, WriteBack
+from node.store.base import (
+    BadRow,
+    ClaimSource,
+    DueChange,
+    LastError,
+    Store,
+    WriteBack,
+    due_or_none,
+)
 from node.store.queries import MIGRATIONS, SCHEMA_VERSION  # also read here by tests
 from node.store.sqlite_values import (
     BUSY_TIMEOUT_S,
@@ -520,6 +528,18 @@ class SQLiteStore(Store):
             except sqlite3.Error as exc:
                 raise _wrap(exc, "last_seq") from exc
         return 0 if found is None else found[0]
+
+    def due_history(self, after_seq: int, through_seq: int, limit: int) -> list[DueChange]:
+        conn = self._c()
+        with self._lock:
+            try:
+                found = conn.execute(q.DUE_HISTORY, (after_seq, through_seq, limit)).fetchall()
+            except sqlite3.Error as exc:
+                raise _wrap(exc, "due_history") from exc
+        return [
+            DueChange(seq, op, key, origin, due_or_none(due_at), due_or_none(old), float(at))
+            for seq, op, key, origin, due_at, old, at in found
+        ]
 
     def trim_changes(self, through_seq: int) -> int:
         conn = self._c()

@@ -14,6 +14,8 @@ balanced again once that row is deleted).
 
 from __future__ import annotations
 
+import os
+import signal
 import sqlite3
 import time
 import uuid
@@ -156,3 +158,61 @@ def _mixed_load_then_broken(node: Any, client: Client) -> None:
     finally:
         db.close()
     _settled(client, received=31, withdrawn=6, waiting=9)
+
+
+@pytest.fixture
+def slow_counts_node(tmp_path: Path) -> Any:
+    """A node whose keeper saves its counts once, at the end of its load,
+    and not again for 300 s: whatever happens next is in no saved count."""
+    env = {**ENV, "QUEUE_NODE_STATE_INTERVAL_S": "300"}
+    n = NodeProcess(tmp_path / "data", f"t-{uuid.uuid4().hex[:12]}", env=env).start()
+    try:
+        yield n
+    finally:
+        assert n.stop() == 0, n.log()
+
+
+def test_received_and_withdrawn_survive_a_keeper_kill_9_exactly(slow_counts_node: Any) -> None:
+    """Everything happens after the keeper's last save and before its kill
+    -9: rows come due, are granted, finished (their write-back moves them
+    on), released, deleted and rescheduled. The next keeper counts it all
+    from the change log and the books balance, every term as counted by hand."""
+    node = slow_counts_node
+    with Client(node.base_url) as client:
+        wait_for(lambda: client.accounting()["gaps"]["input"] == 0, 30, "the keeper's first count")
+        now = time.time()
+        due = [f"d{i:02}" for i in range(12)]
+        rows = [{"key": k, "route": "r", "due_at": now - 600} for k in due]
+        rows += [{"key": f"f{i}", "route": "r", "due_at": now + 7200} for i in range(3)]
+        assert client.upsert(rows) == 15
+
+        def granted_all() -> list:
+            got = client.claim(12, lease_s=600)
+            return got or []
+
+        grants = wait_for(granted_all, 30, "the keeper publishing the new rows")
+        grants += client.claim(12, lease_s=600)
+        assert len(grants) == 12, grants
+        done, released, live = grants[:4], grants[4:7], grants[7:]
+        assert all(isinstance(i, int) for i in client.complete_many(
+            [(g.lease_id, g.key, "r") for g in done]))
+        for g in released:
+            client.release(g.lease_id, g.key, error="no")
+        for g in live[:2]:
+            client.release(g.lease_id, g.key)  # then moved on (withdrawn) and deleted
+        assert client.upsert([{"key": live[0].key, "route": "r", "due_at": now + 3600}]) == 1
+        assert client.delete([live[1].key, released[0].key]) == 2
+        # A future row moved to due, then deleted: came due and withdrawn.
+        assert client.upsert([{"key": "f0", "route": "r", "due_at": now - 60}]) == 1
+        assert client.delete(["f0"]) == 1
+
+        keeper = node.pids_by_role()["keeper"]
+        os.kill(keeper, signal.SIGKILL)
+        wait_for(lambda: node.pids_by_role().get("keeper") not in (None, keeper), 30,
+                 "a new keeper")
+        # received: 12 written due + f0 = 13. withdrawn: live[0] moved on,
+        # live[1] and released[0] deleted (held: not leased), f0 deleted = 4.
+        # requeued: 3 + 2 released. routed 12. Due now: 12 - 4 done - 3
+        # withdrawn of the twelve = 5, of which 3 leased: waiting 2.
+        acct = _settled(client, received=13, withdrawn=4, routed=12, requeued=5, in_flight=3)
+        assert acct["waiting"] == 2
