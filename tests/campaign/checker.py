@@ -282,6 +282,12 @@ def _check_accounting(ev: Evidence, tl: _Timeline, superseded: int) -> list[str]
     if a["routed"] + superseded != law:
         problems.append(f"routed {a['routed']} (+{superseded} superseded) != finished + "
                         f"expired + released + in_flight {law}")  # fmt: skip
+    # The input law (docs/accounting.md), on the keeper's snapshot: work that
+    # came due and was neither routed, withdrawn nor left waiting.
+    gaps = a.get("gaps") or {}
+    if gaps.get("input") != 0:
+        problems.append(f"the input side does not balance: gap {gaps.get('input')}, "
+                        f"bound {gaps.get('input_bound')}: {a}")  # fmt: skip
     if a["in_flight"] or a["awaiting_ack"]:
         problems.append(f"not drained: in_flight {a['in_flight']}, "
                         f"awaiting_ack {a['awaiting_ack']}")  # fmt: skip

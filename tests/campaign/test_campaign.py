@@ -54,7 +54,8 @@ def _history(n: int = 3) -> dict[str, Any]:
         "runs": [],
         "table": {f"c/{i:06d}": NOW + CADENCE for i in range(n)},
         "accounting": {"balanced": True, "routed": n, "finished": n, "expired": 0,
-                       "released": 0, "in_flight": 0, "acknowledged": n, "awaiting_ack": 0},
+                       "released": 0, "in_flight": 0, "acknowledged": n, "awaiting_ack": 0,
+                       "gaps": {"input": 0, "input_bound": 0, "output": 0}},
         "faults": [],
         "node_events": [],
         "offer_timeout_s": 3.0,
@@ -64,6 +65,14 @@ def _history(n: int = 3) -> dict[str, Any]:
 
 def _check(h: dict[str, Any]) -> checker.Verdict:
     return checker.check(checker.Evidence(**h))
+
+
+def test_the_checker_fails_a_history_whose_input_side_does_not_balance():
+    h = _history()
+    h["accounting"]["gaps"]["input"] = 1  # a due key neither routed, withdrawn nor waiting
+    v = _check(h)
+    assert not v.ok
+    assert any("input side" in p for p in v.problems), v.problems
 
 
 def test_the_checker_passes_a_clean_history():
