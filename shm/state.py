@@ -427,10 +427,10 @@ def _trust(state: dict, doc: dict, now: float, reason: str | None) -> dict[str, 
         counts_at=state["counts_at"] or None,
         state_age_s=_age(now, state["counts_at"]),
         heartbeat_age_s=hb_age,
-        # Rows the verification walk put right, by cause: rows a change of
-        # class membership gained, and writes the change feed missed; and
-        # the rows the re-read of each publish's top put right (``top``,
-        # not in ``total``).
+        # Rows the verification walk put right (``total``), by cause: writes
+        # the change feed missed, and rows a change of the fleet's node list
+        # gained (``membership``: 0 until a fleet exists); and the rows the
+        # re-read of each publish's top put right (``top``, not in ``total``).
         repairs={
             "total": verify.get("repairs", 0),
             "membership": verify.get("repairs_membership", 0),

@@ -227,8 +227,8 @@ def state_families(
     repairs = CounterMetricFamily(
         "queue_node_keeper_repairs",
         "Rows the keeper's self-checks put right in its copy, by check: the top-of-set "
-        "re-read (top), the verification walk (feed_missed), a change of class membership "
-        "(membership). Counted since the keeper process started.",
+        "re-read (top), the verification walk (feed_missed), a change of the fleet's "
+        "membership (membership). Counted since the keeper process started.",
         labels=["kind"],
     )
     for kind, field in REPAIR_KINDS.items():
