@@ -74,6 +74,7 @@ class Report(KeeperBase):
                 "apply": self.stats.apply,
                 "lag": self.stats.lag_figures(),
                 "feed_seq": self.feed_seq,
+                "store": self.stats.store,  # keeper/outage.py
             },
         }
 
@@ -126,10 +127,12 @@ class Report(KeeperBase):
 
     def write_state(self, now: float) -> None:
         self.next_state = now + self.config.state_interval_s
-        self._read_paused()  # a pause written while no keeper was asked
+        if self._outage is None:  # without a store: the pause last read
+            self._read_paused()  # a pause written while no keeper was asked
         self._sample_flow(now)
         self.state.write_doc(self.counts_doc(now), now)
-        self._save_received(now)
+        if self._outage is None:
+            self._save_received(now)
 
     # -- flow ---------------------------------------------------------------------
 

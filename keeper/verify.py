@@ -41,12 +41,17 @@ class VerifyWalk:
         self.own_pos = 0
         self.compared = 0
         self.repairs = 0
+        # The doubt this walk answers (keeper/outage.py): a gap found after
+        # it started needs another walk.
+        self.doubt_gen = 0
 
 
 class Verify(KeeperBase):
     # -- the top of each publish ------------------------------------------------
 
     def _check_top(self, top: list[str], now: float) -> None:
+        if self._outage is not None:
+            return  # no store to re-read: the copy is served as it is
         if self._top_check_due - TOP_CHECK_MIN_S <= now < self._top_check_due:
             return  # checked moments ago (a clock stepped back does not count)
         checked = self._top_checked
@@ -101,6 +106,7 @@ class Verify(KeeperBase):
     def start_verify(self, now: float) -> None:
         if self._verify is None and not self._loading:
             self._verify = VerifyWalk(now, self.store.count() + len(self.buckets))
+            self._verify.doubt_gen = self._doubt_gen
             self.status = "verifying"
             self.state.heartbeat(now, self.status, self.exact, self._phase())
 
@@ -147,4 +153,8 @@ class Verify(KeeperBase):
         self._verify = None
         self.status = "live"
         self.next_verify = now + self.config.verify_interval_s
+        if self._doubt is not None and walk.doubt_gen == self._doubt_gen:
+            self._doubt = None  # the walk after a store error or a gap: exact again
+            if self._caught_up:
+                self.exact = True
         self.state.heartbeat(now, self.status, self.exact, self._phase())
