@@ -7,8 +7,8 @@ keeper's connection reads (renamed away, deleted, replaced: checked with a
 stat every ``STORE_CHECK_S``), starts an **outage**:
 
 - the connection is closed and reopened with capped exponential backoff
-  (``RETRY_FIRST_S`` doubling to ``RETRY_MAX_S``), never creating a missing
-  file; a log line names the error, at most every ``LOG_EVERY_S``;
+  (``RETRY_FIRST_S``, 0.1 s, doubling to ``RETRY_MAX_S``, 1 s), never
+  creating a missing file; a log line names the error, at most every ``LOG_EVERY_S``;
 - meanwhile the keeper serves its in-memory copy: claimers drain the last
   ready set and the keeper publishes the next from its copy (no top check),
   heartbeats, and writes its counts with ``trust.store`` saying
@@ -41,9 +41,11 @@ from node.core.errors import StoreError
 # its connection reads (a stat).
 STORE_CHECK_S = 0.25
 # Reopen attempts: the first this soon after the error, each next one twice
-# as late, at most RETRY_MAX_S apart.
+# as late, at most RETRY_MAX_S apart. A failed attempt costs an open() that
+# fails or one short query, so the cap is low: it bounds how long the keeper
+# stays apart after the store is back (bench/bench_keeper_store_error.py).
 RETRY_FIRST_S = 0.1
-RETRY_MAX_S = 5.0
+RETRY_MAX_S = 1.0
 # A retry is logged at most this often (the first and the last always).
 LOG_EVERY_S = 5.0
 # The keeper's connection waits this long for another connection's lock (the
@@ -221,5 +223,5 @@ class Outage(KeeperBase):
         self.drain_feed(now)
         if self._caught_up and not self._loading and self._doubt is None:
             self._set_exact(True, now)
-        self.next_state = 0.0
+        self.write_state(now)  # queue-state shows the store back with the first 200
         self.next_publish = 0.0

@@ -81,9 +81,9 @@ class Keeper(Feed, Publish, Verify, Report, Outage):
         """Do what is due at ``now``; return how long the caller may wait
         (on the wake semaphore) before the next tick. A store error starts
         an outage (keeper/outage.py) instead of ending the keeper."""
-        if self._outage is not None:
-            return self._outage_tick(now)
         try:
+            if self._outage is not None:
+                return self._outage_tick(now)
             return self._tick(now)
         except StoreError as exc:
             self._store_failed(exc, now)

@@ -118,6 +118,8 @@ def test_a_replaced_file_with_the_same_history_is_walked_not_reloaded(live, tmp_
     other.upsert([RowWrite(key="only-in-copy", route="pages", due_at=NOW)], now=NOW)
     first = _rows(500)[0]
     other.upsert([RowWrite(key=first.key, route=first.route, due_at=NOW + 7 * 86400)], now=NOW)
+    gone = _rows(500)[1].key
+    other.delete([gone])
     other.close()
     _restore(copy, path)
     t = _until(keeper, t, lambda: keeper.stats.store["outages"] == 1)
@@ -126,7 +128,7 @@ def test_a_replaced_file_with_the_same_history_is_walked_not_reloaded(live, tmp_
     assert keeper.stats.store["last_verdict"] == "replaced" and keeper.stats.store["walks"] == 1
     assert keeper.stats.verify["runs"] == 1
     assert _keeper_view(keeper) == _table(keeper.store)
-    assert "only-in-copy" in keeper.buckets
+    assert "only-in-copy" in keeper.buckets and gone not in keeper.buckets
 
 
 def test_an_older_copy_in_its_place_ends_the_keeper_for_a_reload(live, tmp_path):
@@ -140,3 +142,27 @@ def test_an_older_copy_in_its_place_ends_the_keeper_for_a_reload(live, tmp_path)
     with pytest.raises(KeeperReload, match="went backwards"):
         _until(keeper, t, lambda: False)
     assert keeper.stats.store["reloads"] == 1
+
+
+def test_the_repair_walk_removes_what_the_table_lacks_but_not_a_row_written_after_it_passed(
+    segments, node_name, tmp_path
+):
+    """Two keys the copy holds and the table does not, both before the
+    walk's first chunk ends; one is then written to the table (after the
+    walk passed its place): the walk removes the other only."""
+    store = open_store(f"sqlite:///{tmp_path / 'schedule.db'}")
+    store.upsert(_rows(25_000), now=NOW)
+    keeper = Keeper(_config(node_name, tmp_path), store, *segments)
+    keeper.start(NOW)
+    t = _until(keeper, NOW, lambda: keeper.status == "live" and keeper.exact, step=0.01)
+    for key in ("aaa-written-later", "aab-never"):
+        keeper.buckets.apply(key, 1, "pages", None, False, NOW)
+    keeper._feed_gap(keeper.feed_seq + 2, t)  # as a gap in the log would
+    t = _until(keeper, t, lambda: keeper._verify is not None and keeper._verify.filling is None
+               and keeper._verify.after is not None, step=0.001)  # fmt: skip
+    store.upsert([RowWrite(key="aaa-written-later", route="pages", due_at=NOW)], now=NOW)
+    t = _until(keeper, t, lambda: keeper.exact, step=0.001)
+    assert "aaa-written-later" in keeper.buckets and "aab-never" not in keeper.buckets
+    assert keeper.stats.verify["last_repairs"] == 1
+    assert _keeper_view(keeper) == _table(store)
+    store.close()
