@@ -317,6 +317,13 @@ def churn_figures(docs: list[dict], setup: dict) -> list[Fig]:
     return out
 
 
+def store_error_figures(docs: list[dict], setup: dict) -> list[Fig]:
+    """bench/bench_keeper_store_error.py: seconds from the store back (or the
+    keeper killed) to queue-state 200, by way (resume, walk, reload)."""
+    return [fig(d["name"] + ".back_to_exact_s", d["value"], d["unit"], {**setup, **d["setup"]})
+            for d in docs]  # fmt: skip
+
+
 # -- the micro benchmarks (pytest-benchmark) --------------------------------------------------
 
 
@@ -372,6 +379,8 @@ STEPS: tuple[Step, ...] = (
     Step("keeper_lag", ("bench/bench_keeper.py", "lag"),
          ("--rows", "20000", "--rate", "15000", "--seconds", "3"),
          ("--rows", "250000", "--rate", "15000", "--seconds", "10"), lag_figures),
+    Step("keeper_store_error", ("bench/bench_keeper_store_error.py",),
+         ("--rows", "20000", "--down-s", "1"), ("--rows", "1000000",), store_error_figures),
     Step("buckets", ("bench/bench_buckets.py", "--layout", "packed"),
          ("--rows", "50000", "--changes", "50000"), ("--rows", "1000000",), buckets_figures),
     Step("state_doc", ("bench/bench_state.py", "doc"),

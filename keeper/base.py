@@ -25,6 +25,7 @@ from node.core.config import Config
 from node.store.base import Store
 
 if TYPE_CHECKING:
+    from keeper.outage import StoreOutage
     from keeper.verify import VerifyWalk
 
 # Minutes of flow kept (the contract's "last hour").
@@ -59,6 +60,22 @@ class Stats:
             "invalid": 0,
             "refused_classes": 0,
             "feed_s": 0.0,  # time in drain_feed, reading the feed included
+        }
+        # The store's health through errors (keeper/outage.py): trust.store.
+        self.store: dict[str, Any] = {
+            "state": "ok",  # or "unreachable"
+            "since": None,
+            "attempts": 0,
+            "error": None,
+            "outages": 0,
+            "resumed": 0,  # outages the feed resumed after (nothing missed)
+            "walks": 0,  # outages a verification walk repaired after
+            "gaps": 0,  # changes missing from the change log (trimmed unread)
+            "reloads": 0,
+            "last_down_s": None,
+            "last_verdict": None,
+            "write_failures": 0,
+            "last_write_error": None,
         }
         # Commit-to-applied lag of recent changes, by origin, for p50/p99.
         self.lag_node = LagWindow()
@@ -155,6 +172,14 @@ class KeeperBase:
         # The keys of ``_out`` the lease table keeps out too (granted from a
         # live set, nearly always): they stay detached when their set retires.
         self._out_excluded: set[str] = set()
+        # A store error under way (keeper/outage.py), and why the copy may
+        # differ from the table until a verification walk ends (a gap in the
+        # change log, a replaced file): exact only after it.
+        self._outage: StoreOutage | None = None
+        self._doubt: str | None = None
+        self._doubt_gen = 0  # one more at each doubt: a walk answers the one it started under
+        self._next_store_check = 0.0
+        self._write_failure_logged = 0.0
         self._flow: deque[tuple[int, dict[str, int]]] = deque(maxlen=FLOW_MINUTES)
         self._caught_up = False
         self._t_start = 0.0  # perf_counter at ``start``
@@ -173,8 +198,16 @@ class KeeperBase:
         def _flow_minute(self, now: float) -> dict[str, int]: ...
         def _start_received(self, now: float) -> None: ...
         def _leased(self, key: str) -> bool: ...
+        def _sample_flow(self, now: float) -> None: ...
+        def write_state(self, now: float) -> None: ...
+        def ready_low(self, now: float) -> bool: ...
+        def _low_water_min_s(self) -> float: ...
+        def _write_failed(self, what: str, exc: Exception, now: float) -> None: ...
+        def _feed_gap(self, first_seq: int, now: float) -> None: ...
 
     def _phase(self) -> str:
+        if self._outage is not None:
+            return f"store unreachable, try {self._outage.attempts}"
         if self._loading:
             return f"walking {self.stats.load['rows']} rows"
         if self._verify is not None:

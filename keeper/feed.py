@@ -15,7 +15,7 @@ from typing import Any
 
 from keeper.base import KeeperBase
 from node.core import metrics
-from node.core.errors import TooManyClasses
+from node.core.errors import StoreError, TooManyClasses
 from node.core.rows import OP_DELETE, OP_INSERT, ORIGIN_EXTERNAL, ORIGIN_WRITEBACK
 
 # Rows per load step: large enough that a step's own costs stay small per
@@ -56,6 +56,8 @@ class Feed(KeeperBase):
             if not batch:
                 self._caught_up = True
                 break
+            if batch[0].seq != self.feed_seq + 1:
+                self._feed_gap(batch[0].seq, now)  # changes trimmed before they were read
             flow = self._flow_minute(now)
             self._record_lag(batch)
             for ch in batch:
@@ -121,7 +123,7 @@ class Feed(KeeperBase):
             self.stats.apply["changes"] += applied
             self.stats.apply["feed_s"] += spent
             metrics.observe_apply(spent / applied)
-        if applied and not self._loading and self._caught_up:
+        if applied and not self._loading and self._caught_up and self._doubt is None:
             self._set_exact(True, now)
         return applied
 
@@ -179,7 +181,7 @@ class Feed(KeeperBase):
             self.stats.load["done_s"] = round(time.perf_counter() - self._t_start, 4)
             self.status = "live"
             self._start_received(now)
-            self._set_exact(self._caught_up, now)
+            self._set_exact(self._caught_up and self._doubt is None, now)
             self.next_publish = 0.0  # publish the complete picture at once
             self.next_state = 0.0
         else:
@@ -191,4 +193,7 @@ class Feed(KeeperBase):
         # after this one died replays the rest (``_start_received``).
         through = min(self.feed_seq, self._saved_seq)
         if through:
-            self.store.trim_changes(through)
+            try:
+                self.store.trim_changes(through)
+            except StoreError as exc:  # locked by another writer: the next trim catches up
+                self._write_failed("trim_changes", exc, now)

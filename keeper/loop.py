@@ -14,7 +14,7 @@ import time
 
 from node.core import log
 from node.core.config import load_run_config
-from node.core.proc import RET_OK, child_signals, die_with_parent, set_title
+from node.core.proc import RET_ERROR, RET_OK, child_signals, die_with_parent, set_title
 
 _flags = {"stop": False, "reload": False}
 
@@ -37,6 +37,7 @@ def main() -> int:
     log.setup("keeper", verbose=bool(os.environ.get("QUEUE_NODE_VERBOSE")))
 
     from keeper.ask import AskServer
+    from keeper.outage import KEEPER_BUSY_TIMEOUT_S, KeeperReload
     from keeper.process import Keeper
     from node.core import metrics
     from node.store import open_store
@@ -45,7 +46,7 @@ def main() -> int:
     from shm.state import StateBuffer
     from shm.wake import Wake
 
-    store = open_store(config.store_url)
+    store = open_store(config.store_url, busy_timeout_s=KEEPER_BUSY_TIMEOUT_S)
     ready = ReadySet.attach(config.name)
     state = StateBuffer.attach(config.name)
     wake = Wake.attach(config.name)
@@ -65,7 +66,11 @@ def main() -> int:
     was_loading = True
     while not _flags["stop"]:
         now = time.time()
-        wait_s = keeper.tick(now)
+        try:
+            wait_s = keeper.tick(now)
+        except KeeperReload as exc:  # another, older file: a fresh keeper loads it
+            log.error("keeper_reload", reason=str(exc))
+            return RET_ERROR
         if was_loading and keeper.status != "loading":
             was_loading = False
             log.log("keeper_live", held=len(keeper.buckets), **keeper.stats.load)
@@ -91,5 +96,5 @@ def main() -> int:
     )
     asks.close()
     leases.close()
-    store.close()
+    keeper.store.close()  # the one it reopened after a store error, if it did
     return RET_OK

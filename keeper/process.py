@@ -13,7 +13,10 @@ It does nothing but keep. One ``tick(now)`` at a time it
 5. walks the table slowly to verify itself, every ``verify_interval_s``
    (keeper/verify.py);
 6. between ticks answers questions from workers (``answer``: explain a key,
-   dump, verify now; the channel is keeper/ask.py).
+   dump, verify now; the channel is keeper/ask.py);
+7. through a store error keeps serving from memory, reopens the store with
+   backoff and resumes the feed, or walks what it may have missed
+   (keeper/outage.py).
 
 Time is passed in (``tick(now)``), so every timing path is testable without
 sleeping; keeper/loop.py (``python -m keeper``) is the loop that feeds it the
@@ -32,9 +35,11 @@ from typing import Any
 import msgpack
 
 from keeper.feed import LOAD_CHUNK, Feed
+from keeper.outage import Outage
 from keeper.publish import LOW_WATER_MIN_S, Publish
 from keeper.report import FLOW_FIELDS, LATENESS_EDGES, RECEIVED_META, Report
 from keeper.verify import Verify
+from node.core.errors import StoreError
 
 # What ``dump`` writes, in <data-dir>/run (tests compare it with the table).
 DUMP_FILE = "keeper-dump.msgpack"
@@ -49,7 +54,7 @@ __all__ = ["FLOW_FIELDS", "LATENESS_EDGES", "LOAD_CHUNK", "LOW_WATER_MIN_S", "OU
            "Keeper"]
 
 
-class Keeper(Feed, Publish, Verify, Report):
+class Keeper(Feed, Publish, Verify, Report, Outage):
     """Worker 0: the state of keeper/base.py with the methods of each concern."""
 
     # -- start -----------------------------------------------------------
@@ -74,7 +79,19 @@ class Keeper(Feed, Publish, Verify, Report):
 
     def tick(self, now: float) -> float:
         """Do what is due at ``now``; return how long the caller may wait
-        (on the wake semaphore) before the next tick."""
+        (on the wake semaphore) before the next tick. A store error starts
+        an outage (keeper/outage.py) instead of ending the keeper."""
+        try:
+            if self._outage is not None:
+                return self._outage_tick(now)
+            return self._tick(now)
+        except StoreError as exc:
+            self._store_failed(exc, now)
+            return 0.0
+
+    def _tick(self, now: float) -> float:
+        if now >= self._next_store_check:
+            self._check_store(now)
         self.drain_feed(now)
         if self._loading:
             self._load_step(now)
@@ -90,12 +107,12 @@ class Keeper(Feed, Publish, Verify, Report):
             self.write_state(now)
         if self._verify is not None:
             self._verify_step(now)
-        elif not self._loading and now >= self.next_verify:
+        elif not self._loading and (now >= self.next_verify or self._doubt is not None):
             self.start_verify(now)
         if now >= self.next_trim:
             self._trim(now)
-        if self._loading:
-            return 0.0
+        if self._loading or self._doubt is not None:
+            return 0.0  # loading, or walking what a store error may have missed
         wait_s = min(self.next_publish - now, OUTSIDE_POLL_S)
         if self.ready.low_water:
             # A request that came within _low_water_min_s of the last publish
@@ -107,7 +124,16 @@ class Keeper(Feed, Publish, Verify, Report):
     # -- questions from workers -----------------------------------------------------
 
     def answer(self, request: dict[str, Any], now: float) -> dict[str, Any]:
+        try:
+            return self._answer(request, now)
+        except StoreError as exc:
+            self._store_failed(exc, now)
+            return {"error": f"the store is unreachable: {exc}"}
+
+    def _answer(self, request: dict[str, Any], now: float) -> dict[str, Any]:
         op = request.get("op")
+        if op in ("reload_paused", "verify") and self._outage is not None:
+            return {"error": f"the store is unreachable: {self._outage.error}"}
         if op == "explain":
             return self.explain(str(request.get("key")), now)
         if op == "reload_paused":
@@ -119,7 +145,7 @@ class Keeper(Feed, Publish, Verify, Report):
             return {"status": self.status, "exact": self.exact, "rows": len(self.buckets),
                     "feed_seq": self.feed_seq, "verify": self.stats.verify,
                     "load": self.stats.load, "apply": self.stats.apply,
-                    "lag": self.stats.lag_figures()}
+                    "lag": self.stats.lag_figures(), "store": self.stats.store}
         if op == "dump":
             # Always the one file in the node's own run directory, never a
             # path the request names: the ask queue is the node's, but the

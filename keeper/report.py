@@ -90,6 +90,7 @@ class Report(KeeperBase):
                 },
                 "lag": self.stats.lag_figures(),
                 "feed_seq": self.feed_seq,
+                "store": self.stats.store,  # keeper/outage.py
             },
         }
 
@@ -143,11 +144,13 @@ class Report(KeeperBase):
     def write_state(self, now: float) -> None:
         interval = self.config.state_interval_s
         self.next_state = now + interval
-        self._read_paused()  # a pause written while no keeper was asked
+        if self._outage is None:  # without a store: the pause last read
+            self._read_paused()  # a pause written while no keeper was asked
         self._sample_flow(now)
         doc = self.counts_doc(now)
         self.state.write_doc(doc, now)
-        self._save_received(now)
+        if self._outage is None:
+            self._save_received(now)
         if doc["counters"].get("input_gap"):
             # Taken mid-flight (changes not applied yet, a grant between two
             # reads): look again soon rather than show the gap for a whole

@@ -8,7 +8,9 @@ came after the read, and the event wins.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from itertools import islice
+from typing import Any, NamedTuple
 
 from keeper.base import KeeperBase
 from node.core.errors import TooManyClasses
@@ -26,6 +28,22 @@ TOP_TRIM_S = 10.0
 # Rows compared per verification step; with a 20 ms tick this walks about
 # 100k rows a second while leaving the feed and the publish their time.
 VERIFY_CHUNK = 2_000
+# Rows a step of the repair walk (after a store error or a gap) reads: the
+# load's chunk, read as the load reads it, without waiting between steps.
+REPAIR_CHUNK = 10_000
+# Rows of the copy taken into the repair walk's record a step (~40 ms).
+HELD_CHUNK = 50_000
+
+
+class _Walked(NamedTuple):
+    """A row of ``walk_schedule`` as ``_reconcile`` reads one."""
+
+    key: str
+    version: int
+    route: str
+    cadence_s: int | None
+    sitemap: bool
+    due_at: float
 
 
 class VerifyWalk:
@@ -41,12 +59,23 @@ class VerifyWalk:
         self.own_pos = 0
         self.compared = 0
         self.repairs = 0
+        # The doubt this walk answers (keeper/outage.py): a gap found after
+        # it started needs another walk.
+        self.doubt_gen = 0
+        # A repair walk (``_repair_step``): what the copy held at its start,
+        # key -> version << 32 | due minute; each key the table walk meets
+        # is taken out, and those left at the end are not in the table.
+        self.held: dict[str, int] | None = None
+        # Filled a step at a time (HELD_CHUNK), so that no step stalls.
+        self.filling: Iterator[tuple[str, int, int, int]] | None = None
 
 
 class Verify(KeeperBase):
     # -- the top of each publish ------------------------------------------------
 
     def _check_top(self, top: list[str], now: float) -> None:
+        if self._outage is not None:
+            return  # no store to re-read: the copy is served as it is
         if self._top_check_due - TOP_CHECK_MIN_S <= now < self._top_check_due:
             return  # checked moments ago (a clock stepped back does not count)
         checked = self._top_checked
@@ -104,13 +133,25 @@ class Verify(KeeperBase):
 
     def start_verify(self, now: float) -> None:
         if self._verify is None and not self._loading:
-            self._verify = VerifyWalk(now, self.store.count() + len(self.buckets))
+            walk = self._verify = VerifyWalk(now, self.store.count() + len(self.buckets))
+            walk.doubt_gen = self._doubt_gen
+            if self._doubt is not None:
+                # One pass over the copy (a few tenths of a second and about
+                # 100 MB at 1M rows, while nothing vouches anyway) spares the
+                # walk a lookup of each row in the buckets and a read of each
+                # own key back from the table.
+                walk.held = {}
+                walk.filling = self.buckets.items()
+                walk.total = max(walk.total - len(self.buckets), 1)  # the table alone
             self.status = "verifying"
             self.state.heartbeat(now, self.status, self.exact, self._phase())
 
     def _verify_step(self, now: float) -> None:
         walk = self._verify
         assert walk is not None
+        if walk.held is not None:
+            self._repair_step(walk, now)
+            return
         snap_seq = self.store.last_seq()
         if not walk.table_done:
             rows = self.store.walk(walk.after, VERIFY_CHUNK)
@@ -151,4 +192,56 @@ class Verify(KeeperBase):
         self._verify = None
         self.status = "live"
         self.next_verify = now + self.config.verify_interval_s
+        if self._doubt is not None and walk.doubt_gen == self._doubt_gen:
+            self._doubt = None  # the walk after a store error or a gap: exact again
+            if self._caught_up:
+                self.exact = True
+                self.write_state(now)  # its counts with the first 200
         self.state.heartbeat(now, self.status, self.exact, self._phase())
+
+    def _repair_step(self, walk: VerifyWalk, now: float) -> None:
+        """One step of the repair walk: the table a chunk in key order, as the
+        load reads it; a row the copy held at the walk's start with its
+        version and minute is not looked at further, the others are
+        reconciled (versions decide); at the end, the keys held at the start
+        that the table did not have."""
+        held = walk.held
+        assert held is not None
+        if walk.filling is not None:
+            before = len(held)
+            taken = islice(walk.filling, HELD_CHUNK)
+            held.update((key, version << 32 | minute) for key, minute, _cid, version in taken)
+            if len(held) - before < HELD_CHUNK:
+                walk.filling = None
+            return
+        snap_seq = self.store.last_seq()
+        rows, bad, after = self.store.walk_schedule(walk.after, REPAIR_CHUNK)
+        self.drain_feed(now)
+        reconcile = self._reconcile
+        repairs = 0
+        pop = held.pop
+        differ = [j for j, row in enumerate(rows) if pop(row[0], -1) != row[1] << 32 | int(row[5] // 60)]  # noqa: E501 - one comprehension: the hot loop of the walk
+        for j in differ:
+            key, version, route, cadence_s, sitemap, due_at = rows[j]
+            row = _Walked(key, version, route, cadence_s, bool(sitemap), due_at)
+            repairs += reconcile(key, row, snap_seq)
+        for bad_row in bad:
+            pop(bad_row.key, None)
+            repairs += reconcile(bad_row.key, bad_row, snap_seq)
+        walk.compared += len(rows) + len(bad)
+        walk.after = after
+        if after is None:
+            # Held at the start, not met by the walk: gone from the table, or
+            # written again after the walk passed it. Read now, as the
+            # verification walk reads its own keys (few, unless rows went).
+            left = list(held)
+            walk.held = {}
+            for start in range(0, len(left), VERIFY_CHUNK):
+                keys = left[start : start + VERIFY_CHUNK]
+                snap_seq = self.store.last_seq()
+                found = self.store.get_many(keys)
+                self.drain_feed(now)
+                repairs += sum(reconcile(key, None, snap_seq) for key in keys if key not in found)
+        walk.repairs += repairs
+        if after is None:
+            self._finish_verify(now)

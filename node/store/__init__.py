@@ -24,10 +24,13 @@ __all__ = [
 ]
 
 
-def open_store(url: str, durable: bool = True, autocheckpoint: bool = True) -> Store:
+def open_store(
+    url: str, durable: bool = True, autocheckpoint: bool = True, busy_timeout_s: float | None = None
+) -> Store:
     """``durable`` (SQLite): each commit synced to disk (FULL), else NORMAL;
     ``autocheckpoint`` False: commits never checkpoint the WAL (the caller
-    does, ``Store.checkpoint_wal``)."""
+    does, ``Store.checkpoint_wal``); ``busy_timeout_s`` (SQLite): how long a
+    statement waits for another connection's lock (None: the default, 5 s)."""
     check_store_url(url)
     if url.startswith("memory://"):
         from node.store.memory import MemoryStore
@@ -36,4 +39,7 @@ def open_store(url: str, durable: bool = True, autocheckpoint: bool = True) -> S
     from node.store.sqlite import SQLiteStore
 
     # sqlite:///relative.db and sqlite:////absolute.db, as SQLAlchemy spells them.
-    return SQLiteStore(url[len("sqlite:///") :], durable, autocheckpoint)
+    path = url[len("sqlite:///") :]
+    if busy_timeout_s is None:
+        return SQLiteStore(path, durable, autocheckpoint)
+    return SQLiteStore(path, durable, autocheckpoint, busy_timeout_s=busy_timeout_s)

@@ -240,6 +240,13 @@ class Store(abc.ABC):
         the store kept it). What a keeper replays at its start to count the
         input side of the books its predecessor had not saved."""
 
+    def first_seq_after(self, after_seq: int) -> int | None:
+        """The lowest seq above ``after_seq`` still in the change log, or
+        None: with ``last_seq``, whether the log still holds every change
+        after ``after_seq`` (the keeper's check after a store error)."""
+        found = self.changes(after_seq, 1)
+        return found[0].seq if found else None
+
     # -- node metadata (paused routes, lifetime counters, …) ------------------
 
     @abc.abstractmethod
@@ -262,6 +269,21 @@ class Store(abc.ABC):
 
     def check_fork(self) -> None:  # noqa: B027 - a no-op unless a backend holds a connection
         """Reopen connections if this object was created in another process."""
+
+    def replaced(self) -> str | None:
+        """Why the store at this object's address is no longer the one it
+        reads (a file gone or replaced), or None; None where that cannot happen."""
+        return None
+
+    def identity(self) -> Any:
+        """What tells this store's file from another put under its name
+        (None where there is no file)."""
+        return None
+
+    def reopen(self) -> Store:
+        """A new connection to the same address that never creates the
+        store (StoreUnavailable while it cannot be opened)."""
+        return self
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -309,6 +309,10 @@ class MemoryStore(Store):
 
     # -- lifecycle -------------------------------------------------------------
 
+    def reopen(self) -> MemoryStore:
+        self._closed = False  # the dicts are the store: nothing to reconnect
+        return self
+
     def close(self) -> None:
         self._closed = True
 

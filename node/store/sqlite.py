@@ -35,6 +35,7 @@ import time
 from collections.abc import Iterable, Sequence
 from itertools import groupby
 from typing import Any
+from urllib.parse import quote
 
 from node.core.errors import StoreError, StoreUnavailable
 from node.core.rows import (
@@ -97,16 +98,30 @@ class SQLiteStore(Store):
     """The schedule in one SQLite file (created mode 0600 if missing)."""
 
     def __init__(
-        self, path: str | os.PathLike[str], durable: bool = True, autocheckpoint: bool = True
+        self,
+        path: str | os.PathLike[str],
+        durable: bool = True,
+        autocheckpoint: bool = True,
+        *,
+        create: bool = True,
+        busy_timeout_s: float = BUSY_TIMEOUT_S,
     ) -> None:
         """``durable``: every commit is synced (``synchronous = FULL``); the
         ledger opens its connections with False (``docs/delivery.md``).
         ``autocheckpoint`` False: a commit never runs the WAL's checkpoint
         (SQLite's default, at 1,000 pages, copies and fsyncs inside the
-        commit); the owner calls ``checkpoint_wal`` instead."""
+        commit); the owner calls ``checkpoint_wal`` instead. ``create``
+        False: a missing file is StoreUnavailable, never a new empty store
+        (``reopen``). ``busy_timeout_s``: how long a statement waits for
+        another connection's lock (the keeper waits little: its writes are
+        best-effort and a wait stalls its loop)."""
         self.path = os.fspath(path)
         self.durable = durable
         self.autocheckpoint = autocheckpoint
+        self._create = create
+        self._busy_timeout_s = busy_timeout_s
+        # (st_dev, st_ino) of the file the connection opened: ``replaced``.
+        self._identity: tuple[int, int] | None = None
         self._ckpt_lock = threading.Lock()
         self._ckpt_conn: sqlite3.Connection | None = None
         self.url = "sqlite:///" + self.path
@@ -119,22 +134,31 @@ class SQLiteStore(Store):
         self._pid = os.getpid()
         self._lock = threading.RLock()
         try:
-            parent = os.path.dirname(os.path.abspath(self.path))
-            os.makedirs(parent, mode=0o700, exist_ok=True)
-            # Create the file ourselves so it never exists with umask's mode;
-            # SQLite gives the -wal and -shm files the database file's mode.
-            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
+            if self._create:
+                parent = os.path.dirname(os.path.abspath(self.path))
+                os.makedirs(parent, mode=0o700, exist_ok=True)
+                # Create the file ourselves so it never exists with umask's mode;
+                # SQLite gives the -wal and -shm files the database file's mode.
+                os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
+            else:
+                os.close(os.open(self.path, os.O_RDWR))
         except OSError as exc:
-            raise StoreUnavailable(f"SQLite store: cannot create {self.path}: {exc}") from exc
+            verb = "create" if self._create else "open"
+            raise StoreUnavailable(f"SQLite store: cannot {verb} {self.path}: {exc}") from exc
         try:
+            # mode=rw: SQLite itself never creates a file that went missing
+            # since the check above (``create`` False).
             conn = sqlite3.connect(
-                self.path,
-                timeout=BUSY_TIMEOUT_S,
+                self.path if self._create else f"file:{quote(self.path)}?mode=rw",
+                timeout=self._busy_timeout_s,
                 isolation_level=None,
                 check_same_thread=False,
+                uri=not self._create,
             )
-        except sqlite3.Error as exc:
+            st = os.stat(self.path)
+        except (sqlite3.Error, OSError) as exc:
             raise StoreUnavailable(f"SQLite store: cannot open {self.path}: {exc}") from exc
+        self._identity = (st.st_dev, st.st_ino)
         try:
             mode = _set_wal(conn)
             if mode != "wal":
@@ -143,7 +167,7 @@ class SQLiteStore(Store):
                     "is it on a network file system?"
                 )
             pragmas = q.tuning_pragmas(
-                int(BUSY_TIMEOUT_S * 1000), CACHE_KIB, MMAP_SIZE, self.durable
+                int(self._busy_timeout_s * 1000), CACHE_KIB, MMAP_SIZE, self.durable
             )
             for pragma in pragmas:
                 conn.execute(pragma)
@@ -161,7 +185,14 @@ class SQLiteStore(Store):
     def _migrate(self, conn: sqlite3.Connection) -> None:
         """Bring the file to SCHEMA_VERSION in one transaction; a no-op when
         it is there already. Two processes opening a new file at once
-        serialise on BEGIN IMMEDIATE, and the second finds nothing to do."""
+        serialise on BEGIN IMMEDIATE, and the second finds nothing to do.
+        A file already there is recognised without the write lock, so that
+        opening it works while another program holds that lock."""
+        try:
+            if conn.execute(q.READ_SCHEMA_VERSION).fetchone()[0] == SCHEMA_VERSION:
+                return
+        except sqlite3.OperationalError:
+            pass  # no migrations table yet: a new file
         with _WriteTransaction(conn, None):
             conn.execute(q.CREATE_MIGRATIONS)
             current = conn.execute(q.READ_SCHEMA_VERSION).fetchone()[0]
@@ -188,6 +219,24 @@ class SQLiteStore(Store):
             return
         _INHERITED.append(self._conn)
         self._open()
+
+    def replaced(self) -> str | None:
+        """Why the file at ``path`` is no longer the one this connection
+        reads (gone, or another file under its name), or None. A stat."""
+        try:
+            st = os.stat(self.path)
+        except OSError as exc:
+            return f"{self.path}: {exc.strerror or exc}"
+        if (st.st_dev, st.st_ino) != self._identity:
+            return f"{self.path} was replaced (another file now has its name)"
+        return None
+
+    def identity(self) -> Any:
+        return self._identity
+
+    def reopen(self) -> SQLiteStore:
+        return SQLiteStore(self.path, self.durable, self.autocheckpoint, create=False,
+                           busy_timeout_s=self._busy_timeout_s)
 
     def close(self) -> None:
         if self._closed:

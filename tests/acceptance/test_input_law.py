@@ -68,6 +68,18 @@ def _settled(client: Client, **want: int) -> dict[str, Any]:
     return last
 
 
+def _claim_exactly(client: Client, n: int, lease_s: float, consumer: str) -> list[Any]:
+    """``n`` grants, claimed as the keeper publishes the rows written last."""
+    got: list[Any] = []
+
+    def enough() -> bool:
+        got.extend(client.claim(n - len(got), lease_s=lease_s, consumer=consumer))
+        return len(got) == n
+
+    wait_for(enough, 30, f"{n} grants")
+    return got
+
+
 def _adds_up(acct: dict[str, Any]) -> bool:
     """The law on the terms shown (the keeper's as of its last counts, the
     lease table's live): they agree once the keeper has counted since the
@@ -105,10 +117,8 @@ def _mixed_load_then_broken(node: Any, client: Client) -> None:
     _settled(client, received=30, waiting=30, routed=0, withdrawn=0)
 
     # 20 leases for 10 minutes, 3 for a second (they expire).
-    long = client.claim(20, lease_s=600, consumer="a")
-    assert len(long) == 20
-    short = client.claim(3, lease_s=1, consumer="b")
-    assert len(short) == 3
+    long = _claim_exactly(client, 20, 600, "a")
+    short = _claim_exactly(client, 3, 1, "b")
     done, released, live = long[:8], long[8:12], long[12:]
     assert all(isinstance(i, int) for i in client.complete_many(
         [(g.lease_id, g.key, {"n": 1}) for g in done]))
@@ -186,13 +196,7 @@ def test_received_and_withdrawn_survive_a_keeper_kill_9_exactly(slow_counts_node
         rows += [{"key": f"f{i}", "route": "r", "due_at": now + 7200} for i in range(3)]
         assert client.upsert(rows) == 15
 
-        def granted_all() -> list:
-            got = client.claim(12, lease_s=600)
-            return got or []
-
-        grants = wait_for(granted_all, 30, "the keeper publishing the new rows")
-        grants += client.claim(12, lease_s=600)
-        assert len(grants) == 12, grants
+        grants = _claim_exactly(client, 12, 600, "python")
         done, released, live = grants[:4], grants[4:7], grants[7:]
         assert all(isinstance(i, int) for i in client.complete_many(
             [(g.lease_id, g.key, "r") for g in done]))

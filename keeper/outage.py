@@ -1,0 +1,227 @@
+"""The keeper through a store error: it keeps serving, reopens, and checks
+what it may have missed instead of dying into a full reload.
+
+A read of the store that fails (an I/O or SQLite error, the file locked past
+the keeper's short busy timeout), or a file that is no longer the one the
+keeper's connection reads (renamed away, deleted, replaced: checked with a
+stat every ``STORE_CHECK_S``), starts an **outage**:
+
+- the connection is closed and reopened with capped exponential backoff
+  (``RETRY_FIRST_S``, 0.1 s, doubling to ``RETRY_MAX_S``, 1 s), never
+  creating a missing file; a log line names the error, at most every ``LOG_EVERY_S``;
+- meanwhile the keeper serves its in-memory copy: claimers drain the last
+  ready set and the keeper publishes the next from its copy (no top check),
+  heartbeats, and writes its counts with ``trust.store`` saying
+  ``unreachable`` (since, attempts, error); its copy is not exact, so it does
+  not vouch (queue-state answers 503, as for any keeper that cannot vouch);
+- once reopened, the change log decides: if it still holds every change
+  after the keeper's ``feed_seq`` (the next seq is ``feed_seq + 1``, or none
+  came), the feed resumes where it stopped and the keeper is exact once
+  caught up; if changes are missing (a gap: the log was trimmed by someone
+  else) or another file has the name (same sequence, or further on), a
+  verification walk (keeper/verify.py) repairs the copy, and the keeper
+  is exact when it ends; if the sequence went backwards (an older copy of
+  the file restored), the rows' versions no longer compare, and the keeper
+  exits so that the supervisor starts one that loads the file afresh.
+
+Writes the keeper makes are best-effort (trimming the change log, saving the
+received count): one that fails is counted in ``trust.store.write_failures``
+and retried at its next interval; it starts no outage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from keeper.base import KeeperBase
+from node.core import log
+from node.core.errors import StoreError
+
+# How often the keeper checks that the file at the store's path is the one
+# its connection reads (a stat).
+STORE_CHECK_S = 0.25
+# Reopen attempts: the first this soon after the error, each next one twice
+# as late, at most RETRY_MAX_S apart. A failed attempt costs an open() that
+# fails or one short query, so the cap is low: it bounds how long the keeper
+# stays apart after the store is back (bench/bench_keeper_store_error.py).
+RETRY_FIRST_S = 0.1
+RETRY_MAX_S = 1.0
+# A retry is logged at most this often (the first and the last always).
+LOG_EVERY_S = 5.0
+# The keeper's connection waits this long for another connection's lock (the
+# default is 5 s): its reads in WAL mode never wait, and its writes are
+# best-effort, so a long wait would only stall its loop.
+KEEPER_BUSY_TIMEOUT_S = 0.25
+
+
+class KeeperReload(Exception):
+    """The store came back as another file whose sequence went backwards: the
+    keeper's copy cannot be repaired by versions; it exits for a fresh load."""
+
+
+class StoreOutage:
+    """One spell of the store being unreachable."""
+
+    def __init__(self, now: float, error: str, identity: Any) -> None:
+        self.since = now
+        self.error = error
+        self.identity = identity  # the file the keeper read before the error
+        self.attempts = 0
+        self.delay = RETRY_FIRST_S
+        self.next_try = now + RETRY_FIRST_S
+        self.logged_at = now
+
+
+class Outage(KeeperBase):
+    # -- noticing -------------------------------------------------------------
+
+    def _check_store(self, now: float) -> None:
+        """StoreError when the file at the store's path is not the one the
+        keeper reads (every STORE_CHECK_S)."""
+        self._next_store_check = now + STORE_CHECK_S
+        why = self.store.replaced()
+        if why is not None:
+            raise StoreError(f"store file changed: {why}")
+
+    def _store_failed(self, exc: BaseException, now: float) -> None:
+        """Start an outage (or note the error of the one under way)."""
+        if self._outage is not None:
+            self._outage.error = str(exc)
+            return
+        self._outage = StoreOutage(now, str(exc), self.store.identity())
+        figures = self.stats.store
+        figures.update(state="unreachable", since=now, attempts=0, error=str(exc))
+        figures["outages"] += 1
+        log.warn("keeper_store_error", error=str(exc), feed_seq=self.feed_seq,
+                 serving="last ready set and in-memory copy")
+        try:
+            self.store.close()
+        except StoreError:
+            pass  # the connection is gone either way
+        self._set_exact(False, now)
+        self.next_state = 0.0  # say so in queue-state at once
+
+    def _write_failed(self, what: str, exc: Exception, now: float) -> None:
+        """A best-effort write failed: counted, logged at most every LOG_EVERY_S."""
+        figures = self.stats.store
+        figures["write_failures"] += 1
+        figures["last_write_error"] = f"{what}: {exc}"
+        if now - self._write_failure_logged >= LOG_EVERY_S:
+            self._write_failure_logged = now
+            log.warn("keeper_store_write_failed", what=what, error=str(exc),
+                     failures=figures["write_failures"])
+
+    def _feed_gap(self, first_seq: int, now: float) -> None:
+        """The change log skips from feed_seq to ``first_seq``: someone else
+        trimmed changes the keeper had not read (seqs are gapless in SQLite:
+        AUTOINCREMENT, one writer at a time, a rollback takes its seq back).
+        The batch is applied (versions decide) and a walk repairs the rest."""
+        log.warn("keeper_feed_gap", expected=self.feed_seq + 1, got=first_seq)
+        self.stats.store["gaps"] += 1
+        self._doubt = "gap"
+        self._doubt_gen += 1
+        self._set_exact(False, now)
+
+    # -- while it lasts ---------------------------------------------------------
+
+    def _outage_tick(self, now: float) -> float:
+        """One tick without a store: retry when due, else serve from memory."""
+        outage = self._outage
+        assert outage is not None
+        if now >= outage.next_try and self._try_reopen(outage, now):
+            return 0.0
+        self._sample_flow(now)
+        if now >= self.next_publish or self.ready_low(now):
+            self.publish(now)
+        if now >= self.next_state:
+            self.write_state(now)
+        wait_s = min(self.next_publish, self.next_state, outage.next_try) - now
+        return max(0.0, min(wait_s, self._low_water_wait(now)))
+
+    def _low_water_wait(self, now: float) -> float:
+        if self.ready.low_water:
+            return max(0.0, self._published_at + self._low_water_min_s() - now)
+        return RETRY_MAX_S
+
+    def _try_reopen(self, outage: StoreOutage, now: float) -> bool:
+        outage.attempts += 1
+        self.stats.store["attempts"] = outage.attempts
+        try:
+            store = self.store.reopen()
+        except StoreError as exc:
+            self._retry_later(outage, exc, now)
+            return False
+        try:
+            verdict, last = self._feed_verdict(store, outage)
+        except StoreError as exc:
+            store.close()
+            self._retry_later(outage, exc, now)
+            return False
+        self.store = store
+        self._store_back(outage, verdict, last, now)
+        return True
+
+    def _retry_later(self, outage: StoreOutage, exc: StoreError, now: float) -> None:
+        outage.error = str(exc)
+        self.stats.store["error"] = str(exc)
+        outage.next_try = now + outage.delay
+        if now - outage.logged_at >= LOG_EVERY_S or outage.attempts == 1:
+            outage.logged_at = now
+            log.warn("keeper_store_retry", attempts=outage.attempts, error=str(exc),
+                     next_in_s=round(outage.delay, 3), down_s=round(now - outage.since, 3))
+        outage.delay = min(outage.delay * 2, RETRY_MAX_S)
+
+    # -- back -----------------------------------------------------------------
+
+    def _feed_verdict(self, store: Any, outage: StoreOutage) -> tuple[str, int]:
+        """What the reopened store's change log says: ``intact`` (it holds
+        every change after feed_seq, same file), ``gap`` (changes missing),
+        ``replaced`` (another file, its log consistent), ``backwards``; and
+        the store's last seq."""
+        last = store.last_seq()
+        if last < self.feed_seq:
+            return "backwards", last
+        if last > self.feed_seq and store.first_seq_after(self.feed_seq) != self.feed_seq + 1:
+            return "gap", last
+        if store.identity() != outage.identity:
+            return "replaced", last
+        return "intact", last
+
+    def _store_back(self, outage: StoreOutage, verdict: str, last: int, now: float) -> None:
+        down_s = round(now - outage.since, 3)
+        figures = self.stats.store
+        log.log("keeper_store_back", verdict=verdict, down_s=down_s, attempts=outage.attempts,
+                feed_seq=self.feed_seq, error=outage.error)
+        if verdict == "backwards":
+            figures["reloads"] += 1
+            raise KeeperReload(
+                f"the store's change sequence went backwards ({last} < "
+                f"{self.feed_seq}): another copy of the file; the keeper reloads"
+            )
+        self._outage = None
+        figures.update(state="ok", since=None, attempts=0, error=None, last_down_s=down_s,
+                       last_verdict=verdict)
+        self._next_store_check = now + STORE_CHECK_S
+        if verdict == "intact":
+            figures["resumed"] += 1
+        else:
+            # The change log cannot say what was missed: walk the table. The
+            # keeper is exact again when the walk ends (``_finish_verify``).
+            figures["walks"] += 1
+            self._doubt = verdict
+            self._doubt_gen += 1
+            if verdict == "gap":
+                # Subscribe first, then walk (as the load does): the feed goes
+                # on from the store's last seq, and the walk brings every row
+                # written up to it, those the trimmed log no longer shows too.
+                self.feed_seq = last
+            self._verify = None  # a walk under way restarts from the first key
+            if self.status == "verifying":
+                self.status = "live"
+            if not self._loading:
+                self.start_verify(now)
+        self.drain_feed(now)
+        if self._caught_up and not self._loading and self._doubt is None:
+            self._set_exact(True, now)
+        self.write_state(now)  # queue-state shows the store back with the first 200
+        self.next_publish = 0.0
