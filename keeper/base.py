@@ -141,6 +141,10 @@ class KeeperBase:
         # past the current minute. Lifetime: the saved count plus this run's.
         self.withdrawn = 0
         self._withdrawn_base = 0
+        # Writes (not write-backs) to a row while a lease held it: each may
+        # put the input law off by one (the bound ``gaps.input_edges``).
+        self.leased_writes = 0
+        self._leased_writes_base = 0
         # The feed position the last saved counts include: the change log is
         # trimmed no further (a successor replays what came after it).
         self._saved_seq = 0

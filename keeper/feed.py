@@ -64,6 +64,10 @@ class Feed(KeeperBase):
                 # The input side (docs/accounting.md): whether a write other
                 # than the node's own write-back takes a due row out.
                 before = None if loading or ch.origin == ORIGIN_WRITEBACK else get(ch.key)
+                if before is not None and ch.key in exclude and self._leased(ch.key):
+                    # A write to a row while it is leased: the lease's end
+                    # may not follow it (docs/accounting.md, the edges).
+                    self.leased_writes += 1
                 if refused_due and ch.key in refused_due and not loading:
                     # A row the keeper refused while due (counted received,
                     # never waiting), written again or deleted: it leaves.

@@ -171,7 +171,11 @@ class Report(KeeperBase):
         what a gap under load is bounded by (with the leases that moved)."""
         received, withdrawn = self.received(), self.withdrawn_total()
         out: dict[str, Any] = {
-            "received": received, "withdrawn": withdrawn, "due": due, "at": round(now, 3)
+            "received": received,
+            "withdrawn": withdrawn,
+            "due": due,
+            "leased_writes": self.leased_writes_total(),
+            "at": round(now, 3),
         }
         leases = self.leases
         if leases is None or self._loading:
@@ -246,8 +250,9 @@ class Report(KeeperBase):
         received = int(saved.get("total", 0))
         withdrawn = int(saved.get("withdrawn", 0))
         crossed = self.buckets.count_due_between(since, minute) if since < minute else 0
+        edges = 0
         if "seq" in saved and since >= 0:
-            came, took, last_minute = self._replay_since(int(saved["seq"]), since)
+            came, took, edges, last_minute = self._replay_since(int(saved["seq"]), since)
             received += came
             withdrawn += took
             for key, last in last_minute.items():
@@ -256,14 +261,18 @@ class Report(KeeperBase):
                     crossed -= 1  # due at its last change: counted by the replay
         self._received_base = received + crossed
         self._withdrawn_base = withdrawn
+        self._leased_writes_base = int(saved.get("leased_writes", 0)) + edges
         self._saved_seq = int(saved.get("seq", 0))
         self._came_due_offset = self.buckets.came_due
         self._came_due_mark = self.buckets.came_due
 
-    def _replay_since(self, after_seq: int, since: int) -> tuple[int, int, dict[str, int]]:
-        """(came due, withdrawn, the minute of each replayed key's last change)
-        over the changes after ``after_seq`` through the feed position."""
-        came = took = 0
+    def _replay_since(
+        self, after_seq: int, since: int
+    ) -> tuple[int, int, int, dict[str, int]]:
+        """(came due, withdrawn, writes to leased rows, the minute of each
+        replayed key's last change) over the changes after ``after_seq``
+        through the feed position."""
+        came = took = edges = 0
         last_minute: dict[str, int] = {}
         while True:
             batch = self.store.due_history(after_seq, self.feed_seq, REPLAY_BATCH)
@@ -275,13 +284,15 @@ class Report(KeeperBase):
                     came += 1  # the clock brought it due before this change
                 was_due = old is not None and old <= at
                 new = None if ch.op == OP_DELETE or ch.due_at is None else int(ch.due_at // 60)
+                leased = ch.origin != ORIGIN_WRITEBACK and self._leased(ch.key)
+                edges += leased
                 if new is not None and new <= at:
                     came += not was_due
-                elif was_due and ch.origin != ORIGIN_WRITEBACK and not self._leased(ch.key):
+                elif was_due and ch.origin != ORIGIN_WRITEBACK and not leased:
                     took += 1
                 last_minute[ch.key] = at
             if len(batch) < REPLAY_BATCH:
-                return came, took, last_minute
+                return came, took, edges, last_minute
             after_seq = batch[-1].seq
 
     def _leased(self, key: str) -> bool:
@@ -296,6 +307,12 @@ class Report(KeeperBase):
         if self._loading:
             return int((self._received_saved or {}).get("total", 0))
         return self._received_base + self.buckets.came_due - self._came_due_offset
+
+    def leased_writes_total(self) -> int:
+        """Writes to a row while a lease held it, lifetime (the input law's edges)."""
+        if self._loading:
+            return int((self._received_saved or {}).get("leased_writes", 0))
+        return self._leased_writes_base + self.leased_writes
 
     def withdrawn_total(self) -> int:
         """Occurrences withdrawn before a grant, lifetime."""
@@ -312,6 +329,7 @@ class Report(KeeperBase):
             "total": self.received(),
             "minute": int(now // 60),
             "withdrawn": self.withdrawn_total(),
+            "leased_writes": self.leased_writes_total(),
             "seq": self.feed_seq,  # every change through it is in the counts
         }
         try:

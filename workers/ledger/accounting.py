@@ -133,6 +133,7 @@ def build(
         "gaps": {
             "input": input_gap,
             "input_bound": keeper.get("unapplied"),
+            "input_edges": keeper.get("leased_writes"),
             "input_as_of": keeper.get("at"),
             "output": output_gap,
             "finished": finished_gap,
