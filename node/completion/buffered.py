@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future
-from itertools import chain
+from itertools import chain, compress, repeat
 from operator import itemgetter
 
 from node.completion.base import (
@@ -429,9 +429,16 @@ class BufferedLog(CompletionStore):
         offsets: list[int],
     ) -> None:
         seg = self._segments[segment]
-        add, base = self._index.add, segment << LOC_OFFSET_BITS
-        for (rid, r), off in zip(results, offsets, strict=True):
-            add(rid, r.job, r.key, r.finished_at, base | off)
+        if results:
+            base = segment << LOC_OFFSET_BITS
+            rs = [r for _, r in results]
+            self._index.add_many(
+                [rid for rid, _ in results],
+                [r.job for r in rs],
+                [r.key for r in rs],
+                [r.finished_at for r in rs],
+                [base | off for off in offsets],
+            )
         if self.config.recent_bytes:
             self._keep_recent(results)
         seg.results += len(results)
@@ -463,29 +470,21 @@ class BufferedLog(CompletionStore):
                 self._recent_bytes -= len(recent.pop(rid).data)
 
     def _forget_recent(self, ids: list[int]) -> None:
-        pop, recent = self._recent.pop, self._recent
-        if recent:
-            gone = 0
-            for rid in ids:
-                r = pop(rid, None)
-                if r is not None:
-                    gone += len(r.data)
-            self._recent_bytes -= gone
+        if self._recent:
+            gone = map(self._recent.pop, ids, repeat(None))
+            self._recent_bytes -= sum(len(r.data) for r in gone if r is not None)
 
     def _retire(self, kind: str, ids: Iterable[int], reason: str, now: float | None) -> int:
         self._check()
         at = time.time() if now is None else float(now)
-        done: list[int] = []
+        wanted = [int(rid) for rid in ids]
+        locs = self._index.remove_many(wanted)
+        done = list(compress(wanted, locs))
         by_segment: dict[int, int] = {}
-        remove = self._index.remove
-        for rid in ids:
-            loc = remove(int(rid))
-            if loc:
-                done.append(int(rid))
-                number = loc >> LOC_OFFSET_BITS
-                by_segment[number] = by_segment.get(number, 0) + 1
-                self._segments[number].live -= 1
         if done:
+            for number, n in Counter(loc >> LOC_OFFSET_BITS for loc in locs if loc).items():
+                by_segment[number] = n
+                self._segments[number].live -= n
             self._forget_recent(done)
             for number in by_segment:
                 seg = self._segments[number]
@@ -526,6 +525,11 @@ class BufferedLog(CompletionStore):
     def get_pending(self, result_id: int) -> Pending | None:
         self._check()
         return self._index.get(result_id)
+
+    def pending_job(self, result_id: int) -> str | None:
+        """The job of a pending result; None when it is not pending."""
+        self._check()
+        return self._index.job_of(result_id)
 
     def read_result(self, result_id: int) -> Result:
         self._check()

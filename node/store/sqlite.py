@@ -279,14 +279,17 @@ class SQLiteStore(Store):
         distinct and the log says exactly which items took."""
         if not items:
             return []
-        rounds: list[list[int]] = [[]]
-        seen: dict[str, int] = {}  # key -> rounds it is in so far
-        for i, it in enumerate(items):
-            n = seen.get(it.key, 0)
-            seen[it.key] = n + 1
-            if n == len(rounds):
-                rounds.append([])
-            rounds[n].append(i)
+        if len({it.key for it in items}) == len(items):
+            rounds = [list(range(len(items)))]  # distinct keys, the usual group: one round
+        else:
+            rounds = [[]]
+            seen: dict[str, int] = {}  # key -> rounds it is in so far
+            for i, it in enumerate(items):
+                n = seen.get(it.key, 0)
+                seen[it.key] = n + 1
+                if n == len(rounds):
+                    rounds.append([])
+                rounds[n].append(i)
         out: list[int | None] = [None] * len(items)
         conn = self._c()
         with self._lock:
@@ -295,13 +298,20 @@ class SQLiteStore(Store):
                     found = conn.execute(q.LAST_SEQ).fetchone()
                     seq = 0 if found is None else found[0]
                     for members in rounds:
-                        conn.executemany(
+                        cur = conn.executemany(
                             q.WRITE_BACK,
                             [
                                 (it.due_at, it.result_id, it.finished_at, it.key, it.if_version)
                                 for it in map(items.__getitem__, members)
                             ],
                         )
+                        if cur.rowcount == len(members):
+                            # Every row took, in order: each UPDATE logged one
+                            # change (its trigger), whose seq is the new version.
+                            for n, i in enumerate(members, seq + 1):
+                                out[i] = n
+                            seq += len(members)
+                            continue
                         written = dict(conn.execute(q.CHANGES_SINCE, (seq,)).fetchall())
                         for i in members:
                             out[i] = written.get(items[i].key)
@@ -415,13 +425,9 @@ class SQLiteStore(Store):
         os.replace(tmp, target)
 
     def jobs_of(self, keys: Iterable[str]) -> dict[str, tuple[str, float | None, str]]:
+        # Unschedulable rows are left out by the query itself (in C).
         found = self._read_keys(keys, q.jobs_of_sql, "jobs_of")
-        valid = stored_row_is_valid
-        return {
-            key: (job, cadence_s, route)
-            for key, job, cadence_s, route, sitemap, due_at in found
-            if valid(route, cadence_s, sitemap, due_at)
-        }
+        return {row[0]: row[1:] for row in found}
 
     def walk(self, after: str | None, limit: int) -> list[Row | BadRow]:
         if limit <= 0:

@@ -35,7 +35,7 @@ import contextlib
 import heapq
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from itertools import repeat
 
 from node.core.errors import NodeError
@@ -128,6 +128,26 @@ class Delivery:
             # ones): rare, one memmove.
             q.ready.insert(bisect.bisect_left(q.ready, rid, q.head), rid)
         self._max_id = max(self._max_id, rid)
+        self._ring[job] = None
+        for name in (job, None):
+            event = self._events.pop(name, None)
+            if event is not None:
+                event.set()
+
+    def add_many(self, rids: list[int], job: str) -> None:
+        """``add`` of each of ``rids`` for one job. Fresh ids (above every
+        id held, increasing: a group just made durable) are one extend."""
+        if not rids:
+            return
+        if rids[0] <= self._max_id or (len(rids) > 1 and rids != sorted(set(rids))):
+            for rid in rids:
+                self.add(rid, job)
+            return
+        q = self._jobs.get(job)
+        if q is None:
+            q = self._jobs[job] = _Job(job)
+        q.ready.extend(rids)
+        self._max_id = rids[-1]
         self._ring[job] = None
         for name in (job, None):
             event = self._events.pop(name, None)
@@ -262,25 +282,43 @@ class Delivery:
 
     # -- retiring -------------------------------------------------------------------
 
-    def retire(self, job: str, rids: Iterable[int], now: float) -> list[int]:
+    def retire(
+        self,
+        job: str,
+        rids: Iterable[int],
+        now: float,
+        owner: Callable[[int], str | None] | None = None,
+    ) -> list[int]:
         """Ack: retire offered ids of ``job``; the ids retired now. An id
         already retired counts nothing (idempotent). An id this delivery has
         not offered to ``job`` (ready and never offered, offered to another
         job, or above every id it has held) raises NeverOffered, and then
-        nothing is retired."""
+        nothing is retired. ``owner``: the job an id is pending for in the
+        log (None: not pending), asked only of the ids not retired here; one
+        pending for another job raises NeverOffered naming only those."""
         q = self._jobs.get(job)
         todo: list[int] = []
         recovered: list[int] = []
         bad: list[int] = []
-        for rid in dict.fromkeys(int(r) for r in rids):
-            self.touched += 1
-            live = self._offers.get(rid)
+        other: list[int] = []
+        offers = self._offers
+        distinct = dict.fromkeys(int(r) for r in rids)
+        self.touched += len(distinct)
+        for rid in distinct:
+            live = offers.get(rid)
+            if live is not None and live[0] is q:
+                todo.append(rid)
+                continue
             if live is not None:
-                (todo if live[0] is q else bad).append(rid)
+                bad.append(rid)
             elif q is not None and q.find_ready(rid) >= 0:
                 (recovered if rid <= self._offered_before else bad).append(rid)
             elif rid > self._max_id or rid <= 0:
                 bad.append(rid)
+            if owner is not None and (o := owner(rid)) is not None and o != job:
+                other.append(rid)
+        if other:
+            raise NeverOffered(job, other)
         if bad:
             raise NeverOffered(job, bad)
         for rid in todo:
@@ -433,6 +471,28 @@ class RepeatIndex:
             return 0
         i = self._slot(rid)
         return rid if i >= 0 and self._keys[i] == key else 0
+
+    def find_many(self, lease_ids: list[int], keys: list[str]) -> list[int] | None:
+        """``find`` of each (lease id, key); None when none is here (fresh
+        completions: one dict lookup each, in C)."""
+        rids = list(map(self._rid_of.get, lease_ids))
+        if not any(rids):
+            return None
+        return [self.find(lease_id, key) if rid else 0
+                for rid, lease_id, key in zip(rids, lease_ids, keys, strict=True)]  # fmt: skip
+
+    def add_many(self, lease_ids: list[int], keys: list[str], rids: list[int]) -> None:
+        """``add`` of each; ids above every id held, increasing (a group
+        just made durable), are a few extends."""
+        ids = self._ids
+        if rids and (not len(ids) or rids[0] > ids[-1]) and rids == sorted(set(rids)):
+            ids.extend(rids)
+            self._leases.extend(lease_ids)
+            self._keys.extend(keys)
+            self._rid_of.update(zip(lease_ids, rids, strict=True))
+            return
+        for lease_id, key, rid in zip(lease_ids, keys, rids, strict=True):
+            self.add(lease_id, key, rid)
 
     def add(self, lease_id: int, key: str, rid: int) -> None:
         """Result ``rid`` (durable) answered ``lease_id`` for ``key``. Ids come
