@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future
 from itertools import chain, compress, repeat
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 
 from node.completion.base import (
     ENCODINGS,
@@ -35,6 +35,7 @@ from node.completion.base import (
     Result,
     RetiredLease,
     UnknownResult,
+    make_result,
 )
 from node.completion.checkpoint import Checkpoint, SegmentStats
 from node.completion.pending import LOC_OFFSET_BITS, PendingIndex
@@ -44,6 +45,10 @@ from node.core.errors import ValidationError
 # pending count) have piled up: bounds the memory they hold while each pass,
 # which costs O(pending), stays amortised O(1) per id.
 RETIRE_PASS_MIN_IDS = 65_536
+
+
+_data_of = attrgetter("data")
+_second = itemgetter(1)
 
 
 # -- what both backends share ---------------------------------------------------------
@@ -116,6 +121,28 @@ def _check_result(r: Result) -> None:
         raise ValidationError(
             "result_too_large", f"a result is at most {MAX_RECORD_BYTES} bytes", "result"
         )
+
+
+def _plain_results(results: Sequence[Result]) -> bool:
+    """The usual batch, told in one lean pass: every field of the exact type
+    ``_check_result`` wants and the record small. False sends the batch to
+    ``_check_result``, which says what is wrong (or passes it: an int
+    finished_at, a str lease id, a subclass)."""
+    limit = MAX_RECORD_BYTES - 256
+    for r in results:
+        if not (
+            r.key.__class__ is str
+            and r.job.__class__ is str
+            and r.lease_id.__class__ is int
+            and r.version.__class__ is int
+            and r.finished_at.__class__ is float
+            and r.cadence_s.__class__ is float
+            and r.data.__class__ is bytes
+            and (r.encoding == ENCODINGS[0] or r.encoding == ENCODINGS[1])  # noqa: PLR1714
+            and len(r.data) + len(r.key) + len(r.job) <= limit
+        ):
+            return False
+    return True
 
 
 class BufferedLog(CompletionStore):
@@ -328,8 +355,9 @@ class BufferedLog(CompletionStore):
 
     def append_results(self, results: Sequence[Result]) -> list[int]:
         self._check()
-        for r in results:
-            _check_result(r)  # all of them first: a batch is taken whole or not at all
+        if not _plain_results(results):
+            for r in results:
+                _check_result(r)  # all of them first: a batch is taken whole or not at all
         first = self._next_id
         ids = list(range(first, first + len(results)))
         self._next_id += len(results)
@@ -461,7 +489,7 @@ class BufferedLog(CompletionStore):
     def _keep_recent(self, results: list[tuple[int, Result]]) -> None:
         recent = self._recent
         recent.update(results)
-        self._recent_bytes += sum(len(r.data) for _, r in results)
+        self._recent_bytes += sum(map(len, map(_data_of, map(_second, results))))
         if self._recent_bytes > self.config.recent_bytes:
             limit = self.config.recent_bytes // 2  # evict in bulk, not one a flush
             for rid in list(recent):
@@ -470,9 +498,9 @@ class BufferedLog(CompletionStore):
                 self._recent_bytes -= len(recent.pop(rid).data)
 
     def _forget_recent(self, ids: list[int]) -> None:
-        if self._recent:
-            gone = map(self._recent.pop, ids, repeat(None))
-            self._recent_bytes -= sum(len(r.data) for r in gone if r is not None)
+        if self._recent:  # in C: pop each, drop the misses, sum the data's lengths
+            gone = filter(None, map(self._recent.pop, ids, repeat(None)))
+            self._recent_bytes -= sum(map(len, map(_data_of, gone)))
 
     def _retire(self, kind: str, ids: Iterable[int], reason: str, now: float | None) -> int:
         self._check()
@@ -537,8 +565,8 @@ class BufferedLog(CompletionStore):
         if r is not None:  # durable and pending: it leaves here when retired
             if r.id == result_id:
                 return r
-            return Result(r.key, r.job, r.lease_id, r.version, r.finished_at, r.cadence_s,
-                          r.data, r.encoding, result_id)  # fmt: skip
+            return make_result(r.key, r.job, r.lease_id, r.version, r.finished_at, r.cadence_s,
+                               r.data, r.encoding, result_id)  # fmt: skip
         p = self._index.get(result_id)
         if p is None:
             raise UnknownResult(result_id)

@@ -375,10 +375,11 @@ class Ledger:
         """Append the group and write it (its fsync on ``executor`` when
         given): (ids, the flush's handle, when it began), or None when the
         log refused it (the caller answers every item)."""
-        from node.completion import LogUnavailable, Result
+        from node.completion import LogUnavailable
+        from node.completion.base import make_result
 
         results = [
-            Result(key, job, lease_id, version, now, cadence_s, data, encoding)
+            make_result(key, job, lease_id, version, now, cadence_s, data, encoding)
             for key, lease_id, data, encoding, job, version, cadence_s in items
         ]
         t0 = time.perf_counter()
@@ -648,7 +649,7 @@ class Ledger:
         ids = request.get("ids")
         if not isinstance(ids, list) or len(ids) > MAX_ITEMS:
             raise _bad(f"ids must be a list of at most {MAX_ITEMS} integers")
-        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        if ids and (set(map(type, ids)) != {int} or min(ids) < 0):  # in C: ints, no bools
             raise _bad("ids must be non-negative integers")
         now = time.time()
         try:  # an id pending for another job is named, whatever this job holds
