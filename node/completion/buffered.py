@@ -19,9 +19,7 @@ from itertools import chain, compress, repeat
 from operator import attrgetter, itemgetter
 
 from node.completion.base import (
-    ENCODINGS,
     FSYNC_ALWAYS,
-    MAX_RECORD_BYTES,
     RETIRE_ACK,
     RETIRE_DISCARD,
     CompletionConfig,
@@ -39,7 +37,7 @@ from node.completion.base import (
 )
 from node.completion.checkpoint import Checkpoint, SegmentStats
 from node.completion.pending import LOC_OFFSET_BITS, PendingIndex
-from node.core.errors import ValidationError
+from node.completion.result_checks import check_result, plain_results
 
 # Recovery applies retire records in bulk once this many ids (or half the
 # pending count) have piled up: bounds the memory they hold while each pass,
@@ -96,53 +94,6 @@ class FlushHandle:
         self.future: Future[None] | None = None
         self.ended = False
         self.error: LogUnavailable | None = None
-
-
-def _check_result(r: Result) -> None:
-    """Refuse at append what could not be encoded at flush (a bad result
-    would otherwise fail every later flush of the buffer it sits in)."""
-    if not (
-        isinstance(r.key, str)
-        and isinstance(r.job, str)
-        and isinstance(r.lease_id, (int, str))  # noqa: UP038 - a tuple is 3x faster here
-        and isinstance(r.version, int)
-        and isinstance(r.finished_at, (float, int))  # noqa: UP038
-        and isinstance(r.cadence_s, (float, int))  # noqa: UP038
-        and isinstance(r.data, bytes)
-        and r.encoding in ENCODINGS
-    ):
-        raise ValidationError(
-            "bad_result",
-            "a result needs str key and job, int or str lease_id, int version, numeric "
-            f"finished_at and cadence_s, bytes data and an encoding in {ENCODINGS}: {r!r:.200}",
-            "result",
-        )
-    if len(r.data) + len(r.key) + len(r.job) + 256 > MAX_RECORD_BYTES:
-        raise ValidationError(
-            "result_too_large", f"a result is at most {MAX_RECORD_BYTES} bytes", "result"
-        )
-
-
-def _plain_results(results: Sequence[Result]) -> bool:
-    """The usual batch, told in one lean pass: every field of the exact type
-    ``_check_result`` wants and the record small. False sends the batch to
-    ``_check_result``, which says what is wrong (or passes it: an int
-    finished_at, a str lease id, a subclass)."""
-    limit = MAX_RECORD_BYTES - 256
-    for r in results:
-        if not (
-            r.key.__class__ is str
-            and r.job.__class__ is str
-            and r.lease_id.__class__ is int
-            and r.version.__class__ is int
-            and r.finished_at.__class__ is float
-            and r.cadence_s.__class__ is float
-            and r.data.__class__ is bytes
-            and (r.encoding == ENCODINGS[0] or r.encoding == ENCODINGS[1])  # noqa: PLR1714
-            and len(r.data) + len(r.key) + len(r.job) <= limit
-        ):
-            return False
-    return True
 
 
 class BufferedLog(CompletionStore):
@@ -355,9 +306,9 @@ class BufferedLog(CompletionStore):
 
     def append_results(self, results: Sequence[Result]) -> list[int]:
         self._check()
-        if not _plain_results(results):
+        if not plain_results(results):
             for r in results:
-                _check_result(r)  # all of them first: a batch is taken whole or not at all
+                check_result(r)  # all of them first: a batch is taken whole or not at all
         first = self._next_id
         ids = list(range(first, first + len(results)))
         self._next_id += len(results)
@@ -558,6 +509,13 @@ class BufferedLog(CompletionStore):
         """The job of a pending result; None when it is not pending."""
         self._check()
         return self._index.job_of(result_id)
+
+    def recent_results(self, ids: list[int]) -> list[Result | None]:
+        """For an offer: each id's result from the memory cache of recent
+        ones (``recent_bytes``) as appended, so with id 0; None where it is
+        not there (``read_result`` reads it from the log). Pending ids only."""
+        self._check()
+        return list(map(self._recent.get, ids))
 
     def read_result(self, result_id: int) -> Result:
         self._check()

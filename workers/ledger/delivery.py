@@ -57,7 +57,7 @@ class NeverOffered(NodeError):
 
 
 class _Job:
-    __slots__ = ("name", "ready", "head", "offers", "n_offered")
+    __slots__ = ("name", "ready", "head", "offers", "n_offered", "latest")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -65,6 +65,7 @@ class _Job:
         self.head = 0
         self.offers: list[tuple[float, int]] = []  # heap of (deadline, id)
         self.n_offered = 0
+        self.latest = float("-inf")  # the latest deadline ever pushed
 
     @property
     def n_ready(self) -> int:
@@ -203,11 +204,16 @@ class Delivery:
         if not out:
             return out
         deadline = now + self.offer_timeout_s
-        for rid in out:
-            if rid not in self._offers:
-                q.n_offered += 1
-            self._offers[rid] = (q, deadline)
-            heapq.heappush(q.offers, (deadline, rid))
+        offers, heap = self._offers, q.offers
+        q.n_offered += len(out) - sum(map(offers.__contains__, out))
+        offers.update(zip(out, repeat((q, deadline))))
+        if not heap or deadline > q.latest:
+            # Later than every entry: appended in order, the heap stays one.
+            heap += zip(repeat(deadline), sorted(out))
+        else:
+            for rid in out:
+                heapq.heappush(heap, (deadline, rid))
+        q.latest = max(q.latest, deadline)
         self._schedule_wake(q.name, deadline if older is None else min(older, deadline))
         return out
 
@@ -277,6 +283,7 @@ class Delivery:
             q = live[0]
             self._offers[rid] = (q, now)
             heapq.heappush(q.offers, (now, rid))
+            q.latest = max(q.latest, now)
             self._ring[q.name] = None
             self._ring.move_to_end(q.name, last=False)
 

@@ -622,18 +622,19 @@ class Ledger:
         ids = self.delivery.poll(job, max_n, now)
         out: list[dict] = []
         size = 0
-        for n, rid in enumerate(ids):
+        for n, (rid, r) in enumerate(zip(ids, self.log.recent_results(ids), strict=True)):
             if size >= REPLY_BYTES:
                 self.delivery.return_offers(ids[n:], now)
                 break
-            try:
-                r = self.log.read_result(rid)
-            except CompletionError as exc:
-                # Not offered again: it cannot be read (reported, never silent).
-                self.stats.unreadable += 1
-                self.delivery.remove([rid])
-                log.error("result_unreadable", id=rid, error=str(exc))
-                continue
+            if r is None:
+                try:
+                    r = self.log.read_result(rid)
+                except CompletionError as exc:
+                    # Not offered again: it cannot be read (reported, never silent).
+                    self.stats.unreadable += 1
+                    self.delivery.remove([rid])
+                    log.error("result_unreadable", id=rid, error=str(exc))
+                    continue
             size += len(r.data) + len(r.key) + 64
             out.append({"id": rid, "key": r.key, "job": r.job, "result": r.data,
                         "encoding": r.encoding, "finished_at": r.finished_at})  # fmt: skip
