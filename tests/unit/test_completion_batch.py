@@ -93,17 +93,54 @@ def test_add_many_refuses_ids_not_above_the_last():
         p.add_many([5, 6], ["j", "j"], ["a", "b"], [T0, T0], [_loc(5), _loc(6)])
 
 
-def test_a_groups_records_are_the_records_one_by_one():
-    results = [
-        (rid, Result(f"key-{rid}" * (rid % 3 + 1), "job", rid * 11, rid, T0 + rid, 3600.0,
-                     bytes([rid % 256]) * (rid * 37 % 300), ("json", "bytes")[rid % 2]))
-        for rid in range(1, 40)
-    ]  # fmt: skip
-    parts, sizes = encode_result_records(results)
+def _results(n: int, **odd: object) -> list[tuple[int, Result]]:
+    """Keys and ints across msgpack's sizes (fixstr to str 16, fixint to
+    uint 64), floats and ints for the times, both encodings, empty data."""
+    big = [0, 1, 127, 128, 255, 256, 65_535, 65_536, 2**32 - 1, 2**32, 2**64 - 1]
+    out = []
+    for i in range(1, n + 1):
+        fields = {
+            "key": "k\u00e9y-" * (i * 7 % 140),
+            "job": "j" * (i % 40 + 1),
+            "lease_id": big[i % len(big)] or 1,
+            "version": big[(i + 3) % len(big)],
+            "finished_at": T0 + i / 7 if i % 5 else int(T0) + i,
+            "cadence_s": 3600.0 if i % 3 else 60,
+            "data": bytes([i % 256]) * (i * 37 % 300),
+            "encoding": ("json", "bytes")[i % 2],
+        }
+        fields.update(odd if i == n // 2 else {})
+        out.append((big[i % len(big)] or i, Result(**fields)))  # type: ignore[arg-type]
+    return out
+
+
+@pytest.mark.parametrize("odd", [{}, {"lease_id": "str-lease"}, {"version": -3},
+                                 {"lease_id": True}, {"key": "k" * 70_000}])  # fmt: skip
+def test_a_groups_records_are_the_records_one_by_one(odd):
+    """In C (one piece) for the usual shapes; a group with an odd one (a str
+    lease id, a negative or bool int, a key past str 16) in Python: the
+    same bytes as ``encode_result_record`` either way."""
+    from node.completion.segments import format as fmt
+
+    results = _results(40, **odd)
     one_by_one = [encode_result_record(rid, r) for rid, r in results]
-    assert b"".join(parts) == b"".join(one_by_one)
-    assert sizes == [len(f) for f in one_by_one]
+    for c_side in (fmt._encode_in_c, None):
+        fmt_c, fmt._encode_in_c = fmt._encode_in_c, c_side
+        try:
+            parts, sizes = encode_result_records(results)
+        finally:
+            fmt._encode_in_c = fmt_c
+        assert b"".join(parts) == b"".join(one_by_one)
+        assert sizes == [len(f) for f in one_by_one]
     assert encode_result_records([]) == ([], [])
+
+
+def test_the_c_encoder_is_built_and_takes_the_usual_group():
+    from node.completion.segments import format as fmt
+
+    assert fmt._encode_in_c is not None, "setup.py build_ext --inplace: _records is not built"
+    assert fmt._encode_in_c(_results(10)) is not None
+    assert fmt._encode_in_c(_results(10, lease_id="s")) is None
 
 
 def test_make_result_is_the_same_value_as_result():

@@ -92,6 +92,7 @@ import os
 import re
 import struct
 import zlib
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -106,6 +107,12 @@ from node.completion.base import (
     Result,
 )
 from node.completion.buffered import _Retire
+
+_encode_in_c: Callable[[list[tuple[int, Result]]], tuple[bytes, list[int]] | None] | None
+try:  # built by setup.py, optional: the Python encoder below writes the same bytes
+    from node.completion.segments._records import encode_results as _encode_in_c
+except ImportError:  # pragma: no cover - a build without the extension
+    _encode_in_c = None
 
 FORMAT_VERSION = 3
 # Segment format versions this build reads.
@@ -171,9 +178,18 @@ def encode_result_record(rid: int, r: Result) -> bytes:
 
 def encode_result_records(results: list[tuple[int, Result]]) -> tuple[list[bytes], list[int]]:
     """``encode_result_record`` of each (id, result), a group at a time: the
-    pieces to write back to back (frame and result head, meta, data: the
-    data is not copied into a body first) and each frame's size. The crcs
-    are chained over the pieces, so the bytes are the same."""
+    pieces to write back to back and each frame's size. In C when the
+    extension is built and the group is of the usual shapes (``_records.c``:
+    one piece), else in Python (frame and result head, meta, data, the crcs
+    chained over the pieces). The same bytes either way."""
+    if _encode_in_c is not None and results:
+        done = _encode_in_c(results)
+        if done is not None:
+            return [done[0]], done[1]
+    return _encode_records_py(results)
+
+
+def _encode_records_py(results: list[tuple[int, Result]]) -> tuple[list[bytes], list[int]]:
     packb, crc, code = _packb, zlib.crc32, _ENCODING_CODE
     pack_head, pack_rhead = FRAME_RESULT_HEAD.pack, RESULT_HEAD.pack
     rhead_size = RESULT_HEAD.size
