@@ -40,6 +40,9 @@ from node.core.names import ledger_address
 from node.core.proc import RET_ERROR, RET_OK, child_signals, die_with_parent, set_title
 from node.ipc import MAX_FRAME, IpcError, RemoteError, pack, peer_uid, read_frame
 from node.store import WriteBack
+from workers.ledger.intake import Batch as _Batch
+from workers.ledger.intake import Item as _Item
+from workers.ledger.intake import check as _intake_check
 from workers.ledger.requests import MAX_ITEMS, MAX_WAIT_S
 from workers.ledger.requests import bad as _bad
 from workers.ledger.requests import check_items as _check_items
@@ -86,22 +89,6 @@ _DATA, _KEY = attrgetter("data"), attrgetter("key")
 # A lease to end once its result's write-back is written: key, lease id,
 # result id, job.
 _End = tuple[str, int, int, str]
-
-
-# One accepted completion between its peek and its reply: key, lease id,
-# data, encoding, job, version, cadence_s (a tuple: one a completion).
-_Item = tuple[str, int, bytes, str, str, int, float]
-
-
-class _Batch:
-    """One request's accepted items, committed in the same group (a group
-    holds whole requests): ``done`` gets (status, their ids or None) once."""
-
-    __slots__ = ("items", "done")
-
-    def __init__(self, items: list[_Item], done: asyncio.Future) -> None:
-        self.items = items
-        self.done = done
 
 
 @dataclass
@@ -301,74 +288,9 @@ class Ledger:
     # -- complete -----------------------------------------------------------------
 
     def check(self, items: list[dict]) -> tuple[list[dict | None], list[int], _Batch, list]:
-        """Peek every item before anything is written: (outcomes so far,
-        the indexes of the accepted items, their batch, duplicates of
-        completions in flight as (index, (batch, place)))."""
-        from shm.leases import Outcome
-
-        refused = {
-            Outcome.REPEAT: "repeat",
-            Outcome.SUPERSEDED: "conflict",
-            Outcome.UNKNOWN: "unknown",
-            Outcome.BUSY: "busy",
-        }.get
-        outcomes: list[dict | None] = [None] * len(items)
-        keys = [item["key"] for item in items]
-        lease_ids = [item["lease_id"] for item in items]
-        # Ours first: the table's slot may hold another key by now, or a
-        # newer lease of this one (then it would say unknown or conflict).
-        rids = self.repeats.find_many(lease_ids, keys)
-        asked: Any = range(len(items))
-        if rids is not None:
-            asked = []
-            for i, rid in enumerate(rids):
-                if rid:
-                    outcomes[i] = {"status": "repeat", "id": rid}
-                else:
-                    asked.append(i)
-        # One call into C for the group (shm/_complete.c), peek item by item.
-        peeks = self.leases.peek_many([(keys[i], lease_ids[i]) for i in asked])
-        peeked = []
-        for i, (outcome, lease) in zip(asked, peeks, strict=True):
-            status = refused(outcome)
-            if status is None:
-                peeked.append((i, lease))
-            else:
-                outcomes[i] = {"status": status}
-        rows = self.store.jobs_of([keys[i] for i, _ in peeked]) if peeked else {}
-        batch = _Batch([], asyncio.get_running_loop().create_future())
-        taken, accepted, inflight = batch.items, [], self._inflight
-        dups: list[tuple[int, tuple[_Batch, int]]] = []
-        for i, lease in peeked:
-            key, lease_id = keys[i], lease_ids[i]
-            first = inflight.get((key, lease_id))
-            if first is not None:
-                dups.append((i, first))
-                continue
-            inflight[(key, lease_id)] = (batch, len(taken))
-            row, cadence_s = rows.get(key), lease.cadence_s
-            if row is not None and cadence_s:
-                job, cadence_s = row[0], float(cadence_s)
-            else:
-                job, cadence_s = self._job_and_cadence(row, cadence_s)
-            item = items[i]
-            taken.append(
-                (key, lease_id, item["result"], item["encoding"], job, lease.version, cadence_s)
-            )
-            accepted.append(i)
-        return outcomes, accepted, batch, dups
-
-    def _job_and_cadence(
-        self, row: tuple[str, float | None, str] | None, lease_cadence_s: float
-    ) -> tuple[str, float]:
-        """``row``: (job, cadence_s, route), as ``Store.jobs_of`` answers."""
-        from node.core.rows import DEFAULT_JOB
-
-        if row is None:  # deleted (or unschedulable) while leased: the result is still kept
-            return DEFAULT_JOB, lease_cadence_s or self.config.defaults.cadence_s
-        job, row_cadence_s, route = row
-        cadence_s = lease_cadence_s or row_cadence_s or self.config.route(route).cadence_s
-        return job, float(cadence_s)
+        """Peek every item before anything is written (``intake.check``)."""
+        return _intake_check(items, self.repeats, self.leases, self.store, self._inflight,
+                             self.config)  # fmt: skip
 
     def commit_begin(
         self, items: list[_Item], now: float, executor: Executor | None = None
