@@ -45,8 +45,9 @@ from node.completion.result_checks import check_result, plain_results
 RETIRE_PASS_MIN_IDS = 65_536
 
 
-_data_of = attrgetter("data")
-_second = itemgetter(1)
+_data_of, _job_of, _key_of = attrgetter("data"), attrgetter("job"), attrgetter("key")
+_finished_at_of = attrgetter("finished_at")
+_first, _second = itemgetter(0), itemgetter(1)
 
 
 # -- what both backends share ---------------------------------------------------------
@@ -409,14 +410,13 @@ class BufferedLog(CompletionStore):
     ) -> None:
         seg = self._segments[segment]
         if results:
-            base = segment << LOC_OFFSET_BITS
-            rs = [r for _, r in results]
+            rs = list(map(_second, results))
             self._index.add_many(
-                [rid for rid, _ in results],
-                [r.job for r in rs],
-                [r.key for r in rs],
-                [r.finished_at for r in rs],
-                [base | off for off in offsets],
+                list(map(_first, results)),
+                list(map(_job_of, rs)),
+                list(map(_key_of, rs)),
+                list(map(_finished_at_of, rs)),
+                list(map((segment << LOC_OFFSET_BITS).__or__, offsets)),
             )
         if self.config.recent_bytes:
             self._keep_recent(results)

@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from itertools import groupby
+from operator import itemgetter
 from typing import Any
 
 from node.core.errors import StoreError, StoreUnavailable
@@ -60,6 +61,11 @@ from node.store.sqlite_values import (
     decode_payload,
     store_error,
 )
+
+# WriteBack(key, due_at, if_version, result_id, finished_at): its key, and the
+# parameters of q.WRITE_BACK in their order (due_at, result_id, finished_at,
+# key, if_version).
+_WB_KEY, _WB_ROW = itemgetter(0), itemgetter(1, 3, 4, 0, 2)
 
 # Page cache per connection. Every worker process opens one connection, so
 # this is paid N times; 16 MiB keeps the upper b-tree levels of a 1M-row table
@@ -279,7 +285,7 @@ class SQLiteStore(Store):
         distinct and the log says exactly which items took."""
         if not items:
             return []
-        if len({it.key for it in items}) == len(items):
+        if len(set(map(_WB_KEY, items))) == len(items):
             rounds = [list(range(len(items)))]  # distinct keys, the usual group: one round
         else:
             rounds = [[]]
@@ -298,13 +304,8 @@ class SQLiteStore(Store):
                     found = conn.execute(q.LAST_SEQ).fetchone()
                     seq = 0 if found is None else found[0]
                     for members in rounds:
-                        cur = conn.executemany(
-                            q.WRITE_BACK,
-                            [
-                                (it.due_at, it.result_id, it.finished_at, it.key, it.if_version)
-                                for it in map(items.__getitem__, members)
-                            ],
-                        )
+                        these = items if len(rounds) == 1 else map(items.__getitem__, members)
+                        cur = conn.executemany(q.WRITE_BACK, list(map(_WB_ROW, these)))
                         if cur.rowcount == len(members):
                             # Every row took, in order: each UPDATE logged one
                             # change (its trigger), whose seq is the new version.

@@ -86,6 +86,7 @@ STOP_GRACE_S = 5.0
 
 
 _DATA, _KEY = attrgetter("data"), attrgetter("key")
+_FIRST, _SECOND, _THIRD, _KEY_LEASE = itemgetter(0), itemgetter(1), itemgetter(2), itemgetter(0, 1)
 # A lease to end once its result's write-back is written: key, lease id,
 # result id, job.
 _End = tuple[str, int, int, str]
@@ -333,7 +334,7 @@ class Ledger:
         self.stats.flush_s += flush_s
         self.stats.flush_s_max = max(self.stats.flush_s_max, flush_s)
         # Durable: a repeat gets these ids from now on.
-        self.repeats.add_many([it[1] for it in items], [it[0] for it in items], ids)
+        self.repeats.add_many(list(map(_SECOND, items)), list(map(_FIRST, items)), ids)
         group: list[tuple[Any, _End | None]] = [
             (WriteBack(key, now + cadence_s, version, rid, now), (key, lease_id, rid, job))
             for (key, lease_id, _, _, job, version, cadence_s), rid in zip(items, ids, strict=True)
@@ -380,7 +381,7 @@ class Ledger:
         from node.core.errors import StoreError
 
         try:
-            versions = self.store.write_back_many([wb for wb, _ in group])
+            versions = self.store.write_back_many(list(map(_FIRST, group)))
             self._written_gen += 1
         except Exception as exc:  # noqa: BLE001 - nothing lost: every item is retried
             self.stats.writeback_failed += len(group)
@@ -393,7 +394,7 @@ class Ledger:
                           retrying=len(self._writebacks))  # fmt: skip
             return
         self.stats.writeback_skipped += versions.count(None)
-        self._end_leases([end for _, end in group if end is not None], now, fresh)
+        self._end_leases(list(filter(None, map(_SECOND, group))), now, fresh)
 
     def _end_leases(self, ends: list[_End], now: float, fresh: bool = False) -> None:
         """End the leases of durable, written-back results, in one call
@@ -411,7 +412,7 @@ class Ledger:
         if not ends:
             return
         try:
-            outcomes = self.leases.complete_many([(end[0], end[1]) for end in ends], now)
+            outcomes = self.leases.complete_many(list(map(_KEY_LEASE, ends)), now)
         except Exception:  # noqa: BLE001 - each item again, on its own, below
             for end in ends:
                 try:
@@ -423,8 +424,8 @@ class Ledger:
             return
         completed, add = Outcome.COMPLETED, self.delivery.add
         job = ends[0][3]
-        if fresh and outcomes.count(completed) == len(ends) and all(e[3] == job for e in ends):
-            self.delivery.add_many([end[2] for end in ends], job)  # the usual group
+        if fresh and outcomes.count(completed) == len(ends) == [e[3] for e in ends].count(job):
+            self.delivery.add_many(list(map(_THIRD, ends)), job)  # the usual group
             return
         for end, outcome in zip(ends, outcomes, strict=True):
             if fresh and outcome is completed:
