@@ -34,7 +34,7 @@ import bisect
 import contextlib
 import heapq
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from itertools import repeat
 
@@ -533,6 +533,30 @@ class RepeatIndex:
         until, retired, keys, leases = self._until, self._retired, self._keys, self._leases
         rid_of = self._rid_of
         i, n, dropped = self._next, len(until), 0
+        k = bisect.bisect_right(until, now, i)
+        head, m = self._head, k - i
+        if (
+            m > 1
+            and (k == n or until[k] > now)
+            and max(until[i:k]) <= now
+            and not self._dead
+            and self._ids[head : head + m] == retired[i:k]
+        ):
+            # The usual expiry: retired in the order they were added, so the
+            # due ones are the live head. A lease a later result answered
+            # keeps its entry (as below); the rest go in C.
+            run = dict(zip(leases[head : head + m], retired[i:k], strict=True))
+            if rid_of.items() >= run.items():
+                deque(map(rid_of.__delitem__, run), 0)
+            else:
+                for lease_id, rid in run.items():
+                    if rid_of.get(lease_id) == rid:
+                        del rid_of[lease_id]
+            keys[head : head + m] = repeat(None, m)
+            self._head += m
+            i, cut = k, m
+        else:
+            cut = 0
         while i < n and until[i] <= now:
             rid = retired[i]
             i += 1
@@ -548,10 +572,10 @@ class RepeatIndex:
         if i >= _REPEAT_COMPACT_MIN and i * 2 >= n:
             del until[:i], retired[:i]
             self._next = 0
-        if dropped:
+        if dropped or cut:
             self._dead += dropped
             self._settle()
-        return dropped
+        return dropped + cut
 
     def _slot(self, rid: int) -> int:
         i = bisect.bisect_left(self._ids, rid, self._head)
@@ -566,6 +590,10 @@ class RepeatIndex:
             self._dead -= 1
         floor = _REPEAT_COMPACT_MIN
         if self._dead > max(floor, len(self)) or self._head > max(floor, n // 2):
+            if not self._dead:  # only the head to cut: slices
+                h, self._head = self._head, 0
+                del self._ids[:h], self._leases[:h], self._keys[:h]
+                return
             keep = [i for i in range(self._head, n) if keys[i] is not None]
             self._ids = array("Q", map(self._ids.__getitem__, keep))
             self._leases = array("Q", map(self._leases.__getitem__, keep))
