@@ -280,9 +280,12 @@ class SQLiteStore(Store):
         """One transaction for the whole group: one executemany of the
         guarded UPDATE, then the keys it wrote and their new versions from
         the change log (each written row logged one change; RETURNING would
-        show the versions from before the triggers ran). A key twice in the
-        batch is written in a second round, so that each round's keys are
-        distinct and the log says exactly which items took."""
+        show the versions from before the triggers ran). When every row of a
+        round took (its rowcount), its versions are the seqs that follow, in
+        order (each UPDATE's trigger logs one change), and the log is not
+        read. A key twice in the batch is written in a second round, so that
+        each round's keys are distinct and the log says exactly which items
+        took."""
         if not items:
             return []
         if len(set(map(_WB_KEY, items))) == len(items):
