@@ -7,7 +7,9 @@ claim path in C: the lease table's grant and a whole claim in one call
 from shm/layout.h and export them (``LEASE_LAYOUT``, ``READY_LAYOUT``), which
 shm/layout.py checks against the Python side at import. They build with any C
 compiler that has GCC's ``__atomic`` builtins (gcc, clang) and Python headers;
-``pip install -e .`` builds them in place.
+``pip install -e .`` builds them in place. ``node.completion.segments._records``
+encodes a group commit's RESULT records (optional: without it the log encodes
+them in Python, the same bytes).
 
 ``QUEUE_NODE_TEST_STOPS=1`` builds, instead, the test build of ``shm._atomic``
 and ``shm._claim``: the same code with the lease table's test stops compiled
@@ -65,5 +67,14 @@ best = Extension(
     sources=["keeper/_best.c", "keeper/_best_order.c"],  # the merge of class runs; order merges
     extra_compile_args=["-O2"],
 )
+# A group commit's RESULT records (node/completion/segments/format.py falls
+# back to its Python encoder, the same bytes, when this is not built: optional).
+records = Extension(
+    "node.completion.segments._records",
+    sources=["node/completion/segments/_records.c"],
+    extra_compile_args=["-O2"],
+    libraries=["z"],  # crc32, the zlib Python's own zlib module uses
+    optional=True,
+)
 
-setup(ext_modules=[atomic, claim] if TEST_STOPS else [atomic, best, claim])
+setup(ext_modules=[atomic, claim] if TEST_STOPS else [atomic, best, claim, records])

@@ -15,13 +15,11 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future
-from itertools import chain
-from operator import itemgetter
+from itertools import chain, compress, repeat
+from operator import attrgetter, itemgetter
 
 from node.completion.base import (
-    ENCODINGS,
     FSYNC_ALWAYS,
-    MAX_RECORD_BYTES,
     RETIRE_ACK,
     RETIRE_DISCARD,
     CompletionConfig,
@@ -35,15 +33,21 @@ from node.completion.base import (
     Result,
     RetiredLease,
     UnknownResult,
+    make_result,
 )
 from node.completion.checkpoint import Checkpoint, SegmentStats
 from node.completion.pending import LOC_OFFSET_BITS, PendingIndex
-from node.core.errors import ValidationError
+from node.completion.result_checks import check_result, plain_results
 
 # Recovery applies retire records in bulk once this many ids (or half the
 # pending count) have piled up: bounds the memory they hold while each pass,
 # which costs O(pending), stays amortised O(1) per id.
 RETIRE_PASS_MIN_IDS = 65_536
+
+
+_data_of, _job_of, _key_of = attrgetter("data"), attrgetter("job"), attrgetter("key")
+_finished_at_of = attrgetter("finished_at")
+_first, _second = itemgetter(0), itemgetter(1)
 
 
 # -- what both backends share ---------------------------------------------------------
@@ -91,31 +95,6 @@ class FlushHandle:
         self.future: Future[None] | None = None
         self.ended = False
         self.error: LogUnavailable | None = None
-
-
-def _check_result(r: Result) -> None:
-    """Refuse at append what could not be encoded at flush (a bad result
-    would otherwise fail every later flush of the buffer it sits in)."""
-    if not (
-        isinstance(r.key, str)
-        and isinstance(r.job, str)
-        and isinstance(r.lease_id, (int, str))  # noqa: UP038 - a tuple is 3x faster here
-        and isinstance(r.version, int)
-        and isinstance(r.finished_at, (float, int))  # noqa: UP038
-        and isinstance(r.cadence_s, (float, int))  # noqa: UP038
-        and isinstance(r.data, bytes)
-        and r.encoding in ENCODINGS
-    ):
-        raise ValidationError(
-            "bad_result",
-            "a result needs str key and job, int or str lease_id, int version, numeric "
-            f"finished_at and cadence_s, bytes data and an encoding in {ENCODINGS}: {r!r:.200}",
-            "result",
-        )
-    if len(r.data) + len(r.key) + len(r.job) + 256 > MAX_RECORD_BYTES:
-        raise ValidationError(
-            "result_too_large", f"a result is at most {MAX_RECORD_BYTES} bytes", "result"
-        )
 
 
 class BufferedLog(CompletionStore):
@@ -328,8 +307,9 @@ class BufferedLog(CompletionStore):
 
     def append_results(self, results: Sequence[Result]) -> list[int]:
         self._check()
-        for r in results:
-            _check_result(r)  # all of them first: a batch is taken whole or not at all
+        if not plain_results(results):
+            for r in results:
+                check_result(r)  # all of them first: a batch is taken whole or not at all
         first = self._next_id
         ids = list(range(first, first + len(results)))
         self._next_id += len(results)
@@ -429,9 +409,15 @@ class BufferedLog(CompletionStore):
         offsets: list[int],
     ) -> None:
         seg = self._segments[segment]
-        add, base = self._index.add, segment << LOC_OFFSET_BITS
-        for (rid, r), off in zip(results, offsets, strict=True):
-            add(rid, r.job, r.key, r.finished_at, base | off)
+        if results:
+            rs = list(map(_second, results))
+            self._index.add_many(
+                list(map(_first, results)),
+                list(map(_job_of, rs)),
+                list(map(_key_of, rs)),
+                list(map(_finished_at_of, rs)),
+                list(map((segment << LOC_OFFSET_BITS).__or__, offsets)),
+            )
         if self.config.recent_bytes:
             self._keep_recent(results)
         seg.results += len(results)
@@ -454,7 +440,7 @@ class BufferedLog(CompletionStore):
     def _keep_recent(self, results: list[tuple[int, Result]]) -> None:
         recent = self._recent
         recent.update(results)
-        self._recent_bytes += sum(len(r.data) for _, r in results)
+        self._recent_bytes += sum(map(len, map(_data_of, map(_second, results))))
         if self._recent_bytes > self.config.recent_bytes:
             limit = self.config.recent_bytes // 2  # evict in bulk, not one a flush
             for rid in list(recent):
@@ -463,29 +449,21 @@ class BufferedLog(CompletionStore):
                 self._recent_bytes -= len(recent.pop(rid).data)
 
     def _forget_recent(self, ids: list[int]) -> None:
-        pop, recent = self._recent.pop, self._recent
-        if recent:
-            gone = 0
-            for rid in ids:
-                r = pop(rid, None)
-                if r is not None:
-                    gone += len(r.data)
-            self._recent_bytes -= gone
+        if self._recent:  # in C: pop each, drop the misses, sum the data's lengths
+            gone = filter(None, map(self._recent.pop, ids, repeat(None)))
+            self._recent_bytes -= sum(map(len, map(_data_of, gone)))
 
     def _retire(self, kind: str, ids: Iterable[int], reason: str, now: float | None) -> int:
         self._check()
         at = time.time() if now is None else float(now)
-        done: list[int] = []
+        wanted = [int(rid) for rid in ids]
+        locs = self._index.remove_many(wanted)
+        done = list(compress(wanted, locs))
         by_segment: dict[int, int] = {}
-        remove = self._index.remove
-        for rid in ids:
-            loc = remove(int(rid))
-            if loc:
-                done.append(int(rid))
-                number = loc >> LOC_OFFSET_BITS
-                by_segment[number] = by_segment.get(number, 0) + 1
-                self._segments[number].live -= 1
         if done:
+            for number, n in Counter(loc >> LOC_OFFSET_BITS for loc in locs if loc).items():
+                by_segment[number] = n
+                self._segments[number].live -= n
             self._forget_recent(done)
             for number in by_segment:
                 seg = self._segments[number]
@@ -527,14 +505,26 @@ class BufferedLog(CompletionStore):
         self._check()
         return self._index.get(result_id)
 
+    def pending_job(self, result_id: int) -> str | None:
+        """The job of a pending result; None when it is not pending."""
+        self._check()
+        return self._index.job_of(result_id)
+
+    def recent_results(self, ids: list[int]) -> list[Result | None]:
+        """For an offer: each id's result from the memory cache of recent
+        ones (``recent_bytes``) as appended, so with id 0; None where it is
+        not there (``read_result`` reads it from the log). Pending ids only."""
+        self._check()
+        return list(map(self._recent.get, ids))
+
     def read_result(self, result_id: int) -> Result:
         self._check()
         r = self._recent.get(result_id)
         if r is not None:  # durable and pending: it leaves here when retired
             if r.id == result_id:
                 return r
-            return Result(r.key, r.job, r.lease_id, r.version, r.finished_at, r.cadence_s,
-                          r.data, r.encoding, result_id)  # fmt: skip
+            return make_result(r.key, r.job, r.lease_id, r.version, r.finished_at, r.cadence_s,
+                               r.data, r.encoding, result_id)  # fmt: skip
         p = self._index.get(result_id)
         if p is None:
             raise UnknownResult(result_id)

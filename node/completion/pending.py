@@ -71,18 +71,27 @@ class _JobQueue:
         self.locs[i] = 0
         self.keys[i] = None
         self.dead += 1
+        self.settle()
+        return loc
+
+    def settle(self) -> None:
+        """Move the head past dead slots; rebuild once they outnumber the live."""
         n, locs = len(self.ids), self.locs
         while self.head < n and not locs[self.head]:
             self.head += 1
             self.dead -= 1
         if self.dead > max(_SETTLE_MIN, self.live) or self.head > max(_SETTLE_MIN, n // 2):
+            if not self.dead:  # only the head to cut: slices
+                h = self.head
+                del self.ids[:h], self.fins[:h], self.keys[:h], self.locs[:h]
+                self.head = 0
+                return
             keep = [i for i in range(self.head, n) if locs[i]]
             self.ids = array("Q", [self.ids[i] for i in keep])
             self.fins = array("d", [self.fins[i] for i in keep])
             self.keys = [self.keys[i] for i in keep]
             self.locs = array("Q", [locs[i] for i in keep])
             self.head = self.dead = 0
-        return loc
 
 
 class PendingIndex:
@@ -122,6 +131,34 @@ class PendingIndex:
         self._ids.append(rid)
         self._codes.append(q.code)
         self.last_id = rid
+
+    def add_many(
+        self, rids: list[int], jobs: list[str], keys: list[str], fins: list[float], locs: list[int]
+    ) -> None:
+        """``add`` of a flushed group, ids increasing (the log assigns them
+        so): one job's run is a few array extends, not a call an id."""
+        if not rids:
+            return
+        if rids[0] <= self.last_id:
+            raise ValueError(f"result id {rids[0]} is not above {self.last_id}")
+        job = jobs[0]
+        if jobs.count(job) != len(jobs):
+            for args in zip(rids, jobs, keys, fins, locs, strict=True):
+                self.add(*args)
+            return
+        q = self.queues.get(job) or self.queue(job)
+        q.ids.extend(rids)
+        q.locs.extend(locs)
+        q.fins.extend(fins)
+        q.keys.extend(keys)
+        self._ids.extend(rids)
+        self._codes.extend(repeat(q.code, len(rids)))
+        self.last_id = rids[-1]
+
+    def job_of(self, rid: int) -> str | None:
+        """The job of a pending result (None when it is not pending)."""
+        i = self._slot(rid)
+        return None if i < 0 else self._by_code[self._codes[i]].job
 
     def loader(self, job: str) -> tuple:
         """Bound appends for bulk loading one job's results, for the recovery
@@ -209,12 +246,62 @@ class PendingIndex:
         self._settle()
         return q.kill(q.find(rid))
 
+    def remove_many(self, rids: list[int]) -> list[int]:
+        """``remove`` of each id: their locs, in order (0: not pending).
+        Acks come in id order from the head of a job's queue (its offers,
+        oldest first): that run is cut off with a few slice compares and
+        moves of the heads; any other id is found by bisects."""
+        n = len(rids)
+        if not n:
+            return []
+        head, q = self._head, None
+        if n > 1 and not self._dead and self._ids[head : head + n] == array("Q", rids):
+            codes = self._codes[head : head + n]
+            if codes.count(codes[0]) == n:
+                q = self._by_code[codes[0]]
+        qh = 0 if q is None else q.head
+        if q is not None and not q.dead and q.ids[qh : qh + n] == self._ids[head : head + n]:
+            locs = q.locs[qh : qh + n].tolist()
+            q.keys[qh : qh + n] = repeat(None, n)
+            q.locs[qh : qh + n] = array("Q", bytes(8 * n))
+            q.head += n
+            q.settle()
+            self._codes[head : head + n] = array("I", repeat(_DEAD, n))
+            self._head += n
+            self._settle()
+            return locs
+        out = []
+        codes, by_code, slot = self._codes, self._by_code, self._slot
+        touched = set()
+        for rid in rids:
+            i = slot(rid)
+            if i < 0:
+                out.append(0)
+                continue
+            q = by_code[codes[i]]
+            codes[i] = _DEAD
+            self._dead += 1
+            j = q.find(rid)
+            out.append(q.locs[j])
+            q.locs[j] = 0
+            q.keys[j] = None
+            q.dead += 1
+            touched.add(q)
+        for q in touched:
+            q.settle()
+        self._settle()
+        return out
+
     def _settle(self) -> None:
         n, codes = len(self._ids), self._codes
         while self._head < n and codes[self._head] == _DEAD:
             self._head += 1
             self._dead -= 1
         if self._dead > max(_SETTLE_MIN, len(self)) or self._head > max(_SETTLE_MIN, n // 2):
+            if not self._dead:  # only the head to cut: slices
+                del self._ids[: self._head], self._codes[: self._head]
+                self._head = 0
+                return
             keep = [i for i in range(self._head, n) if codes[i] != _DEAD]
             self._ids = array("Q", [self._ids[i] for i in keep])
             self._codes = array("I", [codes[i] for i in keep])

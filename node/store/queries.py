@@ -140,14 +140,15 @@ _ROW_COLUMNS = (
     "key, route, cadence_s, sitemap, due_at, payload, job, version,"
     " last_result_id, last_finished_at, last_error"
 )
-_SCHEDULE_COLUMNS = (
-    "key, version, route, cadence_s, sitemap = 1, due_at, "
+# Whether a stored row is schedulable: the rules of node.rows.stored_row_is_valid.
+_VALID_ROW = (
     "(typeof(route) = 'text' AND route <> ''"
     " AND (cadence_s IS NULL OR (typeof(cadence_s) = 'integer'"
     " AND cadence_s BETWEEN 60 AND 31536000))"
     " AND sitemap IN (0, 1)"
     " AND typeof(due_at) IN ('real', 'integer') AND due_at BETWEEN 0 AND 32503680000.0)"
 )
+_SCHEDULE_COLUMNS = "key, version, route, cadence_s, sitemap = 1, due_at, " + _VALID_ROW
 _CHANGE_COLUMNS = "seq, op, key, origin, route, cadence_s, sitemap, due_at, at"
 
 # -- the node's own tables ---------------------------------------------------------
@@ -235,12 +236,13 @@ def get_many_sql(n: int) -> str:
 
 
 def jobs_of_sql(n: int) -> str:
-    """What a completion needs of ``n`` rows (``Store.jobs_of``), with the
-    columns that say whether each is schedulable; not the payload."""
+    """What a completion needs of ``n`` rows (``Store.jobs_of``): key, job,
+    cadence_s, route of the schedulable ones (SQLite checks, per row, what
+    ``stored_row_is_valid`` would); not the payload."""
     marks = ", ".join("?" * n)
     return (
-        "SELECT key, job, cadence_s, route, sitemap, due_at FROM schedule"
-        f" WHERE key IN ({marks})"
+        "SELECT key, job, cadence_s, route FROM schedule"
+        f" WHERE key IN ({marks}) AND {_VALID_ROW}"
     )
 
 

@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from itertools import groupby
+from operator import itemgetter
 from typing import Any
 from urllib.parse import quote
 
@@ -69,6 +70,11 @@ from node.store.sqlite_values import (
     decode_payload,
     store_error,
 )
+
+# WriteBack(key, due_at, if_version, result_id, finished_at): its key, and the
+# parameters of q.WRITE_BACK in their order (due_at, result_id, finished_at,
+# key, if_version).
+_WB_KEY, _WB_ROW = itemgetter(0), itemgetter(1, 3, 4, 0, 2)
 
 # Page cache per connection. Every worker process opens one connection, so
 # this is paid N times; 16 MiB keeps the upper b-tree levels of a 1M-row table
@@ -331,19 +337,25 @@ class SQLiteStore(Store):
         """One transaction for the whole group: one executemany of the
         guarded UPDATE, then the keys it wrote and their new versions from
         the change log (each written row logged one change; RETURNING would
-        show the versions from before the triggers ran). A key twice in the
-        batch is written in a second round, so that each round's keys are
-        distinct and the log says exactly which items took."""
+        show the versions from before the triggers ran). When every row of a
+        round took (its rowcount), its versions are the seqs that follow, in
+        order (each UPDATE's trigger logs one change), and the log is not
+        read. A key twice in the batch is written in a second round, so that
+        each round's keys are distinct and the log says exactly which items
+        took."""
         if not items:
             return []
-        rounds: list[list[int]] = [[]]
-        seen: dict[str, int] = {}  # key -> rounds it is in so far
-        for i, it in enumerate(items):
-            n = seen.get(it.key, 0)
-            seen[it.key] = n + 1
-            if n == len(rounds):
-                rounds.append([])
-            rounds[n].append(i)
+        if len(set(map(_WB_KEY, items))) == len(items):
+            rounds = [list(range(len(items)))]  # distinct keys, the usual group: one round
+        else:
+            rounds = [[]]
+            seen: dict[str, int] = {}  # key -> rounds it is in so far
+            for i, it in enumerate(items):
+                n = seen.get(it.key, 0)
+                seen[it.key] = n + 1
+                if n == len(rounds):
+                    rounds.append([])
+                rounds[n].append(i)
         out: list[int | None] = [None] * len(items)
         conn = self._c()
         with self._lock:
@@ -352,13 +364,15 @@ class SQLiteStore(Store):
                     found = conn.execute(q.LAST_SEQ).fetchone()
                     seq = 0 if found is None else found[0]
                     for members in rounds:
-                        conn.executemany(
-                            q.WRITE_BACK,
-                            [
-                                (it.due_at, it.result_id, it.finished_at, it.key, it.if_version)
-                                for it in map(items.__getitem__, members)
-                            ],
-                        )
+                        these = items if len(rounds) == 1 else map(items.__getitem__, members)
+                        cur = conn.executemany(q.WRITE_BACK, list(map(_WB_ROW, these)))
+                        if cur.rowcount == len(members):
+                            # Every row took, in order: each UPDATE logged one
+                            # change (its trigger), whose seq is the new version.
+                            for n, i in enumerate(members, seq + 1):
+                                out[i] = n
+                            seq += len(members)
+                            continue
                         written = dict(conn.execute(q.CHANGES_SINCE, (seq,)).fetchall())
                         for i in members:
                             out[i] = written.get(items[i].key)
@@ -472,13 +486,9 @@ class SQLiteStore(Store):
         os.replace(tmp, target)
 
     def jobs_of(self, keys: Iterable[str]) -> dict[str, tuple[str, float | None, str]]:
+        # Unschedulable rows are left out by the query itself (in C).
         found = self._read_keys(keys, q.jobs_of_sql, "jobs_of")
-        valid = stored_row_is_valid
-        return {
-            key: (job, cadence_s, route)
-            for key, job, cadence_s, route, sitemap, due_at in found
-            if valid(route, cadence_s, sitemap, due_at)
-        }
+        return {row[0]: row[1:] for row in found}
 
     def walk(self, after: str | None, limit: int) -> list[Row | BadRow]:
         if limit <= 0:

@@ -34,8 +34,8 @@ import bisect
 import contextlib
 import heapq
 from array import array
-from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator
 from itertools import repeat
 
 from node.core.errors import NodeError
@@ -57,7 +57,7 @@ class NeverOffered(NodeError):
 
 
 class _Job:
-    __slots__ = ("name", "ready", "head", "offers", "n_offered")
+    __slots__ = ("name", "ready", "head", "offers", "n_offered", "latest")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -65,6 +65,7 @@ class _Job:
         self.head = 0
         self.offers: list[tuple[float, int]] = []  # heap of (deadline, id)
         self.n_offered = 0
+        self.latest = float("-inf")  # the latest deadline ever pushed
 
     @property
     def n_ready(self) -> int:
@@ -134,6 +135,26 @@ class Delivery:
             if event is not None:
                 event.set()
 
+    def add_many(self, rids: list[int], job: str) -> None:
+        """``add`` of each of ``rids`` for one job. Fresh ids (above every
+        id held, increasing: a group just made durable) are one extend."""
+        if not rids:
+            return
+        if rids[0] <= self._max_id or (len(rids) > 1 and rids != sorted(set(rids))):
+            for rid in rids:
+                self.add(rid, job)
+            return
+        q = self._jobs.get(job)
+        if q is None:
+            q = self._jobs[job] = _Job(job)
+        q.ready.extend(rids)
+        self._max_id = rids[-1]
+        self._ring[job] = None
+        for name in (job, None):
+            event = self._events.pop(name, None)
+            if event is not None:
+                event.set()
+
     def assume_offered_through(self, rid: int) -> None:
         """Ids up to ``rid`` may have been offered by an earlier ledger
         process (they were recovered from the log): an ack of one of them is
@@ -183,11 +204,16 @@ class Delivery:
         if not out:
             return out
         deadline = now + self.offer_timeout_s
-        for rid in out:
-            if rid not in self._offers:
-                q.n_offered += 1
-            self._offers[rid] = (q, deadline)
-            heapq.heappush(q.offers, (deadline, rid))
+        offers, heap = self._offers, q.offers
+        q.n_offered += len(out) - sum(map(offers.__contains__, out))
+        offers.update(zip(out, repeat((q, deadline))))
+        if not heap or deadline > q.latest:
+            # Later than every entry: appended in order, the heap stays one.
+            heap += zip(repeat(deadline), sorted(out))
+        else:
+            for rid in out:
+                heapq.heappush(heap, (deadline, rid))
+        q.latest = max(q.latest, deadline)
         self._schedule_wake(q.name, deadline if older is None else min(older, deadline))
         return out
 
@@ -257,30 +283,49 @@ class Delivery:
             q = live[0]
             self._offers[rid] = (q, now)
             heapq.heappush(q.offers, (now, rid))
+            q.latest = max(q.latest, now)
             self._ring[q.name] = None
             self._ring.move_to_end(q.name, last=False)
 
     # -- retiring -------------------------------------------------------------------
 
-    def retire(self, job: str, rids: Iterable[int], now: float) -> list[int]:
+    def retire(
+        self,
+        job: str,
+        rids: Iterable[int],
+        now: float,
+        owner: Callable[[int], str | None] | None = None,
+    ) -> list[int]:
         """Ack: retire offered ids of ``job``; the ids retired now. An id
         already retired counts nothing (idempotent). An id this delivery has
         not offered to ``job`` (ready and never offered, offered to another
         job, or above every id it has held) raises NeverOffered, and then
-        nothing is retired."""
+        nothing is retired. ``owner``: the job an id is pending for in the
+        log (None: not pending), asked only of the ids not retired here; one
+        pending for another job raises NeverOffered naming only those."""
         q = self._jobs.get(job)
         todo: list[int] = []
         recovered: list[int] = []
         bad: list[int] = []
-        for rid in dict.fromkeys(int(r) for r in rids):
-            self.touched += 1
-            live = self._offers.get(rid)
+        other: list[int] = []
+        offers = self._offers
+        distinct = dict.fromkeys(int(r) for r in rids)
+        self.touched += len(distinct)
+        for rid in distinct:
+            live = offers.get(rid)
+            if live is not None and live[0] is q:
+                todo.append(rid)
+                continue
             if live is not None:
-                (todo if live[0] is q else bad).append(rid)
+                bad.append(rid)
             elif q is not None and q.find_ready(rid) >= 0:
                 (recovered if rid <= self._offered_before else bad).append(rid)
             elif rid > self._max_id or rid <= 0:
                 bad.append(rid)
+            if owner is not None and (o := owner(rid)) is not None and o != job:
+                other.append(rid)
+        if other:
+            raise NeverOffered(job, other)
         if bad:
             raise NeverOffered(job, bad)
         for rid in todo:
@@ -434,6 +479,28 @@ class RepeatIndex:
         i = self._slot(rid)
         return rid if i >= 0 and self._keys[i] == key else 0
 
+    def find_many(self, lease_ids: list[int], keys: list[str]) -> list[int] | None:
+        """``find`` of each (lease id, key); None when none is here (fresh
+        completions: one dict lookup each, in C)."""
+        rids = list(map(self._rid_of.get, lease_ids))
+        if not any(rids):
+            return None
+        return [self.find(lease_id, key) if rid else 0
+                for rid, lease_id, key in zip(rids, lease_ids, keys, strict=True)]  # fmt: skip
+
+    def add_many(self, lease_ids: list[int], keys: list[str], rids: list[int]) -> None:
+        """``add`` of each; ids above every id held, increasing (a group
+        just made durable), are a few extends."""
+        ids = self._ids
+        if rids and (not len(ids) or rids[0] > ids[-1]) and rids == sorted(set(rids)):
+            ids.extend(rids)
+            self._leases.extend(lease_ids)
+            self._keys.extend(keys)
+            self._rid_of.update(zip(lease_ids, rids, strict=True))
+            return
+        for lease_id, key, rid in zip(lease_ids, keys, rids, strict=True):
+            self.add(lease_id, key, rid)
+
     def add(self, lease_id: int, key: str, rid: int) -> None:
         """Result ``rid`` (durable) answered ``lease_id`` for ``key``. Ids come
         in increasing order (the log assigns them so); one out of order is
@@ -466,6 +533,30 @@ class RepeatIndex:
         until, retired, keys, leases = self._until, self._retired, self._keys, self._leases
         rid_of = self._rid_of
         i, n, dropped = self._next, len(until), 0
+        k = bisect.bisect_right(until, now, i)
+        head, m = self._head, k - i
+        if (
+            m > 1
+            and (k == n or until[k] > now)
+            and max(until[i:k]) <= now
+            and not self._dead
+            and self._ids[head : head + m] == retired[i:k]
+        ):
+            # The usual expiry: retired in the order they were added, so the
+            # due ones are the live head. A lease a later result answered
+            # keeps its entry (as below); the rest go in C.
+            run = dict(zip(leases[head : head + m], retired[i:k], strict=True))
+            if rid_of.items() >= run.items():
+                deque(map(rid_of.__delitem__, run), 0)
+            else:
+                for lease_id, rid in run.items():
+                    if rid_of.get(lease_id) == rid:
+                        del rid_of[lease_id]
+            keys[head : head + m] = repeat(None, m)
+            self._head += m
+            i, cut = k, m
+        else:
+            cut = 0
         while i < n and until[i] <= now:
             rid = retired[i]
             i += 1
@@ -481,10 +572,10 @@ class RepeatIndex:
         if i >= _REPEAT_COMPACT_MIN and i * 2 >= n:
             del until[:i], retired[:i]
             self._next = 0
-        if dropped:
+        if dropped or cut:
             self._dead += dropped
             self._settle()
-        return dropped
+        return dropped + cut
 
     def _slot(self, rid: int) -> int:
         i = bisect.bisect_left(self._ids, rid, self._head)
@@ -499,6 +590,10 @@ class RepeatIndex:
             self._dead -= 1
         floor = _REPEAT_COMPACT_MIN
         if self._dead > max(floor, len(self)) or self._head > max(floor, n // 2):
+            if not self._dead:  # only the head to cut: slices
+                h, self._head = self._head, 0
+                del self._ids[:h], self._leases[:h], self._keys[:h]
+                return
             keep = [i for i in range(self._head, n) if keys[i] is not None]
             self._ids = array("Q", map(self._ids.__getitem__, keep))
             self._leases = array("Q", map(self._leases.__getitem__, keep))

@@ -26,9 +26,10 @@ import os
 import signal
 import sys
 import time
+from collections import Counter
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,15 @@ from node.core.names import ledger_address
 from node.core.proc import RET_ERROR, RET_OK, child_signals, die_with_parent, set_title
 from node.ipc import MAX_FRAME, IpcError, RemoteError, pack, peer_uid, read_frame
 from node.store import WriteBack
+from workers.ledger.intake import Batch as _Batch
+from workers.ledger.intake import Item as _Item
+from workers.ledger.intake import check as _intake_check
+from workers.ledger.requests import MAX_ITEMS, MAX_WAIT_S
+from workers.ledger.requests import bad as _bad
+from workers.ledger.requests import check_items as _check_items
+from workers.ledger.requests import int_in as _int_in
+from workers.ledger.requests import job_or_none as _job_or_none
+from workers.ledger.requests import num_in as _num_in
 
 # Segments of the completion log live in <data-dir>/LOG_DIR.
 LOG_DIR = "log"
@@ -69,38 +79,17 @@ RECEIVED_REREAD_S = 1.0
 ENV_LOG_FAULTS = "QUEUE_NODE_TEST_LOG_FAULTS"
 # At most this many results per fsync (a request is never split).
 GROUP_MAX_ITEMS = 1024
-# Request limits, as the HTTP contract's: items per complete, ids per ack,
-# max per poll, wait_s.
-MAX_ITEMS = 10_000
-MAX_WAIT_S = 60.0
 # A poll's reply stops growing past this (frames are at most 32 MiB).
 REPLY_BYTES = 24 << 20
 # On SIGTERM, how long requests in flight get to finish.
 STOP_GRACE_S = 5.0
-ENCODINGS = ("json", "bytes")
 
 
+_DATA, _KEY = attrgetter("data"), attrgetter("key")
+_FIRST, _SECOND, _THIRD, _KEY_LEASE = itemgetter(0), itemgetter(1), itemgetter(2), itemgetter(0, 1)
 # A lease to end once its result's write-back is written: key, lease id,
 # result id, job.
 _End = tuple[str, int, int, str]
-
-
-def _bad(message: str) -> RemoteError:
-    return RemoteError("bad_request", message)
-
-
-@dataclass(slots=True)
-class _Item:
-    """One accepted completion between its peek and its reply."""
-
-    key: str
-    lease_id: int
-    data: bytes
-    encoding: str
-    job: str
-    version: int
-    cadence_s: float
-    done: asyncio.Future
 
 
 @dataclass
@@ -154,8 +143,9 @@ class Ledger:
         self.repeats = RepeatIndex(config.repeat_window_s)
         self.acct = AccountingFile.open(config.data_dir)
         self.stats = _Stats()
-        self._inflight: dict[tuple[str, int], asyncio.Future] = {}
-        self._queue: list[list[_Item]] = []  # requests' accepted items, in arrival order
+        # (key, lease id) -> the batch taking it and its place there.
+        self._inflight: dict[tuple[str, int], tuple[_Batch, int]] = {}
+        self._queue: list[_Batch] = []  # requests' accepted items, in arrival order
         self._waiters: list[asyncio.Future] = []  # settled by the next flush
         self._kick = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -298,122 +288,71 @@ class Ledger:
 
     # -- complete -----------------------------------------------------------------
 
-    def check(self, items: list[dict]) -> tuple[list[dict | None], list[tuple[int, _Item]], list]:
-        """Peek every item before anything is written: (outcomes so far,
-        accepted items by index, duplicates of completions in flight)."""
-        from shm.leases import Outcome
-
-        refused = {
-            Outcome.REPEAT: "repeat",
-            Outcome.SUPERSEDED: "conflict",
-            Outcome.UNKNOWN: "unknown",
-            Outcome.BUSY: "busy",
-        }
-        outcomes: list[dict | None] = [None] * len(items)
-        asked: list[tuple[int, dict]] = []
-        repeat_of = self.repeats.find
-        for i, item in enumerate(items):
-            # Ours first: the table's slot may hold another key by now, or a
-            # newer lease of this one (then it would say unknown or conflict).
-            rid = repeat_of(item["lease_id"], item["key"])
-            if rid:
-                outcomes[i] = {"status": "repeat", "id": rid}
-            else:
-                asked.append((i, item))
-        # One call into C for the group (shm/_complete.c), peek item by item.
-        peeks = self.leases.peek_many([(item["key"], item["lease_id"]) for _, item in asked])
-        peeked = []
-        for (i, item), (outcome, lease) in zip(asked, peeks, strict=True):
-            if outcome in refused:
-                outcomes[i] = {"status": refused[outcome]}
-            else:
-                peeked.append((i, item, lease))
-        rows = self.store.jobs_of([item["key"] for _, item, _ in peeked]) if peeked else {}
-        loop = asyncio.get_running_loop()
-        accepted: list[tuple[int, _Item]] = []
-        dups: list[tuple[int, asyncio.Future]] = []
-        for i, item, lease in peeked:
-            key = (item["key"], item["lease_id"])
-            first = self._inflight.get(key)
-            if first is not None:
-                dups.append((i, first))
-                continue
-            job, cadence_s = self._job_and_cadence(rows.get(item["key"]), lease.cadence_s)
-            done = loop.create_future()
-            self._inflight[key] = done
-            accepted.append(
-                (i, _Item(item["key"], item["lease_id"], item["result"], item["encoding"],
-                          job, lease.version, cadence_s, done))
-            )  # fmt: skip
-        return outcomes, accepted, dups
-
-    def _job_and_cadence(
-        self, row: tuple[str, float | None, str] | None, lease_cadence_s: float
-    ) -> tuple[str, float]:
-        """``row``: (job, cadence_s, route), as ``Store.jobs_of`` answers."""
-        from node.core.rows import DEFAULT_JOB
-
-        if row is None:  # deleted (or unschedulable) while leased: the result is still kept
-            return DEFAULT_JOB, lease_cadence_s or self.config.defaults.cadence_s
-        job, row_cadence_s, route = row
-        cadence_s = lease_cadence_s or row_cadence_s or self.config.route(route).cadence_s
-        return job, float(cadence_s)
+    def check(self, items: list[dict]) -> tuple[list[dict | None], list[int], _Batch, list]:
+        """Peek every item before anything is written (``intake.check``)."""
+        return _intake_check(items, self.repeats, self.leases, self.store, self._inflight,
+                             self.config)  # fmt: skip
 
     def commit_begin(
         self, items: list[_Item], now: float, executor: Executor | None = None
     ) -> tuple[list[int], Any, float] | None:
         """Append the group and write it (its fsync on ``executor`` when
         given): (ids, the flush's handle, when it began), or None when the
-        log refused it (every item answered)."""
-        from node.completion import LogUnavailable, Result
+        log refused it (the caller answers every item)."""
+        from node.completion import LogUnavailable
+        from node.completion.base import make_result
 
         results = [
-            Result(it.key, it.job, it.lease_id, it.version, now, it.cadence_s, it.data, it.encoding)
-            for it in items
+            make_result(key, job, lease_id, version, now, cadence_s, data, encoding)
+            for key, lease_id, data, encoding, job, version, cadence_s in items
         ]
         t0 = time.perf_counter()
         try:
             ids = self.log.append_results(results)
             handle = self.log.flush_begin(executor)
         except LogUnavailable as exc:
-            self._unavailable(items, exc)
+            log.warn("log_unavailable", results=len(items), error=str(exc))
             return None
         return ids, handle, t0
 
     def commit_end(self, items: list[_Item], now: float, ids: list[int], handle: Any,
-                   t0: float) -> None:  # fmt: skip
-        """Once the group's fsync is done: count it durable, then per result
-        write back its next due time, end its lease, offer it. Sets each
-        item's future."""
+                   t0: float) -> bool:  # fmt: skip
+        """Once the group's fsync is done: count it durable, then write back
+        each result's next due time, end its lease, offer it, all a group at
+        a time. False when the log refused the group (nothing of it durable)."""
         from node.completion import LogUnavailable
 
         try:
             if handle is not None:
                 self.log.flush_end(handle)
         except LogUnavailable as exc:
-            self._unavailable(items, exc)
-            return
+            log.warn("log_unavailable", results=len(items), error=str(exc))
+            return False
         flush_s = time.perf_counter() - t0
         self.stats.groups += 1
         self.stats.group_items_max = max(self.stats.group_items_max, len(items))
         self.stats.flush_s += flush_s
         self.stats.flush_s_max = max(self.stats.flush_s_max, flush_s)
-        answered = self.repeats.add
-        group: list[tuple[Any, _End | None]] = []
-        for it, rid in zip(items, ids, strict=True):
-            answered(it.lease_id, it.key, rid)  # durable: a repeat gets this id from now on
-            group.append(
-                (WriteBack(it.key, now + it.cadence_s, it.version, rid, now),
-                 (it.key, it.lease_id, rid, it.job))
-            )  # fmt: skip
+        # Durable: a repeat gets these ids from now on.
+        self.repeats.add_many(list(map(_SECOND, items)), list(map(_FIRST, items)), ids)
+        group: list[tuple[Any, _End | None]] = [
+            (WriteBack(key, now + cadence_s, version, rid, now), (key, lease_id, rid, job))
+            for (key, lease_id, _, _, job, version, cadence_s), rid in zip(items, ids, strict=True)
+        ]
         self._write_backs(group, now, fresh=True)
-        for it, rid in zip(items, ids, strict=True):
-            self._settle(it, "ok", rid)  # durable: ok, whatever the store said
+        return True
 
-    def _unavailable(self, items: list[_Item], exc: Exception) -> None:
-        log.warn("log_unavailable", results=len(items), error=str(exc))
-        for it in items:
-            self._settle(it, "log_unavailable", None)
+    def _settle(self, batches: list[_Batch], status: str, ids: list[int] | None) -> None:
+        """Answer each batch of a group: ``ids`` (the group's, in order) with
+        ``ok``, none with a failure."""
+        pop, at = self._inflight.pop, 0
+        for b in batches:
+            n = len(b.items)
+            for it in b.items:
+                pop((it[0], it[1]), None)
+            if not b.done.done():
+                b.done.set_result((status, None if ids is None else ids[at : at + n]))
+            at += n
 
     def _sync_before_retires(self) -> None:
         """The log's hook before it writes acks or discards: the schedule
@@ -422,11 +361,6 @@ class Ledger:
             gen = self._written_gen
             self.store.sync()
             self._synced_gen = gen
-
-    def _settle(self, it: _Item, status: str, rid: int | None) -> None:
-        self._inflight.pop((it.key, it.lease_id), None)
-        if not it.done.done():
-            it.done.set_result((status, rid))
 
     def _write_backs(
         self, group: list[tuple[Any, _End | None]], now: float, fresh: bool = False
@@ -447,7 +381,7 @@ class Ledger:
         from node.core.errors import StoreError
 
         try:
-            versions = self.store.write_back_many([wb for wb, _ in group])
+            versions = self.store.write_back_many(list(map(_FIRST, group)))
             self._written_gen += 1
         except Exception as exc:  # noqa: BLE001 - nothing lost: every item is retried
             self.stats.writeback_failed += len(group)
@@ -460,7 +394,7 @@ class Ledger:
                           retrying=len(self._writebacks))  # fmt: skip
             return
         self.stats.writeback_skipped += versions.count(None)
-        self._end_leases([end for _, end in group if end is not None], now, fresh)
+        self._end_leases(list(filter(None, map(_SECOND, group))), now, fresh)
 
     def _end_leases(self, ends: list[_End], now: float, fresh: bool = False) -> None:
         """End the leases of durable, written-back results, in one call
@@ -478,7 +412,7 @@ class Ledger:
         if not ends:
             return
         try:
-            outcomes = self.leases.complete_many([(end[0], end[1]) for end in ends], now)
+            outcomes = self.leases.complete_many(list(map(_KEY_LEASE, ends)), now)
         except Exception:  # noqa: BLE001 - each item again, on its own, below
             for end in ends:
                 try:
@@ -489,6 +423,10 @@ class Ledger:
                     self._unended.append(end)
             return
         completed, add = Outcome.COMPLETED, self.delivery.add
+        job = ends[0][3]
+        if fresh and outcomes.count(completed) == len(ends) == [e[3] for e in ends].count(job):
+            self.delivery.add_many(list(map(_THIRD, ends)), job)  # the usual group
+            return
         for end, outcome in zip(ends, outcomes, strict=True):
             if fresh and outcome is completed:
                 add(end[2], end[3])
@@ -518,19 +456,23 @@ class Ledger:
 
     async def complete(self, request: dict) -> dict:
         items = _check_items(request.get("items"))
-        outcomes, accepted, dups = self.check(items)
+        outcomes, accepted, batch, dups = self.check(items)
         if accepted:
-            self._queue.append([it for _, it in accepted])
+            self._queue.append(batch)
             self._kick.set()
-        for i, it in accepted:
-            status, rid = await it.done
-            outcomes[i] = {"status": status, "id": rid} if rid is not None else {"status": status}
-        for i, first in dups:
-            status, rid = await first
-            outcomes[i] = {"status": "repeat", "id": rid} if status == "ok" else {"status": status}
-        for outcome in outcomes:
-            status = outcome["status"]  # type: ignore[index]
-            self.stats.statuses[status] = self.stats.statuses.get(status, 0) + 1
+            status, ids = await batch.done
+            if ids is None:
+                for i in accepted:
+                    outcomes[i] = {"status": status}
+            else:
+                for i, rid in zip(accepted, ids, strict=True):
+                    outcomes[i] = {"status": status, "id": rid}
+        for i, (first, at) in dups:
+            status, ids = await first.done
+            outcomes[i] = {"status": "repeat", "id": ids[at]} if ids else {"status": status}
+        statuses = self.stats.statuses
+        for status, n in Counter(map(itemgetter("status"), outcomes)).items():  # type: ignore
+            statuses[status] = statuses.get(status, 0) + n
         return {"outcomes": outcomes}
 
     async def run_committer(self) -> None:
@@ -542,27 +484,35 @@ class Ledger:
             if self.config.ledger_group_window_s > 0:
                 await asyncio.sleep(self.config.ledger_group_window_s)
             while self._queue or self._waiters:
+                batches: list[_Batch] = []
                 group: list[_Item] = []
                 while self._queue and (
-                    not group or len(group) + len(self._queue[0]) <= GROUP_MAX_ITEMS
+                    not group or len(group) + len(self._queue[0].items) <= GROUP_MAX_ITEMS
                 ):
-                    group += self._queue.pop(0)
+                    batches.append(self._queue.pop(0))
+                    group += batches[-1].items
                 waiters, self._waiters = self._waiters, []
                 try:
                     now = time.time()
+                    # (An empty group still flushes: the acks buffered meanwhile.)
                     begun = self.commit_begin(group, now, self._fsync)
-                    if begun is not None:
+                    if begun is None:
+                        self._settle(batches, "log_unavailable", None)
+                    else:
                         # The fsync runs on its thread: polls, acks and new
                         # completions are answered meanwhile (none of this
                         # group is offered or answered before it is durable).
                         handle = begun[1]
                         if handle is not None and handle.future is not None:
                             await asyncio.wrap_future(handle.future)
-                        self.commit_end(group, now, *begun)
+                        ids = begun[0]
+                        if self.commit_end(group, now, *begun):
+                            self._settle(batches, "ok", ids)  # durable: ok, whatever the store said
+                        else:
+                            self._settle(batches, "log_unavailable", None)
                 except Exception as exc:  # noqa: BLE001 - a bug must not wedge every completion
                     log.error("commit_failed", exc_info=True, results=len(group), error=repr(exc))
-                    for it in group:
-                        self._settle(it, "error", None)
+                    self._settle(batches, "error", None)
                 for waiter in waiters:
                     if not waiter.done():
                         waiter.set_result(None)
@@ -594,20 +544,29 @@ class Ledger:
         from node.completion import CompletionError
 
         ids = self.delivery.poll(job, max_n, now)
+        recent = self.log.recent_results(ids)
+        if all(recent) and sum(map(len, map(_DATA, recent))) + sum(
+            map(len, map(_KEY, recent))) + 64 * len(recent) < REPLY_BYTES:  # fmt: skip
+            # All in memory and the reply under its size: one pass, no checks.
+            self.stats.offered += len(ids)
+            return [{"id": rid, "key": r.key, "job": r.job, "result": r.data,
+                     "encoding": r.encoding, "finished_at": r.finished_at}
+                    for rid, r in zip(ids, recent, strict=True)]  # fmt: skip
         out: list[dict] = []
         size = 0
-        for n, rid in enumerate(ids):
+        for n, (rid, r) in enumerate(zip(ids, recent, strict=True)):
             if size >= REPLY_BYTES:
                 self.delivery.return_offers(ids[n:], now)
                 break
-            try:
-                r = self.log.read_result(rid)
-            except CompletionError as exc:
-                # Not offered again: it cannot be read (reported, never silent).
-                self.stats.unreadable += 1
-                self.delivery.remove([rid])
-                log.error("result_unreadable", id=rid, error=str(exc))
-                continue
+            if r is None:
+                try:
+                    r = self.log.read_result(rid)
+                except CompletionError as exc:
+                    # Not offered again: it cannot be read (reported, never silent).
+                    self.stats.unreadable += 1
+                    self.delivery.remove([rid])
+                    log.error("result_unreadable", id=rid, error=str(exc))
+                    continue
             size += len(r.data) + len(r.key) + 64
             out.append({"id": rid, "key": r.key, "job": r.job, "result": r.data,
                         "encoding": r.encoding, "finished_at": r.finished_at})  # fmt: skip
@@ -623,14 +582,11 @@ class Ledger:
         ids = request.get("ids")
         if not isinstance(ids, list) or len(ids) > MAX_ITEMS:
             raise _bad(f"ids must be a list of at most {MAX_ITEMS} integers")
-        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        if ids and (set(map(type, ids)) != {int} or min(ids) < 0):  # in C: ints, no bools
             raise _bad("ids must be non-negative integers")
-        elsewhere = [i for i in ids if (p := self.log.get_pending(i)) is not None and p.job != job]
         now = time.time()
-        try:
-            if elsewhere:
-                raise NeverOffered(job, elsewhere)
-            retired = self.delivery.retire(job, ids, now)
+        try:  # an id pending for another job is named, whatever this job holds
+            retired = self.delivery.retire(job, ids, now, self.log.pending_job)
         except NeverOffered as exc:
             raise _NeverOfferedReply(exc) from None
         self.log.ack(retired, now)
@@ -1043,51 +999,6 @@ class _NeverOfferedReply(Exception):
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         super().__init__(str(inner))
-
-
-# -- request checks ---------------------------------------------------------------------
-
-
-def _check_items(items: Any) -> list[dict]:
-    """A complete request is taken whole or refused whole (nothing written)."""
-    from node.completion.base import MAX_RECORD_BYTES
-
-    if not isinstance(items, list) or not 1 <= len(items) <= MAX_ITEMS:
-        raise _bad(f"items must be a list of 1 to {MAX_ITEMS} completions")
-    for n, item in enumerate(items):
-        if not isinstance(item, dict):
-            raise _bad(f"items[{n}] must be a map")
-        key, lease_id, result = item.get("key"), item.get("lease_id"), item.get("result")
-        if not isinstance(key, str) or not key or len(key.encode()) > 1024:
-            raise _bad(f"items[{n}].key must be a string of 1 to 1024 bytes")
-        if not isinstance(lease_id, int) or isinstance(lease_id, bool) or lease_id <= 0:
-            raise _bad(f"items[{n}].lease_id must be a positive integer")
-        if not isinstance(result, bytes):
-            raise _bad(f"items[{n}].result must be bytes (JSON text or raw)")
-        item.setdefault("encoding", "json")
-        if item["encoding"] not in ENCODINGS:
-            raise _bad(f"items[{n}].encoding must be one of {', '.join(ENCODINGS)}")
-        if len(result) + len(key) + 512 > MAX_RECORD_BYTES:
-            raise RemoteError("result_too_large", f"items[{n}]: a result is at most 16 MiB")
-    return items
-
-
-def _job_or_none(job: Any) -> str | None:
-    if job is None or (isinstance(job, str) and 0 < len(job) <= 128):
-        return job
-    raise _bad("job must be a string of 1 to 128 characters, or absent for every job")
-
-
-def _int_in(value: Any, name: str, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise _bad(f"{name} must be an integer from {low} to {high}")
-    return value
-
-
-def _num_in(value: Any, name: str, low: float, high: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
-        raise _bad(f"{name} must be a number from {low:g} to {high:g}")
-    return float(value)
 
 
 # -- the process ------------------------------------------------------------------------

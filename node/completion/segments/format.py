@@ -92,6 +92,7 @@ import os
 import re
 import struct
 import zlib
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -106,6 +107,12 @@ from node.completion.base import (
     Result,
 )
 from node.completion.buffered import _Retire
+
+_encode_in_c: Callable[[list[tuple[int, Result]]], tuple[bytes, list[int]] | None] | None
+try:  # built by setup.py, optional: the Python encoder below writes the same bytes
+    from node.completion.segments._records import encode_results as _encode_in_c
+except ImportError:  # pragma: no cover - a build without the extension
+    _encode_in_c = None
 
 FORMAT_VERSION = 3
 # Segment format versions this build reads.
@@ -167,6 +174,37 @@ def encode_result_record(rid: int, r: Result) -> bytes:
     n = RESULT_HEAD.size + len(meta) + len(r.data)
     head = RESULT_HEAD.pack(K_RESULT, len(meta), zlib.crc32(meta, n))
     return _frame(b"".join((head, meta, r.data)))
+
+
+def encode_result_records(results: list[tuple[int, Result]]) -> tuple[list[bytes], list[int]]:
+    """``encode_result_record`` of each (id, result), a group at a time: the
+    pieces to write back to back and each frame's size. In C when the
+    extension is built and the group is of the usual shapes (``_records.c``:
+    one piece), else in Python (frame and result head, meta, data, the crcs
+    chained over the pieces). The same bytes either way."""
+    if _encode_in_c is not None and results:
+        done = _encode_in_c(results)
+        if done is not None:
+            return [done[0]], done[1]
+    return _encode_records_py(results)
+
+
+def _encode_records_py(results: list[tuple[int, Result]]) -> tuple[list[bytes], list[int]]:
+    packb, crc, code = _packb, zlib.crc32, _ENCODING_CODE
+    pack_head, pack_rhead = FRAME_RESULT_HEAD.pack, RESULT_HEAD.pack
+    rhead_size = RESULT_HEAD.size
+    parts: list[bytes] = []
+    sizes: list[int] = []
+    for rid, r in results:
+        meta = packb((rid, r.job, r.key, r.lease_id, r.version, r.finished_at, r.cadence_s,
+                      code[r.encoding]))  # fmt: skip
+        m, data = len(meta), r.data
+        n = rhead_size + m + len(data)
+        head_crc = crc(meta, n)
+        body_crc = crc(data, crc(meta, crc(pack_rhead(K_RESULT, m, head_crc))))
+        parts += (pack_head(n, body_crc, K_RESULT, m, head_crc), meta, data)
+        sizes.append(FRAME.size + n)
+    return parts, sizes
 
 
 def encode_retire(rt: _Retire) -> list[bytes]:

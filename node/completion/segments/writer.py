@@ -17,6 +17,7 @@ import logging
 import os
 import struct
 import zlib
+from itertools import accumulate
 from pathlib import Path
 
 import msgpack  # type: ignore[import-untyped]
@@ -47,7 +48,7 @@ from node.completion.segments.format import (
     _packb,
     decode_result_record,
     encode_header,
-    encode_result_record,
+    encode_result_records,
     encode_retire,
     segment_name,
     summary_name,
@@ -88,8 +89,7 @@ class SegmentWriter(BufferedLog):
         ``_written`` have run."""
         if self._wedged:
             self._cut_back()
-        frames = [encode_result_record(rid, r) for rid, r in results]
-        n_results = len(frames)
+        frames, sizes = encode_result_records(results)
         for rt in retires:
             frames.extend(encode_retire(rt))
         total = sum(map(len, frames))
@@ -98,11 +98,7 @@ class SegmentWriter(BufferedLog):
         ):
             self._roll(first_id)
         assert self._fd is not None
-        offsets = []
-        pos = self._size
-        for f in frames[:n_results]:
-            offsets.append(pos)
-            pos += len(f)
+        offsets = list(accumulate(sizes, initial=self._size))[:-1]
         data = b"".join(frames)
         try:
             self._write_all(self._fd, data, self._size)

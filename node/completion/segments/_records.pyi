@@ -1,0 +1,3 @@
+from node.completion.base import Result
+
+def encode_results(results: list[tuple[int, Result]]) -> tuple[bytes, list[int]] | None: ...
