@@ -509,7 +509,8 @@ def test_everything_the_node_makes_is_owner_only_under_umask_000(
     state = f"/dev/shm/queue-node.{node.name}.state"
     assert segments.pop(state) == 0o640, "the state buffer, for its group"
     assert Path(state).stat().st_gid == os.getgid()
-    assert {Path(p).name.rsplit(".", 1)[1] for p in segments} == {"ready", "leases", "wake", "classes"}
+    kinds = {Path(p).name.rsplit(".", 1)[1] for p in segments}
+    assert kinds == {"ready", "leases", "wake", "classes"}
     assert set(segments.values()) == {0o600}, segments
     queues = _modes(_mqueues(node.name))
     assert set(queues.values()) <= {0o600}, queues
