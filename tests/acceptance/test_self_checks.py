@@ -93,6 +93,12 @@ def _ask(node: NodeProcess, request: dict[str, Any]) -> dict[str, Any]:
     return reply
 
 
+def _published(node: NodeProcess, keys: list[str]) -> None:
+    """Wait until every key is in a set the keeper published."""
+    wait_for(lambda: all(_ask(node, {"op": "explain", "key": k})["in_ready_set"] for k in keys),
+             30, "the keys published")  # fmt: skip
+
+
 def _claim_all(client: Client, lease_s: float = 600) -> list[Any]:
     """Claim until a claim comes back empty."""
     grants: list[Any] = []
@@ -114,6 +120,7 @@ def test_the_top_of_set_re_read_repairs_planted_wrong_entries(node: NodeProcess)
     with Client(node.base_url) as client:
         assert client.upsert(rows) == 7
         _balanced(client, received=5, waiting=5, routed=0)
+        _published(node, due)
         before = client.queue_state()["trust"]
         assert before["repairs"]["top"] == 0 and before["verify"]["runs"] == 0, before
 
@@ -197,6 +204,7 @@ def test_a_walk_after_a_mixed_load_and_a_keeper_kill_9_repairs_nothing(
     with Client(node.base_url) as client:
         assert client.upsert(rows) == 50
         _balanced(client, received=40, waiting=40)
+        _published(node, due)
 
         long = client.claim(20, lease_s=600, consumer="a")
         short = client.claim(4, lease_s=1, consumer="b")  # they expire: held
@@ -265,9 +273,7 @@ def test_a_stopped_keepers_last_set_is_claimed_until_it_drains(node: NodeProcess
     with Client(node.base_url) as client:
         assert client.upsert(rows) == 30
         _balanced(client, received=30, waiting=30)
-        # Every due key in the set the keeper published last.
-        wait_for(lambda: all(_ask(node, {"op": "explain", "key": k})["in_ready_set"] for k in due),
-                 30, "all due keys published")  # fmt: skip
+        _published(node, due)  # every due key in the set the keeper published last
         keeper = node.pids_by_role()["keeper"]
         os.kill(keeper, signal.SIGSTOP)
         try:
