@@ -346,6 +346,8 @@ grant_row(ClaimPathObject *self, const Taken *t, GrantArgs *a, Py_ssize_t i, Row
     uint64_t lease_id = 0, word = 0;
     uint32_t misses = 0;
     Py_ssize_t slot = -1;
+    /* The read-to-grant window (docs/delivery.md): a test stops here. */
+    LEASE_STOP(a->stop, P_READ);
     int got = lease_grant(self->granter, a, &lease_id, &misses, &slot, &word);
     if (got == G_GRANTED && slot >= 0 && slot < (Py_ssize_t)GRANT_SLOT_MASK)
         /* Tell the keeper where this key's lease is (ready.py's grant

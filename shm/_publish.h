@@ -27,6 +27,7 @@ enum {
     P_PUBLISHED = 5, /* a counted publish: swapped, not yet counted */
     P_JOURNALED = 6, /* a counted publish: journal written, not yet swapped */
     P_COUNTED = 7,   /* a counted publish: counted, journal not yet cleared */
+    P_READ = 8,      /* a claim: the entry's row read and found due, not yet granted */
 };
 
 #ifdef QUEUE_NODE_TEST_STOPS

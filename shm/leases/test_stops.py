@@ -12,6 +12,9 @@ never a call). The C paths stop only in the test build
 (``QUEUE_NODE_TEST_BUILD``, below): the production build has no stop
 compiled in. The points of a counted publish are in C only, for the Python
 paths too (``C_STOP``). Every point: docs/leases.md, "Dying mid-grant".
+One point is a claim's, not a change's: ``read``, a claim that has read an
+entry's row and found it due, before its grant (both claim paths; the
+read-to-grant window of docs/delivery.md).
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ _C_POINTS = {
     "published": 5,
     "journaled": 6,
     "counted": 7,
+    "read": 8,
 }
 
 

@@ -46,6 +46,8 @@ from shm.leases import (
     owner_bits,
     truncated,
 )
+from shm.leases.test_stops import Stop
+from shm.leases.test_stops import stop as test_stop
 from shm.segment import SnapshotUnstable
 
 try:
@@ -346,8 +348,17 @@ class Claimer:
             )
 
     def _grant_entries(
-        self, entries: list, lease_s: float, consumer: str, now: float, grants: list[Grant]
+        self,
+        entries: list,
+        lease_s: float,
+        consumer: str,
+        now: float,
+        grants: list[Grant],
+        stop: Stop | None = test_stop,
     ) -> None:
+        """Grant the entries whose rows are still due at their published
+        version. (``stop``: a test's stop between the read and the grant,
+        shm/leases/test_stops.py's ``read``; None in production.)"""
         stats = self.stats
         if len(entries) == 1:  # a point read costs a fifth less than get_many of one
             key = entries[0].key
@@ -367,6 +378,8 @@ class Claimer:
                 stats.not_due += 1
                 continue
             cadence_s = row.cadence_s or self._cadence_of(row.route)
+            if stop is not None:
+                stop("read")  # the read-to-grant window (docs/delivery.md)
             lease = self._grant(entry.key, consumer, lease_s, now, cadence_s, row.version)
             if lease is None:
                 continue
