@@ -64,7 +64,8 @@ class Feed(KeeperBase):
                 # The input side (docs/accounting.md): whether a write other
                 # than the node's own write-back takes a due row out.
                 before = None if loading or ch.origin == ORIGIN_WRITEBACK else get(ch.key)
-                if before is not None and ch.key in exclude and self._leased(ch.key):
+                leased = before is not None and ch.key in exclude and self._leased(ch.key)
+                if leased:
                     # A write to a row while it is leased: the lease's end
                     # may not follow it (docs/accounting.md, the edges).
                     self.leased_writes += 1
@@ -75,8 +76,8 @@ class Feed(KeeperBase):
                     self.withdrawn += 1
                 if ch.op == OP_DELETE or not ch.valid:
                     remove(ch.key)
-                    if before is not None:
-                        self._withdraw(ch.key, before, None)
+                    if before is not None and not leased:
+                        self._withdraw(before, None)
                     if loading:
                         tombstones[ch.key] = ch.seq
                     if ch.op == OP_DELETE:
@@ -94,12 +95,12 @@ class Feed(KeeperBase):
                         # Due per the store, and held nowhere: received, never
                         # waiting, so the input law shows it until a write
                         # takes the row out (below).
-                        if ch.key not in self.refused_due:
+                        if ch.key not in refused_due:
                             buckets.came_due += before is None or before[0] > buckets.due_through
-                            self.refused_due.add(ch.key)
+                            refused_due.add(ch.key)
                 else:
-                    if before is not None:
-                        self._withdraw(ch.key, before, get(ch.key))
+                    if before is not None and not leased:
+                        self._withdraw(before, get(ch.key))
                 if ch.key in exclude:
                     # Inserted again while out (deleted and written back
                     # during its lease): it stays out.
@@ -131,21 +132,14 @@ class Feed(KeeperBase):
             self._set_exact(True, now)
         return applied
 
-    def _withdraw(
-        self,
-        key: str,
-        before: tuple[int, int, int],
-        after: tuple[int, int, int] | None,
-    ) -> None:
-        """Count ``withdrawn`` when a write took ``key`` out of the due state
-        (``before`` and ``after``: its ``(minute, class, version)`` in the
-        buckets; ``after`` None: removed) while no lease held it. A held or
-        parked key is waiting, so it counts; a leased one was routed, and
-        its lease's end decides (a result, or requeued)."""
+    def _withdraw(self, before: tuple[int, int, int], after: tuple[int, int, int] | None) -> None:
+        """Count ``withdrawn`` when a write took a row no lease holds out of
+        the due state (``before`` and ``after``: its ``(minute, class,
+        version)`` in the buckets; ``after`` None: removed). A held or parked
+        key is waiting, so it counts; a leased one was routed, and its
+        lease's end decides (a result, or requeued): the caller leaves it out."""
         through = self.buckets.due_through
-        if before[0] > through or (after is not None and after[0] <= through):
-            return
-        if not self._leased(key):
+        if before[0] <= through and (after is None or after[0] > through):
             self.withdrawn += 1
 
     def _record_lag(self, batch: list[Any]) -> None:

@@ -684,7 +684,7 @@ def test_received_is_the_keepers_count_and_the_last_one_read(tmp_path, node_name
     from shm.state import StateBuffer
     from workers.ledger import process as ledger_module
 
-    monkeypatch.setattr(ledger_module, "RECEIVED_REREAD_S", 0.0)  # read at every call
+    monkeypatch.setattr(ledger_module, "KEEPER_COUNTERS_REREAD_S", 0.0)  # read at every call
     ledger, table = _memory_ledger(tmp_path, node_name)
     try:
         assert ledger.accounting()["received"] == 0  # no state buffer yet
@@ -696,7 +696,7 @@ def test_received_is_the_keepers_count_and_the_last_one_read(tmp_path, node_name
         assert ledger.accounting()["received"] == 41
         buf.write_doc({"counters": {"received": 57}}, time.time())
         acct = ledger.accounting()
-        assert acct["received"] == 57 and acct["balanced"] is True  # outside the law
+        assert acct["received"] == 57 and acct["balanced"] is True  # no input_gap: output side judges
         buf.close()
         StateBuffer.unlink(node_name)
         ledger._state.close()

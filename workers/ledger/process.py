@@ -73,7 +73,7 @@ COMPACT_INTERVAL_S = 1.0
 # /accounting's input side: the keeper's state document is read at most this
 # often (it is rewritten every state_interval_s, 5 s, and 0.5 s after one whose
 # input law did not close; decoding it costs a few milliseconds of the loop).
-RECEIVED_REREAD_S = 1.0
+KEEPER_COUNTERS_REREAD_S = 1.0
 # Test hooks only (QUEUE_NODE_TEST_HOOKS=1): a file whose content injects disk
 # faults into the completion log (node/completion/faults.py).
 ENV_LOG_FAULTS = "QUEUE_NODE_TEST_LOG_FAULTS"
@@ -172,7 +172,7 @@ class Ledger:
         }
         self._state: Any = None  # the keeper's state buffer, attached on first use
         self._keeper_counters: dict = {}  # the last counters read from it
-        self._received_read_at = float("-inf")
+        self._keeper_counters_read_at = float("-inf")
         self._connections: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task] = set()  # requests being answered, all connections
         self.accounting_at_stop: dict[str, Any] = {}
@@ -636,9 +636,9 @@ class Ledger:
         from shm.state import StateBuffer
 
         now = time.monotonic()
-        if now - self._received_read_at < RECEIVED_REREAD_S:
+        if now - self._keeper_counters_read_at < KEEPER_COUNTERS_REREAD_S:
             return self._keeper_counters
-        self._received_read_at = now
+        self._keeper_counters_read_at = now
         try:
             if self._state is None:
                 self._state = StateBuffer.attach(self.config.name, read_only=True)
