@@ -696,7 +696,7 @@ def test_received_is_the_keepers_count_and_the_last_one_read(tmp_path, node_name
         assert ledger.accounting()["received"] == 41
         buf.write_doc({"counters": {"received": 57}}, time.time())
         acct = ledger.accounting()
-        assert acct["received"] == 57 and acct["balanced"] is True  # no input_gap: output side judges
+        assert acct["received"] == 57 and acct["balanced"] is True  # no input_gap: output judges
         buf.close()
         StateBuffer.unlink(node_name)
         ledger._state.close()
