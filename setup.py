@@ -41,6 +41,7 @@ CLAIM_PARTS = [
     "shm/_grant.c",  # the lease table's grant
     "shm/_complete.c",  # the ledger's completions and peeks, a group in one call
     "shm/_blake2b.c",  # the key hash
+    "shm/_owners.c",  # which node owns a key (keeper/owners.py)
     "shm/_claim_path.c",  # ClaimPath: a whole claim in one call
     "shm/_claim_take.c",  # its take from the ready set
     "shm/_claim_grant.c",  # its rows and grants

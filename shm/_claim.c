@@ -232,6 +232,8 @@ PyTypeObject GranterType = {
 static PyMethodDef claim_functions[] = {
     {"blake2b64", claim_blake2b64, METH_O,
      "blake2b64(data) -> int: hashlib.blake2b(data, digest_size=8), little-endian"},
+    {"owners_of", (PyCFunction)(void (*)(void))claim_owners_of, METH_FASTCALL,
+     "owners_of(keys, seeds) -> bytes: each key's owner index (keeper/owners.py)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -24,6 +24,10 @@
    the lease table's key hash (shm/_blake2b.c). */
 INTERNAL uint64_t blake2b64(const uint8_t *data, size_t len);
 
+/* Each key's owner among a node list, by rendezvous hashing (shm/_owners.c;
+   keeper/owners.py is the definition). */
+INTERNAL PyObject *claim_owners_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+
 /* A lease table mapping with its layout (shm/leases/). */
 typedef struct {
     PyObject_HEAD

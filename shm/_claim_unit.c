@@ -6,6 +6,7 @@
 #include "_grant.c"
 #include "_complete.c" /* after _grant.c: it uses its lookup and swaps */
 #include "_blake2b.c"
+#include "_owners.c" /* after _blake2b.c: it hashes the keys */
 #include "_claim_path.c"
 #include "_claim_take.c"
 #include "_claim_grant.c"
