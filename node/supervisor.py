@@ -5,10 +5,11 @@ shared-memory segments (only the supervisor unlinks them), ``node.json``.
 
 Start order: segments, then the keeper, then the workers (nothing is granted
 before the keeper's first publish anyway; workers answer /readyz 503 until it
-comes). Stop order, on the first SIGTERM or Ctrl-C: workers first (they stop
-taking requests and writes), then the keeper; every join shares one deadline
-(``drain_timeout_s``). A second signal kills every child at once. Nothing
-durable lives only in a process, so neither path loses anything.
+comes and the ledger answers on its socket). Stop order, on the first SIGTERM
+or Ctrl-C: workers first (they stop taking requests and writes), then the
+keeper; every join shares one deadline (``drain_timeout_s``). A second signal
+kills every child at once. Nothing durable lives only in a process, so
+neither path loses anything.
 
 Restart policy: a child that dies is started again after a backoff that
 doubles from 0.1 s up to 5 s, and is reset once the child has stayed up for
