@@ -223,6 +223,10 @@ class KeeperBase:
         if exact != self.exact:
             self.exact = exact
             self.state.heartbeat(now, self.status, self.exact, self._phase())
+            if exact:
+                # Readers vouch only for counts taken while exact
+                # (shm/state.py, write_doc): count again at the next tick.
+                self.next_state = 0.0
 
     def _read_paused(self) -> None:
         self.paused_routes = frozenset(self.store.get_meta("paused_routes", []) or [])
