@@ -110,7 +110,7 @@ class Supervisor:
         except OSError as exc:
             raise ConfigError(f"cannot prepare {self.data_dir / metrics.DIR_NAME}: {exc}") from None
         from node.handlers import check_spec
-        from node.store import open_store
+        from node.store.made import open_at_start
 
         # A misspelt handler module is one line and exit 2 now, not an
         # inference process in a restart loop.
@@ -121,8 +121,10 @@ class Supervisor:
         # in a restart loop.
         tls_context(self.config)
         # Open once here so a bad store (unreadable file, failed migration)
-        # is one clear error now instead of a keeper in a restart loop.
-        open_store(self.config.store_url).close()
+        # is one clear error now instead of a keeper in a restart loop. Only
+        # here is the store made, and only by the data directory's rule
+        # (node/store/made.py): the children never make it.
+        open_at_start(self.config.store_url, self.data_dir).close()
         # Every host-wide name is ours or absent, checked before anything is
         # created: a refusal leaves nothing behind (docs/reliability.md).
         self.identity = (data_dir_id(self.data_dir, create=True), new_boot_id())
