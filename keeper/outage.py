@@ -196,6 +196,7 @@ class Outage(KeeperBase):
                 feed_seq=self.feed_seq, error=outage.error)
         if verdict == "backwards":
             figures["reloads"] += 1
+            self.save_counts(now, periodic=True)  # into the file the next keeper loads
             raise KeeperReload(
                 f"the store's change sequence went backwards ({last} < "
                 f"{self.feed_seq}): another copy of the file; the keeper reloads"
@@ -276,10 +277,7 @@ def _say_unreachable(state: Any, now: float, since: float, attempts: int, error:
     doc = state.read()["doc"]
     trust = dict(doc.get("trust") or {})
     store = dict(trust.get("store") or {})
-    if store.get("state") != "unreachable":
-        store["since"] = since
-        store["outages"] = store.get("outages", 0) + 1
-    store.update(state="unreachable", attempts=attempts, error=error)
+    store.update(state="unreachable", since=since, attempts=attempts, error=error)
     trust.update(phase=phase, store=store)
     state.write_doc({**doc, "trust": trust}, now)
 
