@@ -18,7 +18,8 @@ an empty queue and vouch for it. So:
   refused (``ConfigError``: one line, exit 2), naming the store and the
   marker: bring the store back, or remove the marker to start empty;
 - ``python -m node import`` into a data directory's store follows the same
-  rule (it may make a store a marker does not name; it never remakes one).
+  rule (it may make a store a marker does not name; it never remakes one);
+  with ``--store`` alone it has no data directory to ask.
 
 A new data directory (or one renamed away with its store in it) has no
 marker: its first start makes the store, as the first start of a node does.

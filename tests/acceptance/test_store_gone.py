@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -127,3 +128,31 @@ def test_a_node_started_while_its_store_is_away_is_refused(tmp_path: Path, node_
         assert node.stop() == 0
     finally:
         finish([node], node_name)
+
+
+@pytest.mark.timeout(120)
+def test_an_import_does_not_make_a_gone_store_anew(tmp_path: Path, node_name: str) -> None:
+    """``python -m node import --data-dir`` follows the data directory's rule:
+    it makes the store of a new directory, never one that was made and is gone."""
+    data = tmp_path / "data"
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"key": "imported", "route": "r"}\n')
+    argv = [sys.executable, "-m", "node", "import", str(rows), "--data-dir", str(data)]
+
+    def run_import() -> subprocess.CompletedProcess:
+        return subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+
+    assert run_import().returncode == 0  # a new data directory: the import makes it
+    node = NodeProcess(data, node_name, env=ENV)
+    try:
+        node.start()  # finds the store: store.json says so from now on
+        _vouched_with(node, 1)
+        assert node.stop() == 0
+    finally:
+        finish([node], node_name)
+    for suffix in ("", "-wal", "-shm"):
+        (data / f"schedule.db{suffix}").unlink(missing_ok=True)
+    refused = run_import()
+    assert refused.returncode == 2 and "is gone" in refused.stderr, refused.stderr
+    assert not (data / "schedule.db").exists(), "an import made the store anew"
+
