@@ -280,4 +280,3 @@ def _say_unreachable(state: Any, now: float, since: float, attempts: int, error:
     store.update(state="unreachable", since=since, attempts=attempts, error=error)
     trust.update(phase=phase, store=store)
     state.write_doc({**doc, "trust": trust}, now)
-

@@ -390,4 +390,3 @@ class Report(KeeperBase):
             self._counts_retry_at = now + self.config.state_interval_s
             return
         self._counts_saved = events
-
