@@ -136,6 +136,11 @@ class KeeperBase:
         self._received_base = 0
         self._came_due_offset = 0
         self._received_saved: dict[str, int] | None = None
+        # The figures of trust.verify and trust.store as last saved in the
+        # store's meta (keeper/report.py, COUNTS_META), and when a save that
+        # failed is tried again.
+        self._counts_saved: tuple = ()
+        self._counts_retry_at = 0.0
         # Occurrences withdrawn before a grant (``withdrawn``): a due row not
         # leased that a write (not the node's own write-back) deleted or moved
         # past the current minute. Lifetime: the saved count plus this run's.
@@ -204,6 +209,7 @@ class KeeperBase:
         def _leased(self, key: str) -> bool: ...
         def _sample_flow(self, now: float) -> None: ...
         def write_state(self, now: float) -> None: ...
+        def save_counts(self, now: float, periodic: bool = False) -> None: ...
         def ready_low(self, now: float) -> bool: ...
         def _low_water_min_s(self) -> float: ...
         def _write_failed(self, what: str, exc: Exception, now: float) -> None: ...
@@ -223,6 +229,10 @@ class KeeperBase:
         if exact != self.exact:
             self.exact = exact
             self.state.heartbeat(now, self.status, self.exact, self._phase())
+            if exact:
+                # Readers vouch only for counts taken while exact
+                # (shm/state.py, write_doc): count again at the next tick.
+                self.next_state = 0.0
 
     def _read_paused(self) -> None:
         self.paused_routes = frozenset(self.store.get_meta("paused_routes", []) or [])

@@ -37,19 +37,23 @@ def main() -> int:
     log.setup("keeper", verbose=bool(os.environ.get("QUEUE_NODE_VERBOSE")))
 
     from keeper.ask import AskServer
-    from keeper.outage import KEEPER_BUSY_TIMEOUT_S, KeeperReload
+    from keeper.outage import KeeperReload, open_when_there
     from keeper.process import Keeper
     from node.core import metrics
-    from node.store import open_store
     from shm.leases import LeaseTable
     from shm.ready import ReadySet
     from shm.state import StateBuffer
     from shm.wake import Wake
 
-    store = open_store(config.store_url, busy_timeout_s=KEEPER_BUSY_TIMEOUT_S)
     ready = ReadySet.attach(config.name)
     state = StateBuffer.attach(config.name)
     wake = Wake.attach(config.name)
+    # Never a new empty file for a store that went away: wait for it.
+    store = open_when_there(config.store_url, state, wake.wait, lambda: _flags["stop"])
+    if store is None:
+        state.heartbeat(time.time(), "stopped", False, "stopped")
+        log.log("keeper_stop", rows=0, reason="stopped while waiting for the store")
+        return RET_OK
     asks = AskServer(config.name)
     leases = LeaseTable.attach(config.name)
     keeper = Keeper(

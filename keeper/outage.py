@@ -31,6 +31,8 @@ and retried at its next interval; it starts no outage.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 from keeper.base import KeeperBase
@@ -194,6 +196,7 @@ class Outage(KeeperBase):
                 feed_seq=self.feed_seq, error=outage.error)
         if verdict == "backwards":
             figures["reloads"] += 1
+            self.save_counts(now, periodic=True)  # into the file the next keeper loads
             raise KeeperReload(
                 f"the store's change sequence went backwards ({last} < "
                 f"{self.feed_seq}): another copy of the file; the keeper reloads"
@@ -225,3 +228,55 @@ class Outage(KeeperBase):
             self._set_exact(True, now)
         self.write_state(now)  # queue-state shows the store back with the first 200
         self.next_publish = 0.0
+
+
+# -- a keeper that starts without its store ---------------------------------------
+
+
+def open_when_there(url: str, state: Any, wait: Callable[[float], Any],
+                    stopping: Callable[[], bool]) -> Any:  # fmt: skip
+    """The keeper's store at its start, never made anew (``create=False``,
+    node/store/made.py): a keeper restarted while the store is away (its
+    volume not mounted, its directory renamed) waits for it with the
+    outage's backoff, ``wait(seconds)`` between tries (the wake semaphore:
+    a signal ends it early), instead of serving an empty new file. Meanwhile
+    it heartbeats ``loading`` with the phase ``store unreachable, try N``
+    and keeps its predecessor's document in the state buffer with
+    ``trust.store`` saying ``unreachable`` (the ledger's accounting goes on
+    reading the counters in it; nobody vouches for them). None when
+    ``stopping()`` turns true first."""
+    from node.store import open_store
+
+    since = time.time()
+    delay = RETRY_FIRST_S
+    attempts = 0
+    logged_at = float("-inf")
+    while not stopping():
+        try:
+            return open_store(url, busy_timeout_s=KEEPER_BUSY_TIMEOUT_S, create=False)
+        except StoreError as exc:
+            attempts += 1
+            now = time.time()
+            _say_unreachable(state, now, since, attempts, str(exc))
+            if now - logged_at >= LOG_EVERY_S:
+                logged_at = now
+                log.warn("keeper_store_missing_at_start", attempts=attempts, error=str(exc),
+                         next_in_s=round(delay, 3), down_s=round(now - since, 3))  # fmt: skip
+        # A write through a worker posts the wake: the next try is still
+        # only after the backoff.
+        next_try = time.monotonic() + delay
+        while not stopping() and (left := next_try - time.monotonic()) > 0:
+            wait(left)
+        delay = min(delay * 2, RETRY_MAX_S)
+    return None
+
+
+def _say_unreachable(state: Any, now: float, since: float, attempts: int, error: str) -> None:
+    phase = f"store unreachable, try {attempts}"
+    state.heartbeat(now, "loading", False, phase)
+    doc = state.read()["doc"]
+    trust = dict(doc.get("trust") or {})
+    store = dict(trust.get("store") or {})
+    store.update(state="unreachable", since=since, attempts=attempts, error=error)
+    trust.update(phase=phase, store=store)
+    state.write_doc({**doc, "trust": trust}, now)

@@ -72,6 +72,7 @@ class Keeper(Feed, Publish, Verify, Report, Outage):
         saved = self.store.get_meta(RECEIVED_META)
         if isinstance(saved, dict):
             self._received_saved = saved
+        self.restore_counts()
         self.next_verify = now + self.config.verify_interval_s
         self.state.heartbeat(now, "loading", False, "walking 0 rows")
 
@@ -84,7 +85,10 @@ class Keeper(Feed, Publish, Verify, Report, Outage):
         try:
             if self._outage is not None:
                 return self._outage_tick(now)
-            return self._tick(now)
+            wait_s = self._tick(now)
+            if self._outage is None:
+                self.save_counts(now)  # a repair or a store event counted: kept at once
+            return wait_s
         except StoreError as exc:
             self._store_failed(exc, now)
             return 0.0

@@ -1,7 +1,9 @@
 """What the keeper reports: the state document it writes into the state
 buffer every ``state_interval_s`` (counts, what is coming, lateness, classes,
 flow, the trust figures), the flow of the last hour a minute at a time, and
-the lifetime received count, kept over restarts in the store's meta.
+the lifetime counts kept over restarts in the store's meta: received and
+withdrawn (``RECEIVED_META``), and the self-checks' and the store's figures
+of ``trust.verify``, ``trust.repairs`` and ``trust.store`` (``COUNTS_META``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,18 @@ FLOW_FIELDS = ("came_due", "added", "updated", "triggered", "rescheduled", "remo
 # The store meta entry that carries the lifetime received and withdrawn
 # counts over restarts.
 RECEIVED_META = "received"
+# The store meta entry that carries the keeper's self-check figures (all of
+# trust.verify) and the store's lifetime figures (STORE_LIFETIME of
+# trust.store) over restarts: saved with every state write, and at the end of
+# a tick that counted a repair or a store event (COUNTED_EVENTS), so that a
+# kill -9 loses none of those.
+COUNTS_META = "keeper_counts"
+STORE_LIFETIME = ("outages", "resumed", "walks", "gaps", "reloads", "last_down_s",
+                  "last_verdict", "write_failures", "last_write_error")  # fmt: skip
+COUNTED_EVENTS = (
+    ("verify", ("runs", "repairs", "repairs_feed_missed", "repairs_membership", "top_repairs")),
+    ("store", ("outages", "resumed", "walks", "gaps", "reloads")),
+)
 # Changes read a query when a starting keeper replays its predecessor's last ones.
 REPLAY_BATCH = 10_000
 # Lease-table states (shm/leases CODE_NAMES) of a key that is leased.
@@ -151,6 +165,7 @@ class Report(KeeperBase):
         self.state.write_doc(doc, now)
         if self._outage is None:
             self._save_received(now)
+            self.save_counts(now, periodic=True)
         if doc["counters"].get("input_gap"):
             # Taken mid-flight (changes not applied yet, a grant between two
             # reads): look again soon rather than show the gap for a whole
@@ -337,3 +352,41 @@ class Report(KeeperBase):
             self._saved_seq = self.feed_seq
         except NodeError as exc:  # a locked or full store: the next write catches up
             log.warn("received_save_failed", error=str(exc))
+
+    # -- the self-checks' and the store's figures -------------------------------
+
+    def restore_counts(self) -> None:
+        """At start: go on from the figures a keeper before this one saved."""
+        saved = self.store.get_meta(COUNTS_META)
+        if isinstance(saved, dict):
+            verify = saved.get("verify")
+            if isinstance(verify, dict):
+                known = {*self.stats.verify, "last_repairs"}  # the last, once a walk ended
+                self.stats.verify.update((k, v) for k, v in verify.items() if k in known)
+            store = saved.get("store")
+            if isinstance(store, dict):
+                self.stats.store.update((k, v) for k, v in store.items() if k in STORE_LIFETIME)
+        self._counts_saved = self._counted_events()
+
+    def _counted_events(self) -> tuple:
+        stats = {"verify": self.stats.verify, "store": self.stats.store}
+        return tuple(stats[group].get(name) for group, names in COUNTED_EVENTS for name in names)
+
+    def save_counts(self, now: float, periodic: bool = False) -> None:
+        """Save the figures: always when ``periodic``, else only when a
+        repair or a store event was counted since the last save. Best-effort:
+        a failed save is counted (trust.store.write_failures) and retried."""
+        events = self._counted_events()
+        if not periodic and (events == self._counts_saved or now < self._counts_retry_at):
+            return
+        value = {
+            "verify": dict(self.stats.verify),
+            "store": {name: self.stats.store.get(name) for name in STORE_LIFETIME},
+        }
+        try:
+            self.store.set_meta(COUNTS_META, value)
+        except NodeError as exc:  # a locked or full store: tried again later
+            self._write_failed("save_counts", exc, now)
+            self._counts_retry_at = now + self.config.state_interval_s
+            return
+        self._counts_saved = events

@@ -167,7 +167,8 @@ class LocalClaimer:
             self.ready = self._open(ReadySet.attach(self.name))
             self.leases = self._open(LeaseTable.attach(self.name))
             self.wake = self._open(Wake.attach(self.name))
-            self.store = self._open(open_store(self.config.store_url))
+            # The running node's store: never made here (node/store/made.py).
+            self.store = self._open(open_store(self.config.store_url, create=False))
         except BaseException:
             self._detach()
             raise

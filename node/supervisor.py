@@ -5,10 +5,11 @@ shared-memory segments (only the supervisor unlinks them), ``node.json``.
 
 Start order: segments, then the keeper, then the workers (nothing is granted
 before the keeper's first publish anyway; workers answer /readyz 503 until it
-comes). Stop order, on the first SIGTERM or Ctrl-C: workers first (they stop
-taking requests and writes), then the keeper; every join shares one deadline
-(``drain_timeout_s``). A second signal kills every child at once. Nothing
-durable lives only in a process, so neither path loses anything.
+comes and the ledger answers on its socket). Stop order, on the first SIGTERM
+or Ctrl-C: workers first (they stop taking requests and writes), then the
+keeper; every join shares one deadline (``drain_timeout_s``). A second signal
+kills every child at once. Nothing durable lives only in a process, so
+neither path loses anything.
 
 Restart policy: a child that dies is started again after a backoff that
 doubles from 0.1 s up to 5 s, and is reset once the child has stayed up for
@@ -109,7 +110,7 @@ class Supervisor:
         except OSError as exc:
             raise ConfigError(f"cannot prepare {self.data_dir / metrics.DIR_NAME}: {exc}") from None
         from node.handlers import check_spec
-        from node.store import open_store
+        from node.store.made import open_at_start
 
         # A misspelt handler module is one line and exit 2 now, not an
         # inference process in a restart loop.
@@ -120,8 +121,10 @@ class Supervisor:
         # in a restart loop.
         tls_context(self.config)
         # Open once here so a bad store (unreadable file, failed migration)
-        # is one clear error now instead of a keeper in a restart loop.
-        open_store(self.config.store_url).close()
+        # is one clear error now instead of a keeper in a restart loop. Only
+        # here is the store made, and only by the data directory's rule
+        # (node/store/made.py): the children never make it.
+        open_at_start(self.config.store_url, self.data_dir).close()
         # Every host-wide name is ours or absent, checked before anything is
         # created: a refusal leaves nothing behind (docs/reliability.md).
         self.identity = (data_dir_id(self.data_dir, create=True), new_boot_id())

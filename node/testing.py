@@ -141,7 +141,8 @@ class NodeProcess:
         return self
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
-        """Wait until ``GET /readyz`` answers 200 (the keeper has published)."""
+        """Wait until ``GET /readyz`` answers 200 (the keeper has published
+        and the ledger answers)."""
 
         def ready() -> bool:
             self.check_alive()

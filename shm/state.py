@@ -86,6 +86,10 @@ PHASE_BYTES = 32
 
 STATUSES = ("none", "loading", "live", "verifying", "stopped")
 STATUS_CODES = {name: code for code, name in enumerate(STATUSES)}
+# The statuses a keeper vouches in (with exact, a fresh heartbeat and counts).
+VOUCHING = frozenset(("live", "verifying"))
+# The document's field ``write_doc`` signs it with: {"pid", "exact"}.
+WRITER = "writer"
 
 # The contract's vouching thresholds (CONTRACT.md, queue-state words).
 # The keeper heartbeats at every publish, about once a second: 5 s of silence
@@ -233,15 +237,24 @@ class StateBuffer:
             self._bump_status_gen()
 
     def write_doc(self, doc: dict, now: float) -> None:
-        """Write the counts document (msgpack), taken at ``now``."""
-        blob = msgpack.packb(doc, use_bin_type=True)
+        """Write the counts document (msgpack), taken at ``now``, signed with
+        its ``writer``: this process's pid and whether the header said live
+        (or verifying) and exact when the counts were written. A reader
+        vouches only for a document of the keeper that heartbeats now and
+        that was exact when it counted: a keeper restarted after kill -9
+        finds its predecessor's document in the buffer (and writes one of
+        its own while it loads), and neither speaks for it."""
+        self._stamp()
+        code, exact = FIELDS.unpack_from(self.segment.mm, FIELDS_OFFSET)[5:7]
+        vouching = code < len(STATUSES) and STATUSES[code] in VOUCHING
+        writer = {"pid": os.getpid(), "exact": bool(exact) and vouching}
+        blob = msgpack.packb({**doc, WRITER: writer}, use_bin_type=True)
         if len(blob) > self.doc_capacity:
             raise ValueError(
                 f"state document is {len(blob)} bytes; a slot of this "
                 f"{self.segment.size - segment.IDENTITY_SIZE}-byte buffer holds "
                 f"{self.doc_capacity}"
             )
-        self._stamp()
         mm = self.segment.mm
         active = DOC_INFO.unpack_from(mm, DOC_INFO_OFFSET)[0]
         slot = 1 - active
@@ -308,6 +321,7 @@ class StateBuffer:
             self._read_fields()
         )
         counts_at, doc = self._read_doc()
+        writer = doc.pop(WRITER, None)
         seg = self.segment
         return {
             "status": STATUSES[code] if code < len(STATUSES) else f"unknown({code})",
@@ -320,6 +334,8 @@ class StateBuffer:
             "counts_at": counts_at,
             "generation": generation,
             "writer_pid": seg.writer_pid,
+            # Who wrote the document, {"pid", "exact"} (``write_doc``).
+            "counts_writer": writer if isinstance(writer, dict) else {},
             "owner_pid": seg.owner_pid,
             "boot_id": boot_id(seg),
             "doc": doc,
@@ -344,7 +360,7 @@ def _vouch(state: dict, now: float) -> tuple[bool, str | None]:
     counts_age = _age(now, state["counts_at"])
     if not pid_alive(pid):
         return False, f"keeper process {pid} is not alive (last status {status})"
-    if status not in ("live", "verifying"):
+    if status not in VOUCHING:
         return False, status if status != "none" else "keeper has not started"
     if not state["exact"]:
         return False, "not exact: the keeper's copy is not caught up"
@@ -354,6 +370,13 @@ def _vouch(state: dict, now: float) -> tuple[bool, str | None]:
         return False, f"keeper stalled: heartbeat {hb_age:.1f} s old"
     if counts_age is None:
         return False, "counts stale: none written yet"
+    writer = state.get("counts_writer") or {}
+    if writer.get("pid") != pid:
+        # The document of a keeper before this one (kill -9, a restart): the
+        # new keeper has not counted yet.
+        return False, f"counts stale: written by keeper process {writer.get('pid')}, not {pid}"
+    if not writer.get("exact"):
+        return False, "counts stale: taken before the keeper's copy was exact"
     if counts_age >= COUNTS_MAX_AGE_S:
         return False, f"counts stale: {counts_age:.1f} s old"
     return True, None

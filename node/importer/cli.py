@@ -163,6 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from node.store import open_store
+    from node.store.made import refuse_if_gone
 
     config, fill, path = _setup(args)
 
@@ -179,6 +180,9 @@ def _run(args: argparse.Namespace) -> int:
     # class table (shm/classes.py), as a write through the node's are.
     table = attach_or_none(config.name)
     reserve = None if table is None else (lambda cs: table.reserve(map(carried, cs)))
+    # A store this data directory's node made and that is gone is not
+    # made anew by an import (node/store/made.py).
+    refuse_if_gone(config.store_url, Path(config.data_dir))
     with open_store(config.store_url) as store, _closing(table):
         report = import_file(
             path,

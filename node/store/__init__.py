@@ -9,8 +9,11 @@
 
 from __future__ import annotations
 
+import os
+
 # The URL's form is checked with the rest of the configuration (the core).
 from node.core.config import check_store_url
+from node.core.proc import ENV_SUPERVISOR
 from node.store.base import BadRow, ClaimSource, LastError, Store, WriteBack
 
 __all__ = [
@@ -25,13 +28,26 @@ __all__ = [
 
 
 def open_store(
-    url: str, durable: bool = True, autocheckpoint: bool = True, busy_timeout_s: float | None = None
+    url: str,
+    durable: bool = True,
+    autocheckpoint: bool = True,
+    busy_timeout_s: float | None = None,
+    create: bool | None = None,
 ) -> Store:
     """``durable`` (SQLite): each commit synced to disk (FULL), else NORMAL;
     ``autocheckpoint`` False: commits never checkpoint the WAL (the caller
     does, ``Store.checkpoint_wal``); ``busy_timeout_s`` (SQLite): how long a
-    statement waits for another connection's lock (None: the default, 5 s)."""
+    statement waits for another connection's lock (None: the default, 5 s).
+
+    ``create`` (SQLite): make a missing file (and its directory), or raise
+    StoreUnavailable. None: make it, except in a node's child process (one
+    started by a supervisor: ``QUEUE_NODE_SUPERVISOR_PID`` is set), which
+    never does: a node's store is made only by its supervisor at start,
+    by the data directory's rule (``node.store.made``), so a store that went
+    away while the node ran is never replaced by an empty one."""
     check_store_url(url)
+    if create is None:
+        create = not os.environ.get(ENV_SUPERVISOR)
     if url.startswith("memory://"):
         from node.store.memory import MemoryStore
 
@@ -41,5 +57,7 @@ def open_store(
     # sqlite:///relative.db and sqlite:////absolute.db, as SQLAlchemy spells them.
     path = url[len("sqlite:///") :]
     if busy_timeout_s is None:
-        return SQLiteStore(path, durable, autocheckpoint)
-    return SQLiteStore(path, durable, autocheckpoint, busy_timeout_s=busy_timeout_s)
+        return SQLiteStore(path, durable, autocheckpoint, create=create)
+    return SQLiteStore(
+        path, durable, autocheckpoint, create=create, busy_timeout_s=busy_timeout_s
+    )

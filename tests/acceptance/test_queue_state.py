@@ -119,7 +119,7 @@ def _state(doc: dict, **header: Any) -> dict:
         "status": "live", "exact": True, "phase": "serving", "heartbeat_at": 1000.0,
         "published_at": 1000.0, "first_publish_at": 900.0, "started_at": 800.0,
         "counts_at": 1000.0, "generation": 7, "writer_pid": os.getpid(),
-        "owner_pid": os.getpid(), "doc": doc,
+        "counts_writer": {"pid": os.getpid(), "exact": True}, "owner_pid": os.getpid(), "doc": doc,
     }  # fmt: skip
     state.update(header)
     return state

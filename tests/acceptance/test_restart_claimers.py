@@ -18,7 +18,6 @@ import subprocess
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -48,28 +47,9 @@ def _claim_over_http(node: NodeProcess, out: Path, rounds: int = 20) -> None:
             for grant in client.claim(50, lease_s=300, consumer="http"):
                 f.write(json.dumps({"ev": "grant", "key": grant.key, "lease_id": grant.lease_id,
                                     "boot": "http", "t": 0}) + "\n")  # fmt: skip
-                _complete(client, grant)
+                client.complete(grant.lease_id, grant.key, {"by": "http"})
                 f.write(json.dumps({"ev": "done", "key": grant.key, "lease_id": grant.lease_id,
                                     "outcome": "ok", "t": 0}) + "\n")  # fmt: skip
-
-
-def _complete(client: Any, grant: Any) -> None:
-    """Hand in a result, retrying a 503 ``ledger_unavailable`` as the
-    contract says a caller should: /readyz speaks for the keeper's first
-    publish, and a ledger still recovering its log after the restart is not
-    listening yet."""
-    from node.core.errors import ClientError
-
-    def done() -> bool:
-        try:
-            client.complete(grant.lease_id, grant.key, {"by": "http"})
-        except ClientError as exc:
-            if exc.status == 503 and exc.code == "ledger_unavailable":
-                return False
-            raise
-        return True
-
-    wait_for(done, 30, "the ledger taking a result")
 
 
 def _grants_after(paths: list[Path], t: float) -> list[int]:

@@ -263,6 +263,43 @@ def test_a_walk_after_a_mixed_load_and_a_keeper_kill_9_repairs_nothing(
         assert acct["finished"] == 12 and acct["released"] == 7, acct
 
 
+def test_repairs_counted_before_a_keeper_kill_9_are_counted_after_it(node: NodeProcess) -> None:
+    """trust.repairs, trust.verify and queue_node_keeper_repairs_total are
+    lifetime counts: saved in the store's meta as they are counted, so the
+    keeper that follows a kill -9 goes on from them (it used to start at 0)."""
+    now = time.time()
+    rows = [{"key": f"d{i}", "route": "r", "due_at": now - 600} for i in range(5)]
+    with Client(node.base_url) as client:
+        assert client.upsert(rows) == 5
+        _published(node, ["d0"])
+        # One repair by the top-of-set re-read (a phantom at the head) and
+        # one by a walk (a key dropped from the copy).
+        assert _ask(node, {"op": "corrupt", "key": "ghost", "mode": "phantom"})["ok"]
+        wait_for(lambda: client.queue_state()["trust"]["repairs"]["top"] == 1, 30, "top repair")
+        assert _ask(node, {"op": "corrupt", "key": "d3", "mode": "drop"})["ok"]
+        assert _ask(node, {"op": "verify"})["ok"]
+        wait_for(lambda: client.queue_state()["trust"]["verify"]["runs"] == 1, 60, "the walk")
+        before = client.queue_state()["trust"]
+        want = {"total": 1, "membership": 0, "feed_missed": 1, "top": 1}
+        assert before["repairs"] == want, before
+        metric = {"top": 1.0, "feed_missed": 1.0, "membership": 0.0}
+        assert _repairs_metric(node) == metric
+
+        _kill_keeper(node)
+        keeper = node.pids_by_role()["keeper"]
+
+        def after() -> dict[str, Any] | None:
+            status, doc = node.request("GET", "/queue-state")
+            return doc["trust"] if status == 200 else None
+
+        trust = wait_for(after, 30, "the new keeper vouching")
+        assert trust["repairs"] == want, trust
+        assert trust["verify"]["runs"] == 1 and trust["verify"]["last_repairs"] == 1, trust
+        assert trust["verify"]["top_checked"] >= before["verify"]["top_checked"], trust
+        assert _repairs_metric(node) == metric
+        assert node.pids_by_role()["keeper"] == keeper  # the same new keeper throughout
+
+
 # -- 3. a stalled keeper ---------------------------------------------------------------------
 
 

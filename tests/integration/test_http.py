@@ -29,6 +29,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from node.config import Config, RouteConfig
 from node.core.errors import StoreError
 from node.core.rows import RowWrite
+from node.ipc import IpcError, RemoteError
 from node.store import open_store
 from node.store.memory import MemoryStore
 from workers.http.app import MAX_BODY_BYTES, MAX_KEYS, MAX_ROWS, WorkerContext, make_app
@@ -141,12 +142,51 @@ async def test_healthz() -> None:
 )
 @async_test
 async def test_readyz(state: Any, ready: bool) -> None:
-    async with serve(make_ctx(keeper_state=Calls(state))) as client:
+    ctx = make_ctx(keeper_state=Calls(state), work=_WorkWithLedger(_Ledger()))
+    async with serve(ctx) as client:
         resp = await client.get("/readyz")
         doc = await resp.json()
         assert resp.status == (200 if ready else 503)
         assert doc["ready"] is ready
         assert isinstance(doc["reason"], str) and doc["reason"]
+
+
+class _Ledger:
+    """The ledger's IPC as /readyz sees it: answers, or raises ``error``."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self.ops: list[str] = []
+
+    async def call(self, op: str, timeout_s: float = 30.0, **fields: Any) -> dict[str, Any]:
+        self.ops.append(op)
+        if self.error is not None:
+            raise self.error
+        return {}
+
+
+class _WorkWithLedger:
+    def __init__(self, ledger: _Ledger) -> None:
+        self.ledger = ledger
+
+
+@pytest.mark.parametrize(
+    ("work", "why"),
+    [
+        (None, "the work path is not running"),
+        (_WorkWithLedger(_Ledger(IpcError("ledger not reachable"))), "ledger does not answer"),
+        (_WorkWithLedger(_Ledger(RemoteError("internal", "x"))), "ledger does not answer"),
+    ],
+)
+@async_test
+async def test_readyz_waits_for_the_ledger(work: Any, why: str) -> None:
+    """A published keeper is not enough: a completion needs the ledger."""
+    state = Calls({"first_publish_at": STARTED_AT + 1})
+    async with serve(make_ctx(keeper_state=state, work=work)) as client:
+        resp = await client.get("/readyz")
+        doc = await resp.json()
+        assert resp.status == 503, doc
+        assert doc["ready"] is False and why in doc["reason"], doc
 
 
 # -- POST /rows ----------------------------------------------------------------------

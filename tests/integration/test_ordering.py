@@ -30,6 +30,7 @@ import time
 import uuid
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from node.core.names import shm_segment_name
@@ -351,7 +352,9 @@ def test_state_buffer_bytes_match_the_python_writer(node):
             fields = (5.0, 6.0, 7.0, 8.0, 9, 2, 1, b"phase")
             ours._write_fields(*fields)
             _seq_write_py(theirs.segment.mm, HEADER_SEQ_OFFSET, FIELDS_OFFSET, FIELDS.pack(*fields))
-            blob = b"\x81\xa1a\x01"
+            # write_doc signs the document: its pid, exact (live and exact above)
+            writer = {"pid": os.getpid(), "exact": True}
+            blob = msgpack.packb({"a": 1, "writer": writer}, use_bin_type=True)
             ours.write_doc({"a": 1}, 11.5)
             mm = theirs.segment.mm
             base = state.FIRST_DOC + theirs._doc_stride
@@ -359,7 +362,7 @@ def test_state_buffer_bytes_match_the_python_writer(node):
             U32.pack_into(mm, state.DOC_INFO_OFFSET, 1)
             end = state.FIRST_DOC + 2 * ours._doc_stride
             assert ours.segment.mm[24:end] == theirs.segment.mm[24:end]
-            assert DOC_HEADER.unpack_from(ours.segment.mm, base) == (2, 4, 11.5)
+            assert DOC_HEADER.unpack_from(ours.segment.mm, base) == (2, len(blob), 11.5)
             assert ours.read()["doc"] == {"a": 1}
     finally:
         segment.unlink(shm_segment_name(other, "state"))

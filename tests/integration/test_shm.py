@@ -11,6 +11,7 @@ from __future__ import annotations
 import grp
 import multiprocessing
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -740,6 +741,58 @@ def test_read_state_when_the_keeper_process_is_gone(node):
     assert set(got) == {"trust", "now"}
     paused = {"node": False, "routes": []}
     assert got["now"] == {"in_flight": None, "paused": paused, "status": "live"}
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_keeper_does_not_vouch_for_its_predecessors_document(node):
+    """kill -9 of the keeper, its successor live, exact and heartbeating
+    before it has counted: the document in the buffer is the dead keeper's,
+    and neither /queue-state's builder nor ``python -m node state`` (exit 3,
+    not 0) vouches for it; the successor's own exact document is vouched."""
+    with StateBuffer.create(node, started_at=1.0) as state:
+        now = time.time()
+        old = subprocess.Popen(
+            [sys.executable, "-c",
+             f"import os, signal\n"
+             f"from shm.state import StateBuffer\n"
+             f"s = StateBuffer.attach({node!r})\n"
+             f"s.heartbeat({now!r}, 'live', True, published=True)\n"
+             f"s.write_doc({{'now': {{'in_flight': 1}}}}, {now!r})\n"
+             f"os.kill(os.getpid(), signal.SIGKILL)\n"],
+            cwd=ROOT,
+        )  # fmt: skip
+        assert old.wait(DEADLINE_S) == -signal.SIGKILL
+        # The successor (this process): loaded, exact, publishing.
+        state.heartbeat(time.time(), "live", True, "serving", published=True)
+        got = read_state(node)
+        assert got["trust"]["vouched"] is False, got["trust"]
+        assert got["trust"]["reason"] == (
+            f"counts stale: written by keeper process {old.pid}, not {os.getpid()}"
+        )
+        cli = [sys.executable, "-m", "node", "state", "--name", node]
+
+        def state_cli() -> int:
+            return subprocess.run(cli, cwd=ROOT, capture_output=True, timeout=DEADLINE_S).returncode
+
+        assert state_cli() == 3
+        state.write_doc({"now": {"in_flight": 2}}, time.time())
+        assert read_state(node)["trust"]["vouched"] is True
+        assert state_cli() == 0
+
+
+def test_counts_taken_before_the_copy_was_exact_are_not_vouched_for(node):
+    """A keeper writes its document while it loads; once live and exact it
+    vouches only after it has counted again."""
+    with StateBuffer.create(node, started_at=1.0) as state:
+        state.heartbeat(1000.0, "loading", False, "walking 5 rows")
+        state.write_doc({"now": {"in_flight": 0}}, 1000.0)
+        state.heartbeat(1000.5, "live", True, "serving", published=True)
+        got = read_state(node, now=1001.0)
+        assert got["trust"]["reason"] == "counts stale: taken before the keeper's copy was exact"
+        state.write_doc({"now": {"in_flight": 0}}, 1000.6)
+        assert read_state(node, now=1001.0)["trust"]["vouched"] is True
+        assert state.read()["doc"] == {"now": {"in_flight": 0}}  # the signature is not in it
+        assert state.read()["counts_writer"] == {"pid": os.getpid(), "exact": True}
 
 
 def test_read_state_when_the_supervisor_is_gone_is_node_not_running(node):

@@ -45,6 +45,7 @@ from node.core.classes import carried
 from node.core.config import Config
 from node.core.errors import ValidationError
 from node.core.rows import ORIGIN_NODE, RowWrite, check_key, parse_row
+from node.ipc import IpcError, RemoteError
 from node.store.base import BadRow, Store
 from workers.classes import ClassId, check_class_limit, needs_stored, write_classes
 from workers.http import openapi
@@ -65,6 +66,9 @@ MAX_ROWS = 10_000
 MAX_KEYS = 10_000
 
 KEEPER_SILENT = {"available": False, "reason": "keeper did not answer"}
+# /readyz asks the ledger a question answered from its memory ("stats"): it
+# answers in microseconds once it listens, and a probe must not hang on it.
+READY_LEDGER_TIMEOUT_S = 2.0
 
 T = TypeVar("T")
 
@@ -320,9 +324,28 @@ def readiness(ctx: WorkerContext) -> tuple[bool, str]:
     return True, "the keeper has published"
 
 
+async def ledger_readiness(ctx: WorkerContext) -> tuple[bool, str]:
+    """Whether this worker's ledger connection takes a request now. After a
+    restart the ledger listens only once it has recovered its log, which
+    can be after the keeper's first publish: until then a completion would
+    be 503 ``ledger_unavailable``, so the node is not ready."""
+    if ctx.work is None:
+        return False, "the work path is not running in this worker"
+    try:
+        await ctx.work.ledger.call("stats", timeout_s=READY_LEDGER_TIMEOUT_S)
+    except (IpcError, RemoteError) as exc:
+        return False, f"the ledger does not answer yet: {exc}"
+    return True, "the keeper has published and the ledger answers"
+
+
 @routes.get("/readyz")
 async def readyz(request: web.Request) -> web.Response:
-    ready, reason = readiness(request.app[CTX])
+    """Ready means the node can take a claim and its completion: the keeper
+    has published since the node started and the ledger answers."""
+    ctx = request.app[CTX]
+    ready, reason = readiness(ctx)
+    if ready:
+        ready, reason = await ledger_readiness(ctx)
     return reply(request, {"ready": ready, "reason": reason}, 200 if ready else 503)
 
 

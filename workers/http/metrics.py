@@ -228,7 +228,7 @@ def state_families(
         "queue_node_keeper_repairs",
         "Rows the keeper's self-checks put right in its copy, by check: the top-of-set "
         "re-read (top), the verification walk (feed_missed), a change of the fleet's "
-        "membership (membership). Counted since the keeper process started.",
+        "membership (membership). Lifetime: kept over keeper restarts.",
         labels=["kind"],
     )
     for kind, field in REPAIR_KINDS.items():

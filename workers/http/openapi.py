@@ -128,7 +128,9 @@ def _document() -> dict[str, Any]:
             },
             "/readyz": {
                 "get": {
-                    "summary": "the keeper has published since the node started",
+                    "summary": (
+                        "the keeper has published since the node started and the ledger answers"
+                    ),
                     "responses": {
                         "200": _json({"type": "object", "properties": {"ready": {"const": True}}}),
                         "503": _json(
