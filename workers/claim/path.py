@@ -21,18 +21,23 @@ Hazards:
 - Readiness: nothing is granted before the keeper's first publish since the
   node started (its set may be the last run's). Once ready, a node stays
   ready, so the check is made until it first passes and never again.
+- The grant deadline (a fleet: docs/fleet.md): every take checks it, and a
+  claim whose take finds it passed ends there (NotGranting, or the leases its
+  earlier takes granted). A grant is made a few microseconds after its take's
+  check; the membership margin is seconds.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from node.core.config import Config
-from node.core.errors import NodeRestarted, NotReady
+from node.core.errors import NodeRestarted, NotGranting, NotReady
 from node.core.log import warn
 from node.core.rows import MAX_CADENCE_S, MAX_DUE_AT, MIN_CADENCE_S, MIN_DUE_AT, Grant
 from node.store.base import BadRow, ClaimSource, Store
@@ -48,6 +53,7 @@ from shm.leases import (
 )
 from shm.leases.test_stops import Stop
 from shm.leases.test_stops import stop as test_stop
+from shm.ready.take import not_granting
 from shm.segment import SnapshotUnstable
 
 try:
@@ -245,7 +251,9 @@ class Claimer:
     def claim(self, max_n: int, lease_s: float, consumer: str, now: float) -> list[Grant]:
         """Lease up to ``max_n`` due keys to ``consumer`` for ``lease_s``, most
         overdue first; fewer (or none) when the ready set runs out. Raises
-        NotReady before the keeper's first publish since the node started."""
+        NotReady before the keeper's first publish since the node started,
+        NotGranting once the grant deadline has passed (and nothing was
+        granted before it)."""
         if not self.ready_now():
             raise NotReady("the keeper has not published since the node started")
         path = self._path if self._path_forks == _forks[0] else self._claim_path()
@@ -257,7 +265,12 @@ class Claimer:
         switches = self.ready.switches
         while len(grants) < max_n:
             want = max_n - len(grants)
-            _generation, entries = self.ready.take(want)
+            try:
+                _generation, entries = self.ready.take(want)
+            except NotGranting:
+                if not grants:
+                    raise
+                break  # the leases granted before the deadline are live: hand them out
             self._check_low_water()
             if not entries:
                 stats.drained += 1
@@ -297,6 +310,9 @@ class Claimer:
                     f"{self.ready.segment.name}: no consistent take; the keeper "
                     f"(pid {self.ready.segment.writer_pid}) rewrites faster than it can be read"
                 ) from None
+            if str(exc) == "not_granting":
+                until = self.ready.grant_until_ns
+                raise not_granting(until, time.monotonic_ns()) from None
             if str(exc) == "sealed":
                 raise NodeRestarted(
                     f"{self.leases.segment.name} is sealed: the node that owns it stopped "
