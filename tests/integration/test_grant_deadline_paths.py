@@ -12,6 +12,7 @@ deadline is extended or lifted.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import time
 import uuid
@@ -60,6 +61,7 @@ def _claimer_child(name: str, db: str, c_path: bool, conn: Any) -> None:
         except NotGranting as exc:
             answer = exc.code
         conn.send((answer, started, time.monotonic_ns()))
+    conn.send(claimer.stats.as_dict())
     claimer.close()
     leases.close()
     ready.close()
@@ -118,9 +120,16 @@ def test_both_claim_paths_stop_at_the_deadline_and_resume(name, tmp_path):
         assert before, "nothing was granted before the deadline"
         ready.set_grant_until(0)
         assert [a for a, _, _ in claim_round()] == [1, 1]
-    finally:
         for end in ends:
             end.send(False)
+        stats = [end.recv() if end.poll(30) else None for end in ends]
+        for side in stats:  # the refused claims, counted on both paths
+            assert side is not None and side["not_granting"] >= 2, stats
+    finally:
+        for end in ends:
+            if not end.closed:
+                with contextlib.suppress(OSError):
+                    end.send(False)
         for child in children:
             child.join(30)
         leases.close()

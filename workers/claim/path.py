@@ -86,6 +86,7 @@ class ClaimStats:
     drained: int = 0  # claims that found the set empty before max
     low_water: int = 0  # republish requests this claimer raised
     switches: int = 0  # to the next set, published ahead, when the active one drained
+    not_granting: int = 0  # claims the grant deadline refused or cut short (a fleet)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -99,6 +100,7 @@ class ClaimStats:
             "drained": self.drained,
             "low_water": self.low_water,
             "switches": self.switches,
+            "not_granting": self.not_granting,
         }
 
 
@@ -268,6 +270,7 @@ class Claimer:
             try:
                 _generation, entries = self.ready.take(want)
             except NotGranting:
+                stats.not_granting += 1
                 if not grants:
                     raise
                 break  # the leases granted before the deadline are live: hand them out
@@ -298,27 +301,12 @@ class Claimer:
         except (_claim.RowError, RuntimeError) as exc:
             # Leases granted before the error are live: hand them out.
             grants = getattr(exc, "grants", None) or []
+            if str(exc) == "not_granting":
+                stats.not_granting += 1
             stats.granted += len(grants)
             if grants:
                 return grants
-            if isinstance(exc, _claim.RowError):
-                code, message = exc.args  # SQLite's result code and message
-                assert self._source is not None  # opened with the path
-                raise self._source.error(code, message, "get_many") from None
-            if str(exc) == "unstable":
-                raise SnapshotUnstable(
-                    f"{self.ready.segment.name}: no consistent take; the keeper "
-                    f"(pid {self.ready.segment.writer_pid}) rewrites faster than it can be read"
-                ) from None
-            if str(exc) == "not_granting":
-                until = self.ready.grant_until_ns
-                raise not_granting(until, time.monotonic_ns()) from None
-            if str(exc) == "sealed":
-                raise NodeRestarted(
-                    f"{self.leases.segment.name} is sealed: the node that owns it stopped "
-                    "granting from it; reattach to the running node's tables"
-                ) from None
-            raise SlotTakenOver(f"{self.leases.segment.name}: {exc}") from None
+            raise self._c_error(exc) from None
         stats.taken += k[_TAKEN]
         stats.gone += k[_GONE]
         stats.moved += k[_MOVED]
@@ -338,6 +326,27 @@ class Claimer:
             self._grant_slow(slow, lease_s, consumer, now, grants)
         stats.granted += len(grants)
         return grants
+
+    def _c_error(self, exc: Exception) -> Exception:
+        """The node's error for a C claim's failure that granted nothing."""
+        if isinstance(exc, _claim.RowError):
+            code, message = exc.args  # SQLite's result code and message
+            assert self._source is not None  # opened with the path
+            return self._source.error(code, message, "get_many")
+        what = str(exc)
+        if what == "unstable":
+            return SnapshotUnstable(
+                f"{self.ready.segment.name}: no consistent take; the keeper "
+                f"(pid {self.ready.segment.writer_pid}) rewrites faster than it can be read"
+            )
+        if what == "not_granting":
+            return not_granting(self.ready.grant_until_ns, time.monotonic_ns())
+        if what == "sealed":
+            return NodeRestarted(
+                f"{self.leases.segment.name} is sealed: the node that owns it stopped "
+                "granting from it; reattach to the running node's tables"
+            )
+        return SlotTakenOver(f"{self.leases.segment.name}: {exc}")
 
     def _grant_slow(
         self, slow: list[tuple], lease_s: float, consumer: str, now: float, grants: list[Grant]
