@@ -32,6 +32,7 @@ from node.core.errors import (
     NodeError,
     NodeNotRunning,
     NodeRestarted,
+    NotGranting,
     NotReady,
     ValidationError,
     WorkRefused,
@@ -258,6 +259,8 @@ class LocalClaimer:
                 if self._restarted():
                     self._reattach()
                     continue
+                raise refusal(exc) from None
+            except NotGranting as exc:  # a fleet's node that could not renew its membership
                 raise refusal(exc) from None
             except (NodeRestarted, SlotTakenOver):
                 # SlotTakenOver: a stop of the node took back a slot this

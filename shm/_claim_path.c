@@ -201,7 +201,9 @@ path_init(ClaimPathObject *self, PyObject *args, PyObject *kwds)
  * leased, held, parked, drained, low_water raised, last_count, last_left,
  * retries, switches to a pending set). Raises RowError (sqlite code,
  * message) on a store error, RuntimeError("unstable") when the set would not
- * read steadily and RuntimeError("sealed") when the lease table is sealed;
+ * read steadily, RuntimeError("not_granting") once the grant deadline has
+ * passed (every take checks it) and RuntimeError("sealed") when the lease
+ * table is sealed;
  * leases granted before an error are in the exception's `grants` attribute,
  * so none is lost. */
 static PyObject *
@@ -248,10 +250,11 @@ path_claim(ClaimPathObject *self, PyObject *const *args, Py_ssize_t nargs)
             want = self->ready_capacity;
         Taken t;
         Py_ssize_t retries = 0;
-        int unstable = take(self, want, &t, &retries);
+        int taken = take(self, want, &t, &retries);
         k[K_RETRIES] += retries;
-        if (unstable) {
-            PyErr_SetString(PyExc_RuntimeError, "unstable");
+        if (taken != 0) {
+            PyErr_SetString(PyExc_RuntimeError,
+                            taken == TAKE_NOT_GRANTING ? "not_granting" : "unstable");
             goto fail;
         }
         k[K_LAST_COUNT] = t.last_count;

@@ -113,7 +113,9 @@ ld64(const char *p)
 }
 
 /* ReadySet.take(n) into self->entries / self->heap: 0, or -1 when the keeper
-   lapped the reader READY_READ_RETRIES times (*retries counts the torn reads). */
+   lapped the reader READY_READ_RETRIES times (*retries counts the torn reads),
+   or TAKE_NOT_GRANTING, taking nothing, once the grant deadline has passed. */
+#define TAKE_NOT_GRANTING (-2)
 INTERNAL int take(ClaimPathObject *self, Py_ssize_t n, Taken *out, Py_ssize_t *retries);
 
 /* ReadySet.pending: the slot not active holds the next set (published ahead). */

@@ -9,6 +9,7 @@
 #include <sched.h>
 #include <string.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 /* Reads of a slot torn by the keeper's publish before a take gives up
@@ -80,11 +81,26 @@ switch_to_next(ClaimPathObject *self, uint64_t word)
     return 1;
 }
 
+/* Whether the grant deadline (R_GRANT_UNTIL: CLOCK_MONOTONIC ns, 0 for none)
+   has passed: ReadySet.take's check. A single node (0) reads no clock. */
+static int
+past_deadline(const char *buf)
+{
+    uint64_t until = ld64(buf + R_GRANT_UNTIL);
+    if (until == 0)
+        return 0;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec >= until;
+}
+
 int
 take(ClaimPathObject *self, Py_ssize_t n, Taken *out, Py_ssize_t *retries)
 {
     char *buf = (char *)self->ready.buf;
     memset(out, 0, sizeof *out);
+    if (past_deadline(buf))
+        return TAKE_NOT_GRANTING;
     for (int attempt = 0; attempt < READY_READ_RETRIES; attempt++) {
         uint64_t word = ld64(buf + R_ACTIVE);
         char *base = buf + R_FIRST_SLOT + (word & 1) * self->stride;

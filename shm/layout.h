@@ -105,6 +105,7 @@
     X(R_ACTIVE, "ACTIVE_OFFSET", 24) /* u64: active slot (low 32), generation */   \
     X(R_GENERATION, "GENERATION_OFFSET", 28) /* the futex word, in the above */    \
     X(R_LOW_WATER, "LOW_WATER_OFFSET", 40)                                         \
+    X(R_GRANT_UNTIL, "GRANT_UNTIL_OFFSET", 48) /* u64: monotonic ns; 0: none */    \
     X(R_FIRST_SLOT, "FIRST_SLOT", 64)                                              \
     X(R_SLOT_HEADER, "SLOT_HEADER_SIZE", 64)                                       \
     X(R_SEQ, "SLOT.seq", 0)                                                        \

@@ -15,16 +15,17 @@ import dataclasses
 import json
 import os
 import re
-import ssl
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from node.core.errors import ConfigError, NodeError, UnsupportedStore
+from node.core.fleet import check_fleet, parse_peers
 from node.core.names import NAME_RE, check_name, host_node_name
 from node.core.proc import ENV_CONFIG
 from node.core.rows import JOB_RE, MAX_CADENCE_S, MIN_CADENCE_S
+from node.core.tls import tls_context
 
 __all__ = [
     "ENV_PREFIX", "HANDLER_SPEC_RE", "MAX_RETENTION_S", "NAME_RE", "OPTIONS", "UNIX_PREFIX",
@@ -140,6 +141,13 @@ class Config:
     max_connections: int = 1024
     keepalive_s: float = 75.0
     header_timeout_s: float = 10.0
+    # A fleet (docs/fleet.md): a node is out once its heartbeat is older than
+    # membership_timeout_s by the database's clock; it heartbeats every
+    # heartbeat_s; with peers (names or HOST:PORT addresses) it waits up to
+    # 2 minutes to see one live before it publishes.
+    membership_timeout_s: float = 10.0
+    heartbeat_s: float = 1.0
+    peers: tuple[str, ...] = ()
     defaults: RouteConfig = RouteConfig()
     routes: dict[str, RouteConfig] = field(default_factory=dict)
     jobs: dict[str, JobConfig] = field(default_factory=dict)
@@ -192,6 +200,7 @@ class Config:
         doc["routes"] = {k: RouteConfig(**v) for k, v in doc["routes"].items()}
         doc["jobs"] = {k: JobConfig(**v) for k, v in doc.get("jobs", {}).items()}
         doc["gpus"] = tuple(doc["gpus"])
+        doc["peers"] = tuple(doc.get("peers", ()))
         return cls(**doc)
 
 
@@ -202,6 +211,7 @@ _DURATION = "duration"
 _STR = "str"
 _PATH = "path"
 _GPUS = "gpus"
+_PEERS = "peers"
 
 OPTIONS: dict[str, str] = {
     "data_dir": _PATH,
@@ -237,6 +247,9 @@ OPTIONS: dict[str, str] = {
     "max_connections": _INT,
     "keepalive_s": _DURATION,
     "header_timeout_s": _DURATION,
+    "membership_timeout_s": _DURATION,
+    "heartbeat_s": _DURATION,
+    "peers": _PEERS,
 }
 
 # name -> the values a string option may take
@@ -268,6 +281,8 @@ _RANGES: dict[str, tuple[float, float]] = {
     "max_connections": (1, 1_000_000),
     "keepalive_s": (1, 3600),
     "header_timeout_s": (1, 300),
+    "membership_timeout_s": (1, 3600),
+    "heartbeat_s": (0.05, 600),
 }
 
 
@@ -301,6 +316,8 @@ def _convert(name: str, value: Any, source: str) -> Any:  # noqa: C901 - one bra
         elif kind == _STR:
             if not isinstance(value, str):
                 raise ValueError
+        elif kind == _PEERS:
+            value = parse_peers(value)
     except ConfigError as exc:
         raise ConfigError(str(exc), source) from None
     except (ValueError, TypeError):
@@ -309,6 +326,7 @@ def _convert(name: str, value: Any, source: str) -> Any:  # noqa: C901 - one bra
             _DURATION: "a duration like 90s, 15m, 1h or seconds",
             _PATH: "a path",
             _GPUS: "a list of GPU indexes like 0,1",
+            _PEERS: "a list of node names or HOST:PORT addresses like gpu-2,10.0.0.3:8470",
             _STR: "a string",
         }[kind]
         raise ConfigError(f"{name} = {value!r} is not valid: expected {expected}", source) from None
@@ -466,35 +484,6 @@ def _from_file(
     return options, defaults, routes, jobs
 
 
-_TLS_REASONS = {"KEY_VALUES_MISMATCH": "the key does not belong to the certificate"}
-
-
-def tls_context(config: Config) -> ssl.SSLContext | None:
-    """The server's TLS context, or None without ``tls_cert``/``tls_key``.
-
-    The supervisor calls it before anything starts, so a missing, unreadable
-    or mismatched certificate is one line and exit 2, not an HTTP worker in a
-    restart loop; each worker then builds its own the same way."""
-    if config.tls_cert is None or config.tls_key is None:
-        return None
-    for flag, path in (("--tls-cert", config.tls_cert), ("--tls-key", config.tls_key)):
-        try:
-            with open(path, "rb"):
-                pass
-        except OSError as exc:
-            raise ConfigError(f"{flag} {path}: {exc.strerror or exc}") from None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    try:
-        context.load_cert_chain(str(config.tls_cert), str(config.tls_key))
-    except ssl.SSLError as exc:
-        reason = _TLS_REASONS.get(exc.reason or "", "")
-        raise ConfigError(
-            f"--tls-cert {config.tls_cert} with --tls-key {config.tls_key}: "
-            f"{reason or 'not a PEM certificate and its private key'} ({exc.reason or exc})"
-        ) from None
-    return context
-
-
 def load_run_config(role: str) -> Config:
     """A child's configuration: the resolved JSON the supervisor wrote, named
     by QUEUE_NODE_RUN_CONFIG. ``role`` only words the error."""
@@ -576,6 +565,7 @@ def validate(config: Config) -> Config:
                 f"routes.{route_name}.handler needs a default --handler too: without one "
                 "no inference process starts"
             )
+    check_fleet(config.membership_timeout_s, config.heartbeat_s, config.peers, name)
     timeout = config.handler_timeout_s
     if timeout is None:
         timeout = max(60.0, 10 * config.lease_s)

@@ -114,6 +114,15 @@ class NotReady(WorkUnavailable):
         super().__init__("not_ready", message)
 
 
+class NotGranting(WorkUnavailable):
+    """The node's grant deadline has passed: it could not renew its fleet
+    membership in time, so another node may own its rows by now, and it
+    grants nothing until a heartbeat extends the deadline (docs/fleet.md)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("not_granting", message)
+
+
 class ClientError(NodeError):
     """The node refused a request (``node.client.Client`` over HTTP,
     ``node.local.LocalClaimer`` in shared memory, alike): ``status`` (the HTTP status), ``code``

@@ -15,6 +15,7 @@ from shm.ready.layout import (
     ENTRY_SIZE,
     FIRST_SLOT,
     GENERATION_OFFSET,
+    GRANT_UNTIL_OFFSET,
     KIND,
     LAYOUT_VERSION,
     READY_FIELDS,
@@ -173,6 +174,21 @@ class ReadySetBase:
         and one generation newer than the active one (published ahead, and
         not switched to yet)."""
         return self._next_generation(self.active_slot) is not None
+
+    # -- the grant deadline (whoever renews the node's membership writes it) --
+
+    def set_grant_until(self, ns: int) -> None:
+        """Grant nothing once ``time.monotonic_ns()`` reaches ``ns`` (0: no
+        deadline, a single node). Every take checks it (docs/fleet.md)."""
+        if not 0 <= ns < 1 << 64:
+            raise ValueError(f"grant_until {ns} is not a u64 of monotonic nanoseconds")
+        view = self._view if self._view is not None else self._atomics()
+        view.store64(GRANT_UNTIL_OFFSET, ns)
+
+    @property
+    def grant_until_ns(self) -> int:
+        """The grant deadline in CLOCK_MONOTONIC nanoseconds; 0: none."""
+        return _atomic.acquire64(self.segment.mm, GRANT_UNTIL_OFFSET)
 
     @property
     def active_slot(self) -> int:

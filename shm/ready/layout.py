@@ -7,7 +7,9 @@ The ready set: the best K due keys, published by the keeper, read by claimers.
 is its only writer of entries (publishing from two processes at once would
 break the seqlocks); claimers and the console attach and close. Claimers write
 two words only: a slot's ``claim_cursor`` and the header's ``low_water``, both
-with atomic read-modify-writes (``shm._atomic``).
+with atomic read-modify-writes (``shm._atomic``). Whoever renews the node's
+fleet membership writes one more, ``grant_until`` (``set_grant_until``); every
+take reads it.
 
 Double-buffered. The keeper writes the slot that is *not* active, under that
 slot's seqlock. A reader takes ``active``, copies that slot's entries and keys
@@ -53,7 +55,14 @@ Layout (little-endian, every field naturally aligned)::
                                      while no next set was pending, and asks
                                      for one; the keeper takes it (swaps it
                                      back to 0), and every publish clears it
-    48      16    reserved
+    48      8     grant_until   Q    the grant deadline: CLOCK_MONOTONIC
+                                     nanoseconds (system-wide on Linux;
+                                     Python's time.monotonic_ns()) from
+                                     which no take hands out an entry; 0:
+                                     none (a single node). Written by
+                                     whoever renews the node's membership
+                                     (docs/fleet.md), with a store
+    56      8     reserved
     64            slot 0, then slot 1 at 64 + slot_stride
 
     slot (records_at = 64 + 32 * capacity + heap_size, rounded up to 64;
@@ -103,7 +112,10 @@ how many entries it wrote), never with a torn key.
 
 Taking entries (``take``): read the active slot's header (seq even, and the
 cursor's tag equal to it), fetch-add the cursor, copy the entries taken, and
-check the seq again. The value the add returns names the publish it counted
+check the seq again. Before all that, a take reads ``grant_until`` and
+refuses (``NotGranting``) once the monotonic clock has reached it: a node that
+cannot renew its membership stops granting before another node can own its
+rows (docs/fleet.md). The value the add returns names the publish it counted
 in (its tag): if the slot was republished between the read and the add (the
 keeper lapped the claimer), the entries taken are the new set's, and the
 claimer copies those. Only a claimer lapped twice inside one take (two more
@@ -134,7 +146,9 @@ from typing import NamedTuple
 from shm import layout as _layout
 from shm.segment import HEADER_SIZE
 
-LAYOUT_VERSION = 4  # 2: tagged claim cursor, low_water; 3: grant records; 4: sets ahead
+# 2: tagged claim cursor, low_water; 3: grant records; 4: sets ahead; 5: the
+# grant deadline (a claimer of an older build would not check it: refused).
+LAYOUT_VERSION = 5
 KIND = "ready"
 
 ACTIVE_OFFSET = HEADER_SIZE  # 24: the switch word (active, generation), a u64
@@ -142,6 +156,7 @@ GENERATION_OFFSET = 28
 READY_FIELDS = struct.Struct("<II")  # capacity, heap_size at 32
 READY_FIELDS_OFFSET = 32
 LOW_WATER_OFFSET = 40
+GRANT_UNTIL_OFFSET = 48  # u64, CLOCK_MONOTONIC ns; 0: no deadline
 FIRST_SLOT = 64
 
 SLOT = struct.Struct("<IIQdQII")  # seq, count, generation, published_at, cursor, heap_used, flags

@@ -8,6 +8,7 @@ import time
 from itertools import repeat
 from typing import Any
 
+from node.core.errors import NotGranting
 from shm.ready.base import ReadySetBase, _atomic
 from shm.ready.layout import (
     ACTIVE_OFFSET,
@@ -18,6 +19,7 @@ from shm.ready.layout import (
     FIRST_SLOT,
     FLAG_ASCII,
     GENERATION_OFFSET,
+    GRANT_UNTIL_OFFSET,
     LOW_WATER,
     LOW_WATER_OFFSET,
     READ_RETRIES,
@@ -28,6 +30,15 @@ from shm.ready.layout import (
     ReadySnapshot,
 )
 from shm.segment import U32, SnapshotUnstable
+
+
+def not_granting(until_ns: int, now_ns: int) -> NotGranting:
+    """A take's refusal at ``now_ns`` (CLOCK_MONOTONIC) past the grant deadline."""
+    return NotGranting(
+        f"the grant deadline passed {max(0, now_ns - until_ns) / 1e9:.3f} s ago: this node "
+        "has not renewed its fleet membership, so another node may own its rows; retry "
+        "once it has (docs/fleet.md)"
+    )
 
 
 class ReadyReader(ReadySetBase):
@@ -50,11 +61,17 @@ class ReadyReader(ReadySetBase):
 
         No two takes of one set get the same entry, in any process (a
         fetch-add on the slot's claim cursor). Raises SnapshotUnstable if the
-        keeper laps this reader ``READ_RETRIES`` times in a row.
+        keeper laps this reader ``READ_RETRIES`` times in a row, and
+        NotGranting, taking nothing, once the grant deadline has passed.
         """
         if n <= 0:
             return self.generation, []
         view = self._view if self._view is not None else self._atomics()
+        until = view.load64(GRANT_UNTIL_OFFSET)
+        if until:  # a fleet's node: the clock is read only then
+            now_ns = time.monotonic_ns()
+            if now_ns >= until:
+                raise not_granting(until, now_ns)
         mm = self.segment.mm
         for _ in range(READ_RETRIES):
             word = view.load64(ACTIVE_OFFSET)

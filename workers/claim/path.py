@@ -21,18 +21,23 @@ Hazards:
 - Readiness: nothing is granted before the keeper's first publish since the
   node started (its set may be the last run's). Once ready, a node stays
   ready, so the check is made until it first passes and never again.
+- The grant deadline (a fleet: docs/fleet.md): every take checks it, and a
+  claim whose take finds it passed ends there (NotGranting, or the leases its
+  earlier takes granted). A grant is made a few microseconds after its take's
+  check; the membership margin is seconds.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from node.core.config import Config
-from node.core.errors import NodeRestarted, NotReady
+from node.core.errors import NodeRestarted, NotGranting, NotReady
 from node.core.log import warn
 from node.core.rows import MAX_CADENCE_S, MAX_DUE_AT, MIN_CADENCE_S, MIN_DUE_AT, Grant
 from node.store.base import BadRow, ClaimSource, Store
@@ -48,6 +53,7 @@ from shm.leases import (
 )
 from shm.leases.test_stops import Stop
 from shm.leases.test_stops import stop as test_stop
+from shm.ready.take import not_granting
 from shm.segment import SnapshotUnstable
 
 try:
@@ -80,6 +86,7 @@ class ClaimStats:
     drained: int = 0  # claims that found the set empty before max
     low_water: int = 0  # republish requests this claimer raised
     switches: int = 0  # to the next set, published ahead, when the active one drained
+    not_granting: int = 0  # claims the grant deadline refused or cut short (a fleet)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -93,6 +100,7 @@ class ClaimStats:
             "drained": self.drained,
             "low_water": self.low_water,
             "switches": self.switches,
+            "not_granting": self.not_granting,
         }
 
 
@@ -245,7 +253,9 @@ class Claimer:
     def claim(self, max_n: int, lease_s: float, consumer: str, now: float) -> list[Grant]:
         """Lease up to ``max_n`` due keys to ``consumer`` for ``lease_s``, most
         overdue first; fewer (or none) when the ready set runs out. Raises
-        NotReady before the keeper's first publish since the node started."""
+        NotReady before the keeper's first publish since the node started,
+        NotGranting once the grant deadline has passed (and nothing was
+        granted before it)."""
         if not self.ready_now():
             raise NotReady("the keeper has not published since the node started")
         path = self._path if self._path_forks == _forks[0] else self._claim_path()
@@ -257,7 +267,13 @@ class Claimer:
         switches = self.ready.switches
         while len(grants) < max_n:
             want = max_n - len(grants)
-            _generation, entries = self.ready.take(want)
+            try:
+                _generation, entries = self.ready.take(want)
+            except NotGranting:
+                stats.not_granting += 1
+                if not grants:
+                    raise
+                break  # the leases granted before the deadline are live: hand them out
             self._check_low_water()
             if not entries:
                 stats.drained += 1
@@ -285,24 +301,12 @@ class Claimer:
         except (_claim.RowError, RuntimeError) as exc:
             # Leases granted before the error are live: hand them out.
             grants = getattr(exc, "grants", None) or []
+            if str(exc) == "not_granting":
+                stats.not_granting += 1
             stats.granted += len(grants)
             if grants:
                 return grants
-            if isinstance(exc, _claim.RowError):
-                code, message = exc.args  # SQLite's result code and message
-                assert self._source is not None  # opened with the path
-                raise self._source.error(code, message, "get_many") from None
-            if str(exc) == "unstable":
-                raise SnapshotUnstable(
-                    f"{self.ready.segment.name}: no consistent take; the keeper "
-                    f"(pid {self.ready.segment.writer_pid}) rewrites faster than it can be read"
-                ) from None
-            if str(exc) == "sealed":
-                raise NodeRestarted(
-                    f"{self.leases.segment.name} is sealed: the node that owns it stopped "
-                    "granting from it; reattach to the running node's tables"
-                ) from None
-            raise SlotTakenOver(f"{self.leases.segment.name}: {exc}") from None
+            raise self._c_error(exc) from None
         stats.taken += k[_TAKEN]
         stats.gone += k[_GONE]
         stats.moved += k[_MOVED]
@@ -322,6 +326,27 @@ class Claimer:
             self._grant_slow(slow, lease_s, consumer, now, grants)
         stats.granted += len(grants)
         return grants
+
+    def _c_error(self, exc: Exception) -> Exception:
+        """The node's error for a C claim's failure that granted nothing."""
+        if isinstance(exc, _claim.RowError):
+            code, message = exc.args  # SQLite's result code and message
+            assert self._source is not None  # opened with the path
+            return self._source.error(code, message, "get_many")
+        what = str(exc)
+        if what == "unstable":
+            return SnapshotUnstable(
+                f"{self.ready.segment.name}: no consistent take; the keeper "
+                f"(pid {self.ready.segment.writer_pid}) rewrites faster than it can be read"
+            )
+        if what == "not_granting":
+            return not_granting(self.ready.grant_until_ns, time.monotonic_ns())
+        if what == "sealed":
+            return NodeRestarted(
+                f"{self.leases.segment.name} is sealed: the node that owns it stopped "
+                "granting from it; reattach to the running node's tables"
+            )
+        return SlotTakenOver(f"{self.leases.segment.name}: {exc}")
 
     def _grant_slow(
         self, slow: list[tuple], lease_s: float, consumer: str, now: float, grants: list[Grant]

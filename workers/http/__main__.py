@@ -515,6 +515,7 @@ async def serve(
             claims=sum(s.claims for s in stats),
             granted=sum(s.granted for s in stats),
             taken=sum(s.taken for s in stats),
+            not_granting=sum(s.not_granting for s in stats),
         )
     return summary
 

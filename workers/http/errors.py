@@ -124,6 +124,10 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "internal_error": (500, "a bug: the traceback is in the worker's log"),
     "store_unavailable": (503, "the durable store failed; retry later"),
     "not_ready": (503, "no claim before the keeper's first publish since the node started"),
+    "not_granting": (
+        503,
+        "the node's grant deadline passed: it could not renew its fleet membership; retry",
+    ),
     "lease_busy": (503, "another process held the key's lease slot for over 0.5 s; retry"),
     "log_unavailable": (503, "the completion log cannot take results (full disk); retry later"),
     "ledger_unavailable": (503, "the ledger process cannot be reached, or failed; retry later"),

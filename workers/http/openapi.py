@@ -383,7 +383,7 @@ def _work_paths() -> dict[str, Any]:
                 ("max", "consumer"),
             ),
             _obj({"leases": {"type": "array", "items": grant}}),
-            {"503": "not_ready: the keeper has not published since the node started"},
+            {"503": "not_ready: no publish since the node started; not_granting: see fleet.md"},
         ),
         "/complete": _post(
             "a lease's result, or {items: [...]} of them; answered once durable",

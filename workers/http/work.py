@@ -231,11 +231,14 @@ async def claim(request: web.Request) -> web.Response:
     answer = _LeaseAnswer(wants_msgpack(request), ctx.config.claim_answer_bytes)
     big = work.big_claimer
     args = (work.leases, max_n, lease_s, consumer, now, answer)
-    if big is None or work.claim_executor is None or max_n <= INLINE_CLAIM_MAX:
-        _claim_into(claimer, *args)
-    else:
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(work.claim_executor, _claim_into, big, *args)
+    try:
+        if big is None or work.claim_executor is None or max_n <= INLINE_CLAIM_MAX:
+            _claim_into(claimer, *args)
+        else:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(work.claim_executor, _claim_into, big, *args)
+    except WorkRefused as exc:  # not_granting: the grant deadline passed (a fleet)
+        raise _refused(exc) from None
     metrics.observe_claim(time.perf_counter() - started, answer.count)
     return answer.response()
 

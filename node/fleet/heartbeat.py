@@ -1,0 +1,74 @@
+"""The heartbeat: membership renewed every ``heartbeat_s``, and the grant
+deadline it earns written into the node's ready set (docs/fleet.md).
+
+Whoever runs it (in this build: a test, or a program of the user's; wiring it
+into the node's processes comes with the PostgreSQL store) owns the ready
+set's ``grant_until`` word; nobody else writes it. The order of things:
+
+- ``join``: stop granting first (the deadline set in the past), then join;
+  the first heartbeat sets the first real deadline. A node never grants
+  before it is a member.
+- ``beat``: one heartbeat; on success the deadline moves to ``sent +
+  membership_timeout_s x (1 - GRANT_MARGIN_FRACTION)``. A heartbeat that
+  fails leaves the deadline where it was, so it lapses by itself: nothing
+  has to run for a node to stop granting (a SIGSTOPped or partitioned
+  heartbeat included).
+- ``leave``: stop granting now, then leave (the other nodes stop counting
+  this one at once).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from node.core.errors import StoreError
+from node.core.log import log, warn
+from node.fleet.membership import Beat, Member, Membership
+from shm.ready import ReadySet
+
+# Written as the deadline to stop granting now: 0 would mean "no deadline".
+PAST = 1
+
+
+class Heartbeat:
+    """``membership`` renewed into ``ready``'s grant deadline."""
+
+    def __init__(self, membership: Membership, ready: ReadySet, heartbeat_s: float = 1.0) -> None:
+        self.membership = membership
+        self.ready = ready
+        self.heartbeat_s = heartbeat_s
+        self.beats = 0
+        self.failures = 0
+        self.last: Beat | None = None
+
+    def join(self) -> Member:
+        self.ready.set_grant_until(PAST)
+        member = self.membership.join()
+        self.beat()
+        return member
+
+    def beat(self) -> Beat | None:
+        """One heartbeat and the deadline it earns; None when it failed (the
+        deadline then stays, and lapses unless a later beat succeeds)."""
+        try:
+            beat = self.membership.heartbeat()
+        except StoreError as exc:
+            self.failures += 1
+            warn("fleet_heartbeat_failed", node=self.membership.name, error=str(exc))
+            return None
+        self.ready.set_grant_until(beat.grant_until_ns)
+        self.beats += 1
+        self.last = beat
+        if beat.lapsed:
+            log("fleet_rejoined", node=self.membership.name, note="heartbeat older than timeout")
+        return beat
+
+    def run(self, stop: threading.Event) -> None:
+        """Beat every ``heartbeat_s`` until ``stop`` is set."""
+        while not stop.is_set():
+            self.beat()
+            stop.wait(self.heartbeat_s)
+
+    def leave(self) -> bool:
+        self.ready.set_grant_until(PAST)
+        return self.membership.leave()

@@ -1,0 +1,92 @@
+"""The fleet's SQL, one name per query (membership: node/fleet/membership.py).
+
+The node list is one table, ``fleet_nodes``. Every time in it is the
+database's clock (``now()``): hosts' clocks differ, and only one clock may
+judge whether a heartbeat is too old. A node's row outlives its membership:
+a node that left or died keeps its name's row and its number (its result ids
+carry that number in their high bits), and the same name revives it.
+
+Creating the table takes ``pg_advisory_xact_lock(FLEET_LOCK_KEY)``: two nodes
+starting at once on an empty database would otherwise race in
+``CREATE TABLE IF NOT EXISTS`` (it can fail on pg_type's unique index), and
+two joins would pick the same lowest free number. The lead folds the table
+into the PostgreSQL store's versioned migrations (node/store/), taking the
+same lock there or the store's own.
+"""
+
+from __future__ import annotations
+
+# The advisory lock that serialises schema creation and joins: any constant
+# the rest of a fleet's database does not use ("qnfleet" in ASCII).
+FLEET_LOCK_KEY = 0x716E666C656574
+
+# A node's number: 1 to MAX_NUMBER, unique in the fleet (0 is a node outside
+# any fleet). keeper/owners.py holds at most 255 nodes in one list.
+MAX_NUMBER = 255
+
+LOCK = "SELECT pg_advisory_xact_lock(%(lock)s)"
+
+CREATE = f"""
+CREATE TABLE IF NOT EXISTS fleet_nodes (
+    name          text        PRIMARY KEY,
+    address       text        NOT NULL,
+    number        smallint    NOT NULL UNIQUE CHECK (number BETWEEN 1 AND {MAX_NUMBER}),
+    started_at    timestamptz NOT NULL,
+    heartbeat_at  timestamptz NOT NULL,
+    left_at       timestamptz
+)
+"""
+
+# Join, step 1: a name seen before takes its row back (and keeps its number).
+REVIVE = """
+UPDATE fleet_nodes
+   SET address = %(address)s, started_at = now(), heartbeat_at = now(), left_at = NULL
+ WHERE name = %(name)s
+RETURNING number, extract(epoch FROM started_at)::float8
+"""
+
+# Join, step 2: a new name takes the lowest number no row holds.
+LOWEST_FREE = f"""
+SELECT min(n)::int FROM generate_series(1, {MAX_NUMBER}) AS n
+ WHERE n NOT IN (SELECT number FROM fleet_nodes)
+"""
+
+INSERT = """
+INSERT INTO fleet_nodes (name, address, number, started_at, heartbeat_at)
+VALUES (%(name)s, %(address)s, %(number)s, now(), now())
+RETURNING number, extract(epoch FROM started_at)::float8
+"""
+
+# One statement: the database's clock, and the heartbeat it replaced (to tell
+# a node whether it had dropped out of the live list meanwhile).
+HEARTBEAT = """
+UPDATE fleet_nodes AS n
+   SET heartbeat_at = now()
+  FROM (SELECT name, heartbeat_at FROM fleet_nodes WHERE name = %(name)s FOR UPDATE) AS before
+ WHERE n.name = before.name AND n.left_at IS NULL
+RETURNING extract(epoch FROM now())::float8, extract(epoch FROM before.heartbeat_at)::float8
+"""
+
+# The live list, judged by the database's clock alone.
+LIVE = """
+SELECT name, address, number, extract(epoch FROM started_at)::float8,
+       extract(epoch FROM heartbeat_at)::float8, extract(epoch FROM now())::float8
+  FROM fleet_nodes
+ WHERE left_at IS NULL AND heartbeat_at > now() - make_interval(secs => %(timeout_s)s)
+ ORDER BY name
+"""
+
+NOW = "SELECT extract(epoch FROM now())::float8"
+
+LEAVE = """
+UPDATE fleet_nodes SET left_at = now() WHERE name = %(name)s AND left_at IS NULL
+RETURNING name
+"""
+
+# A row that is no member (left, or silent past the timeout) frees its number.
+FORGET = """
+DELETE FROM fleet_nodes
+ WHERE name = %(name)s
+   AND (left_at IS NOT NULL OR heartbeat_at <= now() - make_interval(secs => %(timeout_s)s))
+RETURNING name
+"""

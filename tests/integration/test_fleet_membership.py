@@ -1,0 +1,228 @@
+"""Fleet membership against the real PostgreSQL (node/fleet/, docs/fleet.md).
+
+Each test makes its own database on postgresql://postgres@127.0.0.1:5432 and
+drops it after; a missing server fails the test (it is not skipped). Nodes
+are ``Membership`` objects, and real processes where it matters: a heartbeat
+process SIGSTOPped (its grant deadline must lapse before its membership), and
+nodes joining at once on an empty database (distinct numbers).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from keeper.owners import Ownership
+from node.core.errors import NotGranting
+from node.fleet import GRANT_MARGIN_FRACTION, Membership, NotAMember
+from node.fleet.heartbeat import PAST, Heartbeat
+from shm.ready import ReadySet
+
+pytestmark = pytest.mark.timeout(120)
+
+SERVER = "postgresql://postgres@127.0.0.1:5432"
+SPAWN = multiprocessing.get_context("spawn")
+S = 1_000_000_000  # ns
+
+
+def _admin() -> Any:
+    import psycopg
+
+    try:
+        return psycopg.connect(f"{SERVER}/postgres", autocommit=True, connect_timeout=5)
+    except psycopg.OperationalError as exc:
+        pytest.fail(f"PostgreSQL is needed at {SERVER} (the fleet's tests never skip): {exc}")
+
+
+@pytest.fixture
+def db() -> Iterator[str]:
+    """A fresh, empty database: its conninfo."""
+    name = f"qn_fleet_{uuid.uuid4().hex[:12]}"
+    with _admin() as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    try:
+        yield f"{SERVER}/{name}"
+    finally:
+        with _admin() as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def ready_name() -> Iterator[str]:
+    name = f"tf{uuid.uuid4().hex[:12]}"
+    yield name
+    ReadySet.unlink(name)
+
+
+def test_join_heartbeat_and_the_live_list(db):
+    with Membership(db, "a", "10.0.0.1:8470") as a, Membership(db, "b", "10.0.0.2:8470") as b:
+        assert a.join().number == 1
+        assert b.join().number == 2
+        sent_before = time.monotonic_ns()
+        beat = a.heartbeat()
+        assert sent_before <= beat.sent_ns <= time.monotonic_ns()
+        assert beat.grant_until_ns == beat.sent_ns + int(10 * (1 - GRANT_MARGIN_FRACTION) * S)
+        assert not beat.lapsed and abs(beat.db_now - time.time()) < 5
+        live = b.live()
+        assert live.names == ("a", "b")
+        assert [m.number for m in live.members] == [1, 2]
+        assert live.members[0].address == "10.0.0.1:8470"
+        assert live.members[0].heartbeat_at >= live.members[0].started_at
+        # The owner of every key among the current list.
+        owners = Ownership(live.names, "a")
+        keys = [f"k{i}" for i in range(1000)]
+        mine = set(owners.mine(keys))
+        theirs = set(Ownership(live.names, "b").mine(keys))
+        assert mine and theirs and mine.isdisjoint(theirs) and mine | theirs == set(keys)
+
+        # A name seen before keeps its number; a new one takes the lowest free.
+        assert a.leave() and "a" not in b.live()
+        with pytest.raises(NotAMember):
+            a.heartbeat()
+        assert a.join().number == 1 and "a" in b.live()
+        with Membership(db, "c", "c:1") as c:
+            assert c.join().number == 3
+            assert c.leave() and b.forget("c")  # left: its number is free again
+        with Membership(db, "d", "d:1") as d:
+            assert d.join().number == 3
+
+
+def _heartbeat_process(db: str, name: str, ready_name: str, heartbeat_s: float, conn: Any) -> None:
+    ready = ReadySet.attach(ready_name)
+    membership = Membership(db, name, f"{name}:8470", membership_timeout_s=2.0)
+    heart = Heartbeat(membership, ready, heartbeat_s)
+    heart.join()
+    conn.send("joined")
+    stop = threading.Event()
+    threading.Thread(target=lambda: (conn.recv(), stop.set()), daemon=True).start()
+    heart.run(stop)
+    conn.send(heart.beats)
+    membership.close()
+    ready.close()
+
+
+def test_a_stopped_heartbeat_stops_granting_before_its_membership_lapses(db, ready_name):
+    """SIGSTOP the heartbeat process: its grant deadline lapses first, then,
+    at least the margin later (0.4 s at a 2 s timeout), the database counts it
+    out. SIGCONT: it heartbeats again, is live again and grants again."""
+    ready = ReadySet.create(ready_name, capacity=10)
+    ready.publish([("k", 1, 0, 1, 1.0)], 0.0)
+    parent, child_end = SPAWN.Pipe()
+    child = SPAWN.Process(
+        target=_heartbeat_process, args=(db, "a", ready_name, 0.1, child_end), daemon=True
+    )
+    child.start()
+    observer = Membership(db, "observer", "o:1", membership_timeout_s=2.0)
+    try:
+        assert parent.poll(30) and parent.recv() == "joined"
+        assert "a" in observer.live()
+        assert ready.grant_until_ns > time.monotonic_ns()
+        assert child.pid is not None
+        os.kill(child.pid, signal.SIGSTOP)
+        stopped = time.monotonic_ns()
+        lapsed_at = out_at = None
+        while out_at is None:
+            assert time.monotonic_ns() < stopped + 10 * S, "never counted out"
+            now = time.monotonic_ns()
+            if lapsed_at is None and now >= ready.grant_until_ns:
+                lapsed_at = now
+                with pytest.raises(NotGranting):
+                    ready.take(1)
+            if "a" not in observer.live():
+                out_at = time.monotonic_ns()
+                assert lapsed_at is not None, "counted out while the node could still grant"
+        assert lapsed_at is not None
+        gap_s = (out_at - lapsed_at) / S
+        print(f"grant deadline lapsed {gap_s:.3f} s before the membership")
+        # The margin: 20% of the 2 s timeout, 0.4 s (less what polling blurs).
+        assert gap_s >= 0.3, gap_s
+        assert out_at - stopped <= 4 * S, "the timeout is 2 s"
+        os.kill(child.pid, signal.SIGCONT)
+        deadline = time.monotonic_ns() + 10 * S
+        while "a" not in observer.live() or ready.grant_until_ns <= time.monotonic_ns():
+            assert time.monotonic_ns() < deadline, "the heartbeat did not resume"
+        assert [e.key for e in ready.take(1)[1]] == ["k"]
+    finally:
+        if child.pid is not None and child.is_alive():
+            os.kill(child.pid, signal.SIGCONT)
+        parent.send("stop")
+        child.join(30)
+        observer.close()
+        ready.close()
+    assert child.exitcode == 0
+
+
+def test_a_clean_leave_stops_granting_and_leaves_the_list_at_once(db, ready_name):
+    ready = ReadySet.create(ready_name, capacity=10)
+    ready.publish([("k", 1, 0, 1, 1.0)], 0.0)
+    try:
+        with Membership(db, "a", "a:1") as a, Membership(db, "b", "b:1") as b:
+            heart = Heartbeat(a, ready, 1.0)
+            heart.join()
+            assert ready.grant_until_ns > time.monotonic_ns() + 7 * S
+            assert b.live().names == ("a",)
+            assert heart.leave()
+            assert ready.grant_until_ns == PAST
+            assert b.live().names == ()
+            with pytest.raises(NotGranting):
+                ready.take(1)
+    finally:
+        ready.close()
+
+
+def _join(db: str, name: str, go: Any, out: Any) -> None:
+    with Membership(db, name, f"{name}:1") as m:
+        m.connect()  # connected before the start: the joins race as closely as they can
+        go.wait(30)
+        try:
+            out.put((name, m.join().number))
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out.put((name, repr(exc)))
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_nodes_joining_at_once_on_an_empty_database_get_distinct_numbers(db, round_):
+    go, out = SPAWN.Event(), SPAWN.Queue()
+    names = [f"n{i}" for i in range(6)]
+    procs = [SPAWN.Process(target=_join, args=(db, n, go, out)) for n in names]
+    for proc in procs:
+        proc.start()
+    go.set()
+    answers = dict(out.get(timeout=60) for _ in procs)
+    for proc in procs:
+        proc.join(30)
+    assert sorted(answers.values()) == [1, 2, 3, 4, 5, 6], answers
+    with Membership(db, "x", "x:1") as x:
+        assert x.live().names == tuple(names)
+
+
+def test_clock_skew_is_measured_and_flagged(db):
+    with Membership(db, "a", "a:1") as a:
+        a.join()
+        skew = a.heartbeat().skew
+        assert abs(skew.skew_s) < 1.0 and not skew.flagged  # one host: one clock
+        assert 0 <= skew.error_s < 1.0
+    with Membership(db, "a", "a:1", clock=lambda: time.time() + 30.0) as ahead:
+        skew = ahead.heartbeat().skew
+        assert -31.0 < skew.skew_s < -29.0 and skew.flagged
+
+
+def test_a_node_with_peers_waits_for_one_and_a_node_alone_does_not(db):
+    with Membership(db, "b", "b:1") as b, Membership(db, "a", "10.0.0.1:8470") as a:
+        b.join()
+        started = time.monotonic()
+        _live, seen = b.wait_for_peers(["a"], timeout_s=0.3, poll_s=0.05)
+        assert not seen and time.monotonic() - started >= 0.3
+        a.join()
+        live, seen = b.wait_for_peers(["10.0.0.1:8470"], timeout_s=5.0, poll_s=0.05)
+        assert seen and live.names == ("a", "b")
+        _live, seen = b.wait_for_peers([], timeout_s=0.0)
+        assert seen
