@@ -4,7 +4,8 @@
 
 - ``memory://`` — the in-memory twin, for unit tests;
 - ``sqlite:///path/to/schedule.db`` — the embedded default;
-- ``postgresql://…`` — the fleet backend, not in this build yet.
+- ``postgresql://user@host:port/db`` — the fleet backend (the ``fleet`` extra:
+  psycopg 3 and psycopg_pool); ``docs/postgres.md``.
 """
 
 from __future__ import annotations
@@ -25,17 +26,27 @@ __all__ = [
 
 
 def open_store(
-    url: str, durable: bool = True, autocheckpoint: bool = True, busy_timeout_s: float | None = None
+    url: str,
+    durable: bool = True,
+    autocheckpoint: bool = True,
+    busy_timeout_s: float | None = None,
+    node_name: str | None = None,
 ) -> Store:
     """``durable`` (SQLite): each commit synced to disk (FULL), else NORMAL;
     ``autocheckpoint`` False: commits never checkpoint the WAL (the caller
     does, ``Store.checkpoint_wal``); ``busy_timeout_s`` (SQLite): how long a
-    statement waits for another connection's lock (None: the default, 5 s)."""
+    statement waits for another connection's lock (None: the default, 5 s);
+    ``node_name`` (PostgreSQL): whose meta the store keeps (the host's node
+    name by default)."""
     check_store_url(url)
     if url.startswith("memory://"):
         from node.store.memory import MemoryStore
 
         return MemoryStore(url)
+    if url.startswith(("postgresql://", "postgres://")):
+        from node.store.postgres import PostgresStore
+
+        return PostgresStore(url, node_name=node_name)
     from node.store.sqlite import SQLiteStore
 
     # sqlite:///relative.db and sqlite:////absolute.db, as SQLAlchemy spells them.

@@ -1,0 +1,25 @@
+"""A store URL as it may be shown: with its password taken out.
+
+A PostgreSQL URL may carry a password (``postgresql://user:secret@host/db``).
+Whatever prints a URL (logs, ``node.json``, the console, error messages,
+process titles) prints ``redact_url(url)``; only the store's driver sees the
+URL itself. The password can also come from the environment (``PGPASSWORD``
+or a ``~/.pgpass`` file, read by libpq), and then no URL holds it at all.
+"""
+
+from __future__ import annotations
+
+import re
+
+# scheme://user:password@ — the password is everything between the first
+# ':' after the scheme's '//' and the last '@' before the host.
+_PASSWORD_RE = re.compile(r"^(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^:/@?#]*):(?P<pw>[^@/?#]*)@")
+# A password given as a query parameter (libpq accepts ?password=...).
+_QUERY_PASSWORD_RE = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
+REDACTED = "***"
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***``; other URLs unchanged."""
+    out = _PASSWORD_RE.sub(lambda m: f"{m.group('head')}:{REDACTED}@", url, count=1)
+    return _QUERY_PASSWORD_RE.sub(lambda m: m.group(1) + REDACTED, out)
