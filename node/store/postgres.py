@@ -201,6 +201,12 @@ class PostgresStore(Store):
         self._lock = threading.Lock()  # the horizon's
         self._listen_lock = threading.Lock()
         try:
+            # One connection first: a server that refuses fails at once (a
+            # pool would retry until its timeout), and it runs the migrations.
+            with psycopg.connect(
+                self._conninfo, autocommit=True, connect_timeout=int(CONNECT_TIMEOUT_S)
+            ) as conn:
+                self._migrate(conn)
             pool = psycopg_pool.ConnectionPool(
                 self._conninfo,
                 min_size=1,
@@ -212,42 +218,34 @@ class PostgresStore(Store):
             )
             pool.open(wait=True, timeout=CONNECT_TIMEOUT_S)
         except (psycopg.Error, psycopg_pool.PoolTimeout) as exc:
-            raise StoreUnavailable(
-                f"PostgreSQL store: cannot connect to {self.url}: {exc}"
-            ) from exc
+            raise _wrap(exc, f"opening {self.url}") from exc
         self._pool = pool
-        try:
-            self._migrate()
-        except BaseException:
-            pool.close()
-            raise
 
-    def _migrate(self) -> None:
+    def _migrate(self, conn: Any) -> None:
         """Bring the database to SCHEMA_VERSION, under an advisory lock held
         for the transaction: processes starting at once on an empty database
         take turns, and the later ones find nothing to do."""
-        with self._conn("migrate") as conn:
-            try:
-                found = conn.execute(q.READ_SCHEMA_VERSION).fetchone()
-                if found is not None and found[0] == q.SCHEMA_VERSION:
-                    return
-            except psycopg.errors.UndefinedTable:
-                pass  # a new database
-            with conn.transaction():
-                conn.execute(q.LOCK_MIGRATIONS, (q.MIGRATION_LOCK,))
-                conn.execute(q.CREATE_MIGRATIONS)
-                current = conn.execute(q.READ_SCHEMA_VERSION).fetchone()[0]
-                if current > q.SCHEMA_VERSION:
-                    raise StoreError(
-                        f"PostgreSQL store: {self.url} has schema version {current}, newer "
-                        f"than this build's {q.SCHEMA_VERSION}; upgrade queue-node"
-                    )
-                for version, name, statements in q.MIGRATIONS:
-                    if version <= current:
-                        continue
-                    for statement in statements:
-                        conn.execute(statement)
-                    conn.execute(q.RECORD_MIGRATION, (version, name, time.time()))
+        try:
+            found = conn.execute(q.READ_SCHEMA_VERSION).fetchone()
+            if found is not None and found[0] == q.SCHEMA_VERSION:
+                return
+        except psycopg.errors.UndefinedTable:
+            pass  # a new database
+        with conn.transaction():
+            conn.execute(q.LOCK_MIGRATIONS, (q.MIGRATION_LOCK,))
+            conn.execute(q.CREATE_MIGRATIONS)
+            current = conn.execute(q.READ_SCHEMA_VERSION).fetchone()[0]
+            if current > q.SCHEMA_VERSION:
+                raise StoreError(
+                    f"PostgreSQL store: {self.url} has schema version {current}, newer "
+                    f"than this build's {q.SCHEMA_VERSION}; upgrade queue-node"
+                )
+            for version, name, statements in q.MIGRATIONS:
+                if version <= current:
+                    continue
+                for statement in statements:
+                    conn.execute(statement)
+                conn.execute(q.RECORD_MIGRATION, (version, name, time.time()))
 
     @contextmanager
     def _conn(self, action: str) -> Iterator[Any]:
@@ -339,25 +337,19 @@ class PostgresStore(Store):
         return None if found is None else found[0]
 
     def write_back_many(self, items: Sequence[WriteBack]) -> list[int | None]:
-        """One transaction, the guarded UPDATE run once per item in a pipeline
-        (in order: a key twice in the group sees its first write-back)."""
+        """One transaction, one statement: a server-side loop runs the
+        guarded UPDATE per item, in order (a key twice in the group sees
+        its first write-back), and returns the new versions."""
         if not items:
             return []
-        params = [
-            (_due(it.due_at, "write_back_many"), it.result_id, it.finished_at, it.key,
-             it.if_version)
-            for it in items
-        ]  # fmt: skip
-        out: list[int | None] = []
+        dues = [_due(it.due_at, "write_back_many") for it in items]
+        params = (
+            [it.key for it in items], dues, [it.if_version for it in items],
+            [it.result_id for it in items], [it.finished_at for it in items],
+        )  # fmt: skip
         with self._write("write_back_many", ORIGIN_WRITEBACK) as conn:
-            cur = conn.cursor()
-            cur.executemany(q.WRITE_BACK, params, returning=True)
-            while True:
-                found = cur.fetchone()
-                out.append(None if found is None else found[0])
-                if not cur.nextset():
-                    break
-        return out
+            found = conn.execute(q.WRITE_BACK_MANY, params).fetchone()[0]
+        return list(found)
 
     def write_last_errors(self, items: Sequence[LastError]) -> int:
         if not items:

@@ -151,6 +151,28 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
                 PERFORM pg_notify('{CHANNEL}', '');
                 RETURN NULL;
             END $$""",
+            # A completion group's write-backs in one statement, item by item
+            # in order (a key twice sees its first write-back; seqs follow the
+            # group): the new version per item, NULL where the guard refused.
+            # Measured against a pipelined executemany of the UPDATE: about a
+            # third less time a row at 64 a group (bench/bench_pg_store.py).
+            """CREATE FUNCTION queue_node_write_back(
+                keys text[], dues float8[], versions bigint[], result_ids bigint[],
+                finished float8[]) RETURNS bigint[]
+            LANGUAGE plpgsql AS $$
+            DECLARE
+                out bigint[] := '{}';
+                v bigint;
+            BEGIN
+                FOR i IN 1 .. COALESCE(array_length(keys, 1), 0) LOOP
+                    UPDATE schedule SET due_at = dues[i], last_result_id = result_ids[i],
+                           last_finished_at = finished[i], last_error = NULL
+                     WHERE key = keys[i] AND version = versions[i]
+                    RETURNING version INTO v;  -- NULL when no row took it
+                    out := out || v;
+                END LOOP;
+                RETURN out;
+            END $$""",
             # Triggers of one event fire in name order: the guard first.
             """CREATE TRIGGER schedule_a_version_guard BEFORE UPDATE OF version ON schedule
             FOR EACH ROW WHEN (NEW.version IS DISTINCT FROM OLD.version)
@@ -199,12 +221,9 @@ DELETE_ROW = "DELETE FROM schedule WHERE key = %s"
 WRITE_NEXT_DUE = (
     "UPDATE schedule SET due_at = %s WHERE key = %s AND version = %s RETURNING version"
 )
-# A completion's write-back under the version guard; RETURNING gives the new
-# version (the BEFORE trigger set it).
-WRITE_BACK = (
-    "UPDATE schedule SET due_at = %s, last_result_id = %s, last_finished_at = %s,"
-    " last_error = NULL WHERE key = %s AND version = %s RETURNING version"
-)
+# A group's write-backs under the version guard (queue_node_write_back, five
+# arrays); the new versions come back (the BEFORE trigger set them).
+WRITE_BACK_MANY = "SELECT queue_node_write_back(%s, %s, %s, %s, %s)"
 WRITE_LAST_ERROR = (
     "UPDATE schedule SET last_error = %s"
     " WHERE key = %s AND (last_finished_at IS NULL OR last_finished_at <= %s)"
