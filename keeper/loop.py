@@ -46,7 +46,9 @@ def main() -> int:
     from shm.state import StateBuffer
     from shm.wake import Wake
 
-    store = open_store(config.store_url, busy_timeout_s=KEEPER_BUSY_TIMEOUT_S)
+    store = open_store(
+        config.store_url, busy_timeout_s=KEEPER_BUSY_TIMEOUT_S, node_name=config.name
+    )
     ready = ReadySet.attach(config.name)
     state = StateBuffer.attach(config.name)
     wake = Wake.attach(config.name)

@@ -23,3 +23,21 @@ def redact_url(url: str) -> str:
     """``url`` with any password replaced by ``***``; other URLs unchanged."""
     out = _PASSWORD_RE.sub(lambda m: f"{m.group('head')}:{REDACTED}@", url, count=1)
     return _QUERY_PASSWORD_RE.sub(lambda m: m.group(1) + REDACTED, out)
+
+
+def split_password(url: str) -> tuple[str, str | None]:
+    """``url`` without its password, and the password (percent-decoded), or
+    ``(url, None)`` when it carries none. The node hands the password to
+    libpq through ``PGPASSWORD`` and keeps only the bare URL (in its
+    configuration, its children's, its process title)."""
+    from urllib.parse import unquote
+
+    m = _PASSWORD_RE.match(url)
+    if m is not None:
+        return f"{m.group('head')}@{url[m.end():]}", unquote(m.group("pw"))
+    q = re.search(r"([?&])password=([^&#]*)&?", url, re.IGNORECASE)
+    if q is not None:
+        rest = url[: q.start()] + (q.group(1) if url[q.end() - 1 : q.end()] == "&" else "")
+        rest += url[q.end():]
+        return rest.rstrip("?&"), unquote(q.group(2))
+    return url, None

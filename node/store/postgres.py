@@ -84,9 +84,12 @@ def _wrap(exc: BaseException, action: str) -> StoreError:
     """A driver failure as the store's error: StoreUnavailable when the server
     cannot be reached now (a lost or refused connection, a full pool), else
     StoreError."""
+    # The first line: libpq's hints and a statement's caret lines follow it,
+    # and a command line prints an error as one line.
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
     if isinstance(exc, psycopg_pool.PoolTimeout | psycopg.OperationalError):
-        return StoreUnavailable(f"PostgreSQL store: {action}: {exc}")
-    return StoreError(f"PostgreSQL store: {action}: {exc}")
+        return StoreUnavailable(f"PostgreSQL store: {action}: {lines[0]}")
+    return StoreError(f"PostgreSQL store: {action}: {lines[0]}")
 
 
 def _check_origin(origin: str) -> None:
