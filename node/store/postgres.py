@@ -73,7 +73,10 @@ UPSERT_CHUNK = 5_000
 # How long ``last_seq`` waits for the writers that hold seqs below the top of
 # the log to finish; past it the store is reported unavailable.
 SETTLE_WAIT_S = 30.0
-SETTLE_POLL_S = 0.002
+# The snapshot is polled at these intervals, doubling: writers usually end
+# within a millisecond, a long one is not asked about 1,000 times a second.
+SETTLE_POLL_FIRST_S = 0.0002
+SETTLE_POLL_MAX_S = 0.01
 
 # Pools a forked child inherited: kept referenced so that nothing closes
 # them in the child (see the module docstring).
@@ -90,6 +93,16 @@ def _wrap(exc: BaseException, action: str) -> StoreError:
     if isinstance(exc, psycopg_pool.PoolTimeout | psycopg.OperationalError):
         return StoreUnavailable(f"PostgreSQL store: {action}: {lines[0]}")
     return StoreError(f"PostgreSQL store: {action}: {lines[0]}")
+
+
+def _top_and_xid(conn: Any) -> tuple[int, int]:
+    """The top of the log and an xid assigned after it was read
+    (``TOP_AND_XID``): BEGIN, the statement and COMMIT in one round trip."""
+    with conn.pipeline():
+        with conn.transaction():
+            cur = conn.execute(q.TOP_AND_XID)
+    _off, top, xid = cur.fetchone()
+    return int(top), int(xid)
 
 
 def _check_origin(origin: str) -> None:
@@ -451,7 +464,7 @@ class PostgresStore(Store):
                 if n < len(found):
                     hole = after_seq + 1 if n == 0 else found[n - 1][0] + 1
                     if horizon.needs_settling(hole):
-                        xid = conn.execute(q.TAKE_XID).fetchone()[0]
+                        _top, xid = _top_and_xid(conn)
                         horizon.wait_on(found[-1][0], xid)
         valid = stored_row_is_valid
         return [
@@ -466,16 +479,17 @@ class PostgresStore(Store):
         every seq up to it is settled: the writers that may hold one have
         all ended, so a walk started now sees each of their writes."""
         deadline = time.monotonic() + SETTLE_WAIT_S
+        delay = SETTLE_POLL_FIRST_S
         with self._conn("last_seq") as conn:
-            top = conn.execute(q.LOG_TOP).fetchone()[0]
-            xid = conn.execute(q.TAKE_XID).fetchone()[0]
+            top, xid = _top_and_xid(conn)
             while conn.execute(q.SNAPSHOT_XMIN).fetchone()[0] < xid:
                 if time.monotonic() >= deadline:
                     raise StoreUnavailable(
                         f"PostgreSQL store: last_seq: a transaction older than xid {xid} "
                         f"has been open for over {SETTLE_WAIT_S:.0f} s"
                     )
-                time.sleep(SETTLE_POLL_S)  # polling the server's snapshot, bounded
+                time.sleep(delay)  # polling the server's snapshot, bounded
+                delay = min(delay * 2, SETTLE_POLL_MAX_S)
         with self._lock:
             self._horizon.settled_through = max(self._horizon.settled_through, top)
         return top

@@ -274,11 +274,14 @@ CHANGES_AFTER = """SELECT seq, op, key, origin, route, cadence_s, sitemap, due_a
         pg_snapshot_xmin(pg_current_snapshot())::text::bigint,
         (SELECT through FROM changes_trimmed)
         FROM changes WHERE seq > %s ORDER BY seq LIMIT %s"""
-# The highest seq in the log (or trimmed from it), from one snapshot.
-LOG_TOP = """SELECT GREATEST((SELECT COALESCE(MAX(seq), 0) FROM changes),
-                          (SELECT through FROM changes_trimmed))"""
-# An xid assigned now: every writer whose seq was taken before is older.
-TAKE_XID = "SELECT pg_current_xact_id()::text::bigint"
+# An xid assigned now (every writer whose seq was taken before is older),
+# with the top of the log (the highest seq in it, or trimmed from it) as of
+# the statement's snapshot, taken before the xid. Run in a transaction of its
+# own that writes nothing, so its commit need not wait for a WAL flush.
+TOP_AND_XID = """SELECT set_config('synchronous_commit', 'off', true),
+        GREATEST((SELECT COALESCE(MAX(seq), 0) FROM changes),
+                 (SELECT through FROM changes_trimmed)),
+        pg_current_xact_id()::text::bigint"""
 SNAPSHOT_XMIN = "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
 FIRST_SEQ_AFTER = "SELECT MIN(seq) FROM changes WHERE seq > %s"
 TRIM_CHANGES = """WITH gone AS (DELETE FROM changes WHERE seq <= %s RETURNING seq)
