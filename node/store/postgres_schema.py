@@ -102,7 +102,8 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
                 IF FOUND THEN
                     NEW.version := 0;  -- it will conflict: the update takes the seq
                 ELSE
-                    NEW.version := queue_node_take_seq();
+                    PERFORM pg_current_xact_id();  -- the xid first (take_seq)
+                    NEW.version := nextval('changes_seq');
                 END IF;
                 RETURN NEW;
             END $$""",
@@ -135,6 +136,15 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
                         NEW.key, {_ORIGIN_SQL}, NEW.route, NEW.cadence_s, NEW.sitemap,
                         NEW.due_at, {_NOW_SQL},
                         CASE WHEN TG_OP = 'UPDATE' AND OLD.key = NEW.key THEN OLD.due_at END);
+                RETURN NULL;
+            END $$""",
+            f"""CREATE FUNCTION queue_node_log_inserts() RETURNS trigger
+            LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO changes (seq, op, key, origin, route, cadence_s, sitemap, due_at, at)
+                SELECT version, 'I', key, {_ORIGIN_SQL}, route, cadence_s, sitemap, due_at,
+                       {_NOW_SQL}
+                  FROM inserted;
                 RETURN NULL;
             END $$""",
             f"""CREATE FUNCTION queue_node_log_delete() RETURNS trigger
@@ -182,8 +192,11 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             # UPDATE OF: a write of the outcome columns alone is no change.
             f"""CREATE TRIGGER schedule_b_version_update BEFORE UPDATE OF {_LOGGED} ON schedule
             FOR EACH ROW EXECUTE FUNCTION queue_node_before_update()""",
+            # Inserts are logged once a statement, from its transition table
+            # (an import's rows in one INSERT … SELECT).
             """CREATE TRIGGER schedule_log_insert AFTER INSERT ON schedule
-            FOR EACH ROW EXECUTE FUNCTION queue_node_log_write()""",
+            REFERENCING NEW TABLE AS inserted
+            FOR EACH STATEMENT EXECUTE FUNCTION queue_node_log_inserts()""",
             f"""CREATE TRIGGER schedule_log_update AFTER UPDATE OF {_LOGGED} ON schedule
             FOR EACH ROW EXECUTE FUNCTION queue_node_log_write()""",
             """CREATE TRIGGER schedule_log_delete AFTER DELETE ON schedule
