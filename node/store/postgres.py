@@ -61,10 +61,12 @@ except ImportError as exc:  # pragma: no cover - the extra is installed in tests
         "pip install 'queue-node[fleet]'"
     ) from exc
 
-# Connections per process: the keeper and a claim worker use one at a time;
-# the ledger's write-back and a reader thread may overlap. The fleet's budget
-# against max_connections is in docs/postgres.md.
-POOL_MAX = 4
+# Connections per store object. Each object is used by one thread in the
+# node's processes (an HTTP worker opens one per thread that reads rows), so
+# one is open most of the time; the second serves a caller that shares an
+# object across threads. The fleet's budget against max_connections is in
+# docs/postgres.md.
+POOL_MAX = 2
 # How long an operation waits for a pooled connection (or a new one) before
 # the store is reported unavailable.
 CONNECT_TIMEOUT_S = 5.0
