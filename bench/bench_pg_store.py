@@ -6,7 +6,9 @@ repeated; the median is printed):
 - bulk upsert: ``--rows`` new rows in batches of ``--batch`` (an import, a
   producer's POST /rows), rows/s;
 - the ledger's write-back: ``write_back_many`` of 64 rows a group under the
-  version guard, µs a row;
+  version guard, µs a row, on a store opened as the ledger opens it (not
+  durable: SQLite NORMAL, PostgreSQL ``synchronous_commit = off``, with
+  ``sync`` before acks) and on a durable one;
 - the keeper's feed: ``changes(after, 1000)`` over the whole log, µs a change.
 
 PostgreSQL is a database of its own on ``--server`` (created, dropped at the
@@ -77,10 +79,13 @@ def _feed(store: Store) -> float:
     return (time.perf_counter() - t0) / max(n, 1) * 1e6
 
 
-def _once(store: Store, args: argparse.Namespace) -> dict[str, float]:
+def _once(store: Store, ledgers: Store, args: argparse.Namespace) -> dict[str, float]:
+    """``store`` opened durable (as the node's writers), ``ledgers`` not (as
+    the ledger opens its own: its commits do not wait for a flush)."""
     return {
         "upsert_rows_per_s": _upsert(store, args.rows, args.batch),
-        "write_back_us_per_row": _write_back(store, args.rows, args.groups),
+        "write_back_us_per_row": _write_back(ledgers, args.rows, args.groups),
+        "write_back_durable_us_per_row": _write_back(store, args.rows, args.groups),
         "changes_us_per_change": _feed(store),
     }
 
@@ -94,21 +99,26 @@ def main() -> int:
     parser.add_argument("--server", default=pg.SERVER)
     args = parser.parse_args()
     pg.SERVER = args.server
-    url = pg.create_database()
+    url = pg.create_database(flush_commits=True)
     results: dict[str, list[dict[str, float]]] = {"sqlite": [], "postgresql": []}
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for n in range(args.repeat):
-                sqlite = SQLiteStore(Path(tmp) / f"s{n}.db")
+                path = Path(tmp) / f"s{n}.db"
+                sqlite = SQLiteStore(path)
+                sqlite_ledgers = SQLiteStore(path, durable=False, autocheckpoint=False)
                 try:
-                    results["sqlite"].append(_once(sqlite, args))
+                    results["sqlite"].append(_once(sqlite, sqlite_ledgers, args))
                 finally:
+                    sqlite_ledgers.close()
                     sqlite.close()
                 pg.reset(url)
                 postgres = PostgresStore(url)
+                postgres_ledgers = PostgresStore(url, durable=False)
                 try:
-                    results["postgresql"].append(_once(postgres, args))
+                    results["postgresql"].append(_once(postgres, postgres_ledgers, args))
                 finally:
+                    postgres_ledgers.close()
                     postgres.close()
     finally:
         pg.drop_database(url)

@@ -26,14 +26,16 @@ _RESET = (
 )
 
 
-def create_database() -> str:
-    """A new empty database on SERVER; returns its URL."""
+def create_database(*, flush_commits: bool = False) -> str:
+    """A new empty database on SERVER; returns its URL. Its commits do not
+    wait for their WAL flush (the tests' writes are lost only to a crash of
+    the server, which ends the run anyway) unless ``flush_commits`` (the
+    bench measures what a node would)."""
     name = f"queue_node_test_{os.getpid()}_{secrets.token_hex(4)}"
     with psycopg.connect(f"{SERVER}/postgres", autocommit=True, connect_timeout=5) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
-        # A commit need not wait for its WAL flush here: the tests' writes
-        # are lost only to a crash of the server, which ends the run anyway.
-        conn.execute(f'ALTER DATABASE "{name}" SET synchronous_commit = off')
+        if not flush_commits:
+            conn.execute(f'ALTER DATABASE "{name}" SET synchronous_commit = off')
     return f"{SERVER}/{name}"
 
 

@@ -32,7 +32,8 @@ def open_store(
     busy_timeout_s: float | None = None,
     node_name: str | None = None,
 ) -> Store:
-    """``durable`` (SQLite): each commit synced to disk (FULL), else NORMAL;
+    """``durable``: each commit synced to disk (SQLite FULL, PostgreSQL
+    ``synchronous_commit``), else not (``Store.sync`` does it);
     ``autocheckpoint`` False: commits never checkpoint the WAL (the caller
     does, ``Store.checkpoint_wal``); ``busy_timeout_s`` (SQLite): how long a
     statement waits for another connection's lock (None: the default, 5 s);
@@ -46,7 +47,7 @@ def open_store(
     if url.startswith(("postgresql://", "postgres://")):
         from node.store.postgres import PostgresStore
 
-        return PostgresStore(url, node_name=node_name)
+        return PostgresStore(url, durable=durable, node_name=node_name)
     from node.store.sqlite import SQLiteStore
 
     # sqlite:///relative.db and sqlite:////absolute.db, as SQLAlchemy spells them.

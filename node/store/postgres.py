@@ -198,12 +198,21 @@ class PostgresStore(Store):
     """The schedule in a PostgreSQL database (created and migrated on open)."""
 
     def __init__(
-        self, url: str, *, node_name: str | None = None, pool_max: int = POOL_MAX
+        self,
+        url: str,
+        *,
+        durable: bool = True,
+        node_name: str | None = None,
+        pool_max: int = POOL_MAX,
     ) -> None:
         """``url``: a libpq URL (``postgresql://user@host:port/db``; a password
-        may come from ``PGPASSWORD``). ``node_name``: whose meta this store
-        reads and writes (the host name by default)."""
+        may come from ``PGPASSWORD``). ``durable`` False: a commit does not
+        wait for its WAL flush (``synchronous_commit = off`` for the
+        transaction), and ``sync`` makes every commit so far durable, as the
+        SQLite store's NORMAL (the ledger's store). ``node_name``: whose meta
+        this store reads and writes (the host's node name by default)."""
         self._conninfo = url
+        self.durable = durable
         self.url = redact_url(url)
         self.node_name = node_name or host_node_name()
         self._pool_max = pool_max
@@ -284,8 +293,21 @@ class PostgresStore(Store):
         LOCAL: it ends with the transaction)."""
         with self._conn(action) as conn, conn.transaction():
             if origin is not None:
-                conn.execute(q.SET_ORIGIN, (origin,))
+                conn.execute(q.SET_ORIGIN if self.durable else q.SET_ORIGIN_ASYNC, (origin,))
+            elif not self.durable:
+                conn.execute(q.SET_ASYNC)
             yield conn
+
+    def sync(self) -> None:
+        """Every commit so far made durable (a store opened not durable
+        commits without waiting for the WAL flush): one synchronous commit
+        of a transaction with an xid flushes the WAL up to it. Raises
+        OSError, as the base says."""
+        try:
+            with self._conn("sync") as conn, conn.transaction():
+                conn.execute(q.SYNC)
+        except StoreError as exc:
+            raise OSError(str(exc)) from exc
 
     def check_fork(self) -> None:
         if self._pid == os.getpid() or self._closed:
@@ -302,7 +324,10 @@ class PostgresStore(Store):
             return conn.execute(q.READ_SCHEMA_VERSION).fetchone()[0]
 
     def reopen(self) -> PostgresStore:
-        return PostgresStore(self._conninfo, node_name=self.node_name, pool_max=self._pool_max)
+        return PostgresStore(
+            self._conninfo, durable=self.durable, node_name=self.node_name,
+            pool_max=self._pool_max,
+        )  # fmt: skip
 
     def close(self) -> None:
         if self._closed:

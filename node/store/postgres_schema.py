@@ -112,12 +112,13 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             BEGIN
                 -- A key renamed in place (only another program can) is logged
                 -- as the old key's delete, then the new key's insert.
+                PERFORM pg_current_xact_id();  -- the xid before the seq (take_seq)
                 IF NEW.key IS DISTINCT FROM OLD.key THEN
                     INSERT INTO changes (seq, op, key, origin, at, old_due_at)
-                    VALUES (queue_node_take_seq(), 'D', OLD.key, {_ORIGIN_SQL},
+                    VALUES (nextval('changes_seq'), 'D', OLD.key, {_ORIGIN_SQL},
                             {_NOW_SQL}, OLD.due_at);
                 END IF;
-                NEW.version := queue_node_take_seq();
+                NEW.version := nextval('changes_seq');
                 RETURN NEW;
             END $$""",
             """CREATE FUNCTION queue_node_version_guard() RETURNS trigger
@@ -223,6 +224,16 @@ LOCK_MIGRATIONS = "SELECT pg_advisory_xact_lock(%s)"
 # SET LOCAL by function: the value is a bound parameter, and it ends with the
 # transaction (committed or not).
 SET_ORIGIN = "SELECT set_config('queue_node.origin', %s, true)"
+# A store opened not durable (the ledger's, docs/delivery.md): its commits do
+# not wait for their WAL to be flushed; ``SYNC`` flushes everything so far.
+SET_ORIGIN_ASYNC = (
+    "SELECT set_config('queue_node.origin', %s, true),"
+    " set_config('synchronous_commit', 'off', true)"
+)
+SET_ASYNC = "SELECT set_config('synchronous_commit', 'off', true)"
+# A transaction with an xid, committed synchronously: its commit waits for
+# the WAL to be flushed up to its record, so every commit before it is durable.
+SYNC = "SELECT pg_current_xact_id()"
 
 # -- the schedule -------------------------------------------------------------------
 

@@ -292,6 +292,23 @@ def test_a_forked_child_opens_its_own_pool(db):
     assert db.get("parent").version == 3
 
 
+@pytest.mark.parametrize(("durable", "setting"), [(True, "on"), (False, "off")])
+def test_a_store_opened_not_durable_commits_without_waiting_for_the_flush(
+    pg_url, durable, setting
+):
+    """The ledger opens its store not durable (as SQLite's NORMAL) and
+    calls ``sync`` before it writes acks."""
+    pg.reset(pg_url)
+    with PostgresStore(pg_url, durable=durable, pool_max=1) as s:
+        with s._conn("test") as conn:
+            conn.execute("SET synchronous_commit = on")  # this session's own default
+        with s._write("test", ORIGIN_NODE) as conn:
+            assert conn.execute("SHOW synchronous_commit").fetchone()[0] == setting
+        s.upsert([RowWrite("k", "r")], now=NOW)
+        s.sync()
+        assert s.get("k").version == 1
+
+
 # -- the password ---------------------------------------------------------------------
 
 
