@@ -80,11 +80,6 @@ SETTLE_WAIT_S = 30.0
 SETTLE_POLL_FIRST_S = 0.0002
 SETTLE_POLL_MAX_S = 0.01
 
-# Pools a forked child inherited: kept referenced so that nothing closes
-# them in the child (see the module docstring).
-_INHERITED: list[Any] = []
-
-
 def _wrap(exc: BaseException, action: str) -> StoreError:
     """A driver failure as the store's error: StoreUnavailable when the server
     cannot be reached now (a lost or refused connection, a full pool), else
@@ -312,10 +307,11 @@ class PostgresStore(Store):
     def check_fork(self) -> None:
         if self._pid == os.getpid() or self._closed:
             return
-        _INHERITED.append(self._pool)
-        if self._listener is not None:
-            _INHERITED.append(self._listener)
-            self._listener = None
+        # The parent's pool is left alone: closing it here would end the
+        # parent's sessions (libpq says goodbye on the shared socket). Once
+        # collected in the child it does not (psycopg finishes a connection
+        # only in the process that opened it).
+        self._listener = None
         self._horizon = Horizon()
         self._open()
 
@@ -334,8 +330,7 @@ class PostgresStore(Store):
             return
         self._closed = True
         if self._pid != os.getpid():
-            _INHERITED.append(self._pool)
-            return
+            return  # the parent's pool: never closed in a child (check_fork)
         if self._listener is not None:
             self._listener.close()
             self._listener = None

@@ -6,6 +6,7 @@ this run's own (tests/pg.py)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -307,6 +308,32 @@ def test_a_store_opened_not_durable_commits_without_waiting_for_the_flush(
         s.upsert([RowWrite("k", "r")], now=NOW)
         s.sync()
         assert s.get("k").version == 1
+
+
+def test_a_forked_child_that_drops_the_store_leaves_the_parents_sessions(pg_url):
+    """A child that closes an inherited store and lets go of it must not end
+    the parent's sessions: libpq's goodbye on a socket the two share would
+    close the parent's."""
+    pg.reset(pg_url)
+    store = PostgresStore(pg_url)
+    store.upsert([RowWrite("before", "r")], now=NOW)
+    pid = os.fork()
+    if pid == 0:  # the child: close it, drop every reference, collect, leave
+        code = 1
+        try:
+            store.close()
+            del store
+            gc.collect()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    try:
+        store.upsert([RowWrite("after", "r")], now=NOW)  # the same pooled session
+        assert store.get("after").version == 2
+    finally:
+        store.close()
 
 
 # -- the password ---------------------------------------------------------------------
