@@ -13,7 +13,8 @@ repeated; the median is printed):
 
 PostgreSQL is a database of its own on ``--server`` (created, dropped at the
 end); SQLite is a file in a temporary directory (``synchronous = FULL``, as
-the node opens it). One JSON line per store and operation.
+the node opens it). One JSON line per store (``--json PATH``: the lines as
+one list, for ``python -m bench``).
 
     .venv/bin/python bench/bench_pg_store.py --rows 50000 --repeat 3
 """
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import add_json_option, keep, write_json  # noqa: E402
 from node.core.rows import RowWrite  # noqa: E402
 from node.store.base import Store, WriteBack  # noqa: E402
 from node.store.postgres import PostgresStore  # noqa: E402
@@ -97,6 +99,7 @@ def main() -> int:
     parser.add_argument("--groups", type=int, default=200, help="write-back groups of 64")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--server", default=pg.SERVER)
+    add_json_option(parser)
     args = parser.parse_args()
     pg.SERVER = args.server
     url = pg.create_database(flush_commits=True)
@@ -126,7 +129,8 @@ def main() -> int:
         line = {"store": store, "rows": args.rows, "batch": args.batch, "group": GROUP}
         for name in runs[0]:
             line[name] = round(statistics.median(r[name] for r in runs), 2)
-        print(json.dumps(line))
+        print(json.dumps(keep(line)))
+    write_json(args.json)
     return 0
 
 
