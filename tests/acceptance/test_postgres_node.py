@@ -13,6 +13,7 @@ import psutil
 import psycopg
 import pytest
 
+from node.client import LocalClaimer
 from node.store.postgres import PostgresStore
 from node.testing import NodeProcess, finish, wait_for
 from tests import pg
@@ -100,6 +101,17 @@ def test_a_node_runs_on_postgresql_end_to_end(node, pg_url):
     accounting = wait_for(balanced, 30, "the books balanced")
     assert accounting["routed"] == accounting["finished"] == accounting["acknowledged"]
     assert accounting["acknowledged"] == len(keys)
+
+    # A GPU process's LocalClaimer (shared memory, its rows read from PostgreSQL).
+    later = [{"key": f"local{i}", "route": "r", "due_at": time.time() - 60} for i in range(5)]
+    assert node.request("POST", "/rows", later) == (200, {"upserted": 5})
+    local_keys: set[str] = set()
+    with LocalClaimer(node.name, data_dir=str(node.data_dir), consumer="local") as local:
+        def claimed_locally() -> bool:
+            local_keys.update(g.key for g in local.claim(5, lease_s=600, wait_s=0.2))
+            return local_keys == {r["key"] for r in later}
+
+        wait_for(claimed_locally, 30, "the later rows granted to a LocalClaimer")
 
     # The password: in no process's command line, nor in any file the node wrote.
     for proc in _node_processes(node):
