@@ -229,17 +229,21 @@ class PostgresStore(Store):
                 self._conninfo, autocommit=True, connect_timeout=int(CONNECT_TIMEOUT_S)
             ) as conn:
                 self._migrate(conn)
-            pool = psycopg_pool.ConnectionPool(
-                self._conninfo,
-                min_size=1,
-                max_size=self._pool_max,
-                kwargs={"autocommit": True},
-                timeout=CONNECT_TIMEOUT_S,
-                open=False,
-                name="queue-node",
-            )
+        except psycopg.Error as exc:
+            raise _wrap(exc, f"opening {self.url}") from exc
+        pool = psycopg_pool.ConnectionPool(
+            self._conninfo,
+            min_size=1,
+            max_size=self._pool_max,
+            kwargs={"autocommit": True},
+            timeout=CONNECT_TIMEOUT_S,
+            open=False,
+            name="queue-node",
+        )
+        try:
             pool.open(wait=True, timeout=CONNECT_TIMEOUT_S)
         except (psycopg.Error, psycopg_pool.PoolTimeout) as exc:
+            pool.close()  # its threads would go on trying
             raise _wrap(exc, f"opening {self.url}") from exc
         self._pool = pool
 
