@@ -53,7 +53,10 @@ def _naive(conn, after):
                                        (after,))]
 
 
-def _eventually(read, want, timeout_s=10.0):
+def _eventually(read, want, timeout_s=30.0):
+    """``read()`` until it gives ``want`` or the deadline passes. Generous:
+    a hole settles when the server's oldest running writer ends, and xids
+    are the whole server's (another database's writers count too)."""
     deadline = time.monotonic() + timeout_s
     while True:
         got = read()
