@@ -284,6 +284,19 @@ def sync_figures(docs: list[dict], setup: dict) -> list[Fig]:
     return out
 
 
+def pg_store_figures(docs: list[dict], setup: dict) -> list[Fig]:
+    """bench/bench_pg_store.py: each store's bulk upsert, write-back at 64 a
+    group and change-log read, in one run (issue 18, item 1)."""
+    out = []
+    units = {"upsert_rows_per_s": "rows/s", "write_back_us_per_row": "us",
+             "write_back_durable_us_per_row": "us", "changes_us_per_change": "us"}  # fmt: skip
+    for doc in docs:
+        where = {**setup, "rows": doc["rows"], "batch": doc["batch"], "group": doc["group"]}
+        for key, unit in units.items():
+            out.append(fig(f"store.{doc['store']}.{key}", doc[key], unit, where))
+    return out
+
+
 def ledger_figures(docs: list[dict], setup: dict) -> list[Fig]:
     out = []
     for doc in docs:
@@ -393,6 +406,8 @@ STEPS: tuple[Step, ...] = (
          poll_figures),
     Step("sync", ("bench/bench_sync.py",), ("--rows", "20000", "--seconds", "1"),
          ("--rows", "200000", "--seconds", "5"), sync_figures),
+    Step("pg_store", ("bench/bench_pg_store.py",), ("--rows", "20000", "--repeat", "1"),
+         ("--rows", "200000", "--repeat", "3"), pg_store_figures),
     Step("churn", ("bench/bench_churn.py",), (), ("--rows", "1000000", "--minutes", "10"),
          churn_figures, (600.0, 3600.0)),
     Step("micro", ("-m", "pytest", "bench/micro", "-q"), (), (), micro_figures,

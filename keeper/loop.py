@@ -49,7 +49,9 @@ def main() -> int:
     state = StateBuffer.attach(config.name)
     wake = Wake.attach(config.name)
     # Never a new empty file for a store that went away: wait for it.
-    store = open_when_there(config.store_url, state, wake.wait, lambda: _flags["stop"])
+    store = open_when_there(
+        config.store_url, state, wake.wait, lambda: _flags["stop"], node_name=config.name
+    )
     if store is None:
         state.heartbeat(time.time(), "stopped", False, "stopped")
         log.log("keeper_stop", rows=0, reason="stopped while waiting for the store")

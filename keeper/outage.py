@@ -234,7 +234,7 @@ class Outage(KeeperBase):
 
 
 def open_when_there(url: str, state: Any, wait: Callable[[float], Any],
-                    stopping: Callable[[], bool]) -> Any:  # fmt: skip
+                    stopping: Callable[[], bool], node_name: str | None = None) -> Any:  # fmt: skip
     """The keeper's store at its start, never made anew (``create=False``,
     node/store/made.py): a keeper restarted while the store is away (its
     volume not mounted, its directory renamed) waits for it with the
@@ -244,7 +244,8 @@ def open_when_there(url: str, state: Any, wait: Callable[[float], Any],
     and keeps its predecessor's document in the state buffer with
     ``trust.store`` saying ``unreachable`` (the ledger's accounting goes on
     reading the counters in it; nobody vouches for them). None when
-    ``stopping()`` turns true first."""
+    ``stopping()`` turns true first. ``node_name``: whose meta a PostgreSQL
+    store keeps."""
     from node.store import open_store
 
     since = time.time()
@@ -253,7 +254,9 @@ def open_when_there(url: str, state: Any, wait: Callable[[float], Any],
     logged_at = float("-inf")
     while not stopping():
         try:
-            return open_store(url, busy_timeout_s=KEEPER_BUSY_TIMEOUT_S, create=False)
+            return open_store(
+                url, busy_timeout_s=KEEPER_BUSY_TIMEOUT_S, create=False, node_name=node_name
+            )
         except StoreError as exc:
             attempts += 1
             now = time.time()

@@ -79,12 +79,38 @@ _RUN_OPTIONS = (
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from node.core.config import load_config
+    from node.core.urls import split_password
     from node.supervisor import run
 
+    if args.store:
+        _hide_store_password(args.store)
     flags = {name: getattr(args, name, None) for name in _RUN_OPTIONS}
     config = load_config(flags, config_file=getattr(args, "config", None))
+    # A password in the store URL (the file, the environment) goes to libpq
+    # by PGPASSWORD, inherited by every child; the configuration the node
+    # writes and logs, and hands its children, keeps the bare URL.
+    bare, password = split_password(config.store)
+    if password is not None:
+        os.environ["PGPASSWORD"] = password
+        config = dataclasses.replace(config, store=bare)
     return run(config, verbose=args.verbose)
+
+
+def _hide_store_password(store: str) -> None:
+    """A password given in ``--store`` is on the command line, which ``ps``
+    shows to every user: move it to PGPASSWORD and start again with the bare
+    URL (the process's arguments cannot be rewritten in place from Python)."""
+    from node.core.urls import split_password
+
+    bare, password = split_password(store)
+    if password is None:
+        return
+    os.environ["PGPASSWORD"] = password
+    argv = [arg.replace(store, bare) for arg in sys.argv[1:]]
+    os.execv(sys.executable, [sys.executable, "-m", "node", *argv])
 
 
 def _state_name(name: str | None) -> str:
@@ -208,10 +234,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _one_line(exc: BaseException) -> str:
-    """The chain of causes on one line."""
-    parts = [str(exc)]
-    cause = exc.__cause__
+    """The chain of causes on one line: each message's lines joined (a
+    driver's message may carry hints on lines of their own), and a cause
+    whose first line its effect already says left out."""
+    parts: list[str] = []
+    cause: BaseException | None = exc
     while cause is not None and len(parts) < 3:
-        parts.append(str(cause))
+        text = " ".join(str(cause).split())
+        first = str(cause).strip().splitlines()[0] if text else ""
+        if text and not any(first in p for p in parts):
+            parts.append(text)
         cause = cause.__cause__
-    return ": ".join(p for p in parts if p)
+    return ": ".join(parts)

@@ -47,6 +47,7 @@ from node.core.config import Config, tls_context
 from node.core.errors import ConfigError, NodeError
 from node.core.identity import data_dir_id, new_boot_id
 from node.core.proc import ENV_CONFIG, ENV_STARTED_AT, ENV_SUPERVISOR, python_argv
+from node.core.urls import redact_url
 
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 5.0
@@ -517,7 +518,7 @@ class Supervisor:
                 self._spawn(child)
         self.write_node_json()
         log.log("node_start", name=self.name, http=self.http, workers=self.config.workers,
-                store=self.config.store_url, data_dir=str(self.data_dir))
+                store=redact_url(self.config.store_url), data_dir=str(self.data_dir))
         try:
             return self._loop(rfd)
         finally:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,14 @@ def stops_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def node_name() -> str:
     """A node name no other test (or running node) uses."""
     return f"t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """This run's own PostgreSQL database (tests/pg.py): created on first
+    use, dropped at the end. No server fails the test, it does not skip."""
+    from tests.pg import create_database, drop_database
+
+    url = create_database()
+    yield url
+    drop_database(url)

@@ -26,6 +26,7 @@ from node.core.names import NAME_RE, check_name, host_node_name
 from node.core.proc import ENV_CONFIG
 from node.core.rows import JOB_RE, MAX_CADENCE_S, MIN_CADENCE_S
 from node.core.tls import tls_context
+from node.core.urls import redact_url
 
 __all__ = [
     "ENV_PREFIX", "HANDLER_SPEC_RE", "MAX_RETENTION_S", "NAME_RE", "OPTIONS", "UNIX_PREFIX",
@@ -582,12 +583,9 @@ def check_store_url(url: str) -> str:
             raise UnsupportedStore(f"store URL {url!r} names no file")
         return url
     if url.startswith(("postgresql://", "postgres://")):
-        raise UnsupportedStore(
-            "the PostgreSQL fleet backend is not available in this build yet; "
-            "use sqlite:///<file> (the default)"
-        )
+        return url
     raise UnsupportedStore(
-        f"unknown store URL {url!r}: expected sqlite:///<file> or postgresql://…"
+        f"unknown store URL {redact_url(url)!r}: expected sqlite:///<file> or postgresql://…"
     )
 
 

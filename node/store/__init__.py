@@ -4,7 +4,8 @@
 
 - ``memory://`` — the in-memory twin, for unit tests;
 - ``sqlite:///path/to/schedule.db`` — the embedded default;
-- ``postgresql://…`` — the fleet backend, not in this build yet.
+- ``postgresql://user@host:port/db`` — the fleet backend (the ``fleet`` extra:
+  psycopg 3 and psycopg_pool); ``docs/postgres.md``.
 """
 
 from __future__ import annotations
@@ -33,11 +34,15 @@ def open_store(
     autocheckpoint: bool = True,
     busy_timeout_s: float | None = None,
     create: bool | None = None,
+    node_name: str | None = None,
 ) -> Store:
-    """``durable`` (SQLite): each commit synced to disk (FULL), else NORMAL;
+    """``durable``: each commit synced to disk (SQLite FULL, PostgreSQL
+    ``synchronous_commit``), else not (``Store.sync`` does it);
     ``autocheckpoint`` False: commits never checkpoint the WAL (the caller
     does, ``Store.checkpoint_wal``); ``busy_timeout_s`` (SQLite): how long a
-    statement waits for another connection's lock (None: the default, 5 s).
+    statement waits for another connection's lock (None: the default, 5 s);
+    ``node_name`` (PostgreSQL): whose meta the store keeps (the host's node
+    name by default).
 
     ``create`` (SQLite): make a missing file (and its directory), or raise
     StoreUnavailable. None: make it, except in a node's child process (one
@@ -52,6 +57,10 @@ def open_store(
         from node.store.memory import MemoryStore
 
         return MemoryStore(url)
+    if url.startswith(("postgresql://", "postgres://")):
+        from node.store.postgres import PostgresStore
+
+        return PostgresStore(url, durable=durable, node_name=node_name)
     from node.store.sqlite import SQLiteStore
 
     # sqlite:///relative.db and sqlite:////absolute.db, as SQLAlchemy spells them.

@@ -340,22 +340,22 @@ class SQLiteStore(Store):
         show the versions from before the triggers ran). When every row of a
         round took (its rowcount), its versions are the seqs that follow, in
         order (each UPDATE's trigger logs one change), and the log is not
-        read. A key twice in the batch is written in a second round, so that
-        each round's keys are distinct and the log says exactly which items
-        took."""
+        read. A key twice in the batch starts a new round there, so that each
+        round's keys are distinct (the log says exactly which items took) and
+        the items take their seqs in the batch's order, as one by one."""
         if not items:
             return []
         if len(set(map(_WB_KEY, items))) == len(items):
             rounds = [list(range(len(items)))]  # distinct keys, the usual group: one round
         else:
             rounds = [[]]
-            seen: dict[str, int] = {}  # key -> rounds it is in so far
+            seen: set[str] = set()  # the keys of the round being built
             for i, it in enumerate(items):
-                n = seen.get(it.key, 0)
-                seen[it.key] = n + 1
-                if n == len(rounds):
+                if it.key in seen:
                     rounds.append([])
-                rounds[n].append(i)
+                    seen = set()
+                seen.add(it.key)
+                rounds[-1].append(i)
         out: list[int | None] = [None] * len(items)
         conn = self._c()
         with self._lock:

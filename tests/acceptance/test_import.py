@@ -501,7 +501,7 @@ def test_main_invalid_lines_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture
         (["{file}", "--cadence", "soon"], "--cadence"),
         (["{file}", "--route", ""], "route"),
         (["{file}", "--job", "bad job"], "job"),
-        (["{file}", "--store", "postgresql://db/x"], "PostgreSQL"),
+        (["{file}", "--store", "mysql://db/x"], "unknown store URL"),
         (["{file}", "--store", "sqlite:///x.db", "--data-dir", "d"], "not allowed with"),
         (["{file}", "--format", "yaml"], "format"),
         (["{dir}/missing.jsonl"], "no such file"),

@@ -207,7 +207,9 @@ def test_two_nodes_on_one_host_do_not_meet(tmp_path, node_name):
     [
         (["--lease-s", "0"], "lease_s"),
         (["--http", "0.0.0.0:0"], "token"),
-        (["--store", "postgresql://localhost/x"], "PostgreSQL"),
+        (["--store", "mysql://localhost/x"], "unknown store URL"),
+        # A PostgreSQL server that is not there; the password is not shown.
+        (["--store", "postgresql://u:pw-not-shown@127.0.0.1:1/x"], "PostgreSQL store"),
         (["--name", "bad name!"], "name"),
         (["--workers", "many"], "workers"),
     ],
@@ -219,6 +221,7 @@ def test_bad_arguments_one_line_exit_2(tmp_path, args, message):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], out.stderr
     assert "Traceback" not in out.stderr
+    assert "pw-not-shown" not in out.stderr + out.stdout
 
 
 def test_bad_config_file_names_the_line(tmp_path):

@@ -1,8 +1,10 @@
 """One suite for every store backend, then what only the SQLite file can show.
 
-The shared tests run against the in-memory twin and the SQLite file alike
-(the ``store`` fixture); a property test drives both with the same random
+The shared tests run against the in-memory twin, the SQLite file and the
+PostgreSQL database alike (the ``store`` fixture; the database is this run's
+own, tests/pg.py); a property test drives all three with the same random
 operations and requires the same answers, versions and change log.
+What only PostgreSQL can show is in test_store_pg.py.
 """
 
 from __future__ import annotations
@@ -32,17 +34,23 @@ from node.core.rows import (
 from node.store import BadRow, LastError, WriteBack, open_store
 from node.store import sqlite as sqlite_store
 from node.store.memory import MemoryStore
+from node.store.postgres import PostgresStore
 from node.store.sqlite import SCHEMA_VERSION, SQLiteStore
+from tests import pg
 
 NOW = 1_700_000_000.0
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(params=["memory", "sqlite", "postgresql"])
 def store(request, tmp_path):
     if request.param == "memory":
         s = MemoryStore()
-    else:
+    elif request.param == "sqlite":
         s = SQLiteStore(tmp_path / "schedule.db")
+    else:
+        url = request.getfixturevalue("pg_url")
+        pg.reset(url)
+        s = PostgresStore(url)
     yield s
     s.close()
 
@@ -363,7 +371,7 @@ def test_close_is_idempotent_and_later_use_fails(store):
         store.get("k")
 
 
-# -- the two backends agree --------------------------------------------------------
+# -- the three backends agree ------------------------------------------------------
 
 _KEYS = st.sampled_from(["a", "b", "c", "dé", "e/1"])
 _JSON = st.recursive(
@@ -436,16 +444,23 @@ def _apply(s, op):
     max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
 @given(st.lists(_OP, max_size=12))
-def test_memory_and_sqlite_agree_on_random_operations(tmp_path_factory, operations):
+def test_memory_sqlite_and_postgresql_agree_on_random_operations(
+    tmp_path_factory, pg_url, operations
+):
     memory = MemoryStore()
-    with SQLiteStore(tmp_path_factory.mktemp("agree") / "s.db") as sql:
+    pg.reset(pg_url)
+    with SQLiteStore(tmp_path_factory.mktemp("agree") / "s.db") as sql, PostgresStore(
+        pg_url
+    ) as postgres:
         for op in operations:
-            assert _apply(memory, op) == _apply(sql, op), op
-            assert _state(memory) == _state(sql), op
+            done = _apply(memory, op)
+            assert done == _apply(sql, op) == _apply(postgres, op), op
+            state = _state(memory)
+            assert state == _state(sql) == _state(postgres), op
         keys = ["a", "b", "c", "dé", "e/1"]
-        assert {k: _view(r) for k, r in memory.get_many(keys).items()} == {
-            k: _view(r) for k, r in sql.get_many(keys).items()
-        }
+        expected = {k: _view(r) for k, r in memory.get_many(keys).items()}
+        for other in (sql, postgres):
+            assert {k: _view(r) for k, r in other.get_many(keys).items()} == expected
 
 
 # -- SQLite only: the file as a contract -------------------------------------------

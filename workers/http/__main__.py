@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import resource
 import signal
@@ -439,7 +440,9 @@ async def serve(
     work_side = _WorkSide(config.name)
     runner: web.AppRunner | None = None
     try:
-        store = await loop.run_in_executor(store_thread, open_store, config.store_url)
+        store = await loop.run_in_executor(
+            store_thread, functools.partial(open_store, config.store_url, node_name=config.name)
+        )
         keeper = _KeeperSide(config.name)
         ctx = WorkerContext(
             config=config,

@@ -1,0 +1,569 @@
+"""The fleet's store: the schedule in PostgreSQL, through psycopg 3 and its pool.
+
+Same interface and behaviour as the SQLite store (``tests/integration/
+test_store.py`` runs both, and the in-memory twin); the schema, its
+triggers and migrations are in ``node/store/postgres_schema.py``, the feed's
+horizon and LISTEN in ``node/store/postgres_feed.py``, the operator's view
+in ``docs/postgres.md``.
+
+Hazards this module handles:
+
+- **Origin.** Each write transaction starts with ``SET LOCAL`` of
+  ``queue_node.origin`` (``set_config(…, true)``), read by the triggers; it
+  ends with the transaction, so a pooled connection never carries it over.
+- **Out-of-order commits.** ``changes`` never steps past a seq whose
+  transaction may still commit (``postgres_feed.Horizon``); ``last_seq`` waits
+  until every seq up to the one it returns is settled, so a keeper that takes
+  it before its load walk misses nothing written during the walk.
+- **Fork.** A pool holds sockets and threads; neither crosses a fork. A
+  child opens its own pool and leaves the inherited one untouched (closing
+  it would end the parent's sessions: libpq says goodbye on the socket).
+- **The password.** ``url`` (what is shown) is redacted; the driver alone
+  gets the URL as given.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from itertools import groupby
+from typing import Any
+
+from node.core.errors import StoreError, StoreUnavailable
+from node.core.names import host_node_name
+from node.core.rows import (
+    DEFAULT_JOB,
+    MISSING,
+    ORIGIN_NODE,
+    ORIGIN_WRITEBACK,
+    ORIGINS,
+    Change,
+    Row,
+    RowWrite,
+    stored_row_is_valid,
+)
+from node.core.urls import redact_url
+from node.store import postgres_schema as q
+from node.store.base import BadRow, DueChange, LastError, Store, WriteBack, due_or_none
+from node.store.postgres_feed import Horizon, Listener
+
+try:
+    import psycopg
+    import psycopg_pool
+except ImportError as exc:  # pragma: no cover - the extra is installed in tests
+    raise StoreUnavailable(
+        "the PostgreSQL store needs psycopg 3 and psycopg_pool: "
+        "pip install 'queue-node[fleet]'"
+    ) from exc
+
+# Connections per store object. Each object is used by one thread in the
+# node's processes (an HTTP worker opens one per thread that reads rows), so
+# one is open most of the time; the second serves a caller that shares an
+# object across threads. The fleet's budget against max_connections is in
+# docs/postgres.md.
+POOL_MAX = 2
+# How long an operation waits for a pooled connection (or a new one) before
+# the store is reported unavailable.
+CONNECT_TIMEOUT_S = 5.0
+# Rows per multi-row upsert statement (seven arrays of this length).
+UPSERT_CHUNK = 5_000
+# How long ``last_seq`` waits for the writers that hold seqs below the top of
+# the log to finish; past it the store is reported unavailable.
+SETTLE_WAIT_S = 30.0
+# The snapshot is polled at these intervals, doubling: writers usually end
+# within a millisecond, a long one is not asked about 1,000 times a second.
+SETTLE_POLL_FIRST_S = 0.0002
+SETTLE_POLL_MAX_S = 0.01
+
+def _wrap(exc: BaseException, action: str) -> StoreError:
+    """A driver failure as the store's error: StoreUnavailable when the server
+    cannot be reached now (a lost or refused connection, a full pool), else
+    StoreError."""
+    # The first line: libpq's hints and a statement's caret lines follow it,
+    # and a command line prints an error as one line.
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    if isinstance(exc, psycopg_pool.PoolTimeout | psycopg.OperationalError):
+        return StoreUnavailable(f"PostgreSQL store: {action}: {lines[0]}")
+    return StoreError(f"PostgreSQL store: {action}: {lines[0]}")
+
+
+def _top_and_xid(conn: Any) -> tuple[int, int]:
+    """The top of the log and an xid assigned after it was read
+    (``TOP_AND_XID``): BEGIN, the statement and COMMIT in one round trip."""
+    with conn.pipeline():
+        with conn.transaction():
+            cur = conn.execute(q.TOP_AND_XID)
+    _off, top, xid = cur.fetchone()
+    return int(top), int(xid)
+
+
+def _check_origin(origin: str) -> None:
+    if origin not in ORIGINS:
+        raise ValueError(f"origin must be one of {ORIGINS}, not {origin!r}")
+
+
+def _encode_payload(payload: Any) -> str | None:
+    if payload is None:
+        return None
+    return json.dumps(payload, separators=(",", ":"), allow_nan=False)
+
+
+def _decode_payload(stored: Any) -> Any:
+    """Parsed JSON; what another program stored that is not JSON comes back raw."""
+    if stored is None:
+        return None
+    try:
+        return json.loads(stored)
+    except (ValueError, TypeError):
+        return stored
+
+
+def _bad_reason(route: Any, cadence_s: Any, sitemap: Any, due_at: Any) -> str:
+    return (
+        "stored values are not schedulable: "
+        f"route={route!r} cadence_s={cadence_s!r} sitemap={sitemap!r} due_at={due_at!r}"
+    )
+
+
+def _row(stored: tuple) -> Row | BadRow:
+    key, route, cadence_s, sitemap, due_at, payload, job, version, rid, finished, error = stored
+    if not stored_row_is_valid(route, cadence_s, sitemap, due_at):
+        return BadRow(key, version, _bad_reason(route, cadence_s, sitemap, due_at))
+    return Row(
+        key, route, cadence_s, sitemap == 1, due_at, _decode_payload(payload), job, version,
+        rid, finished, error,
+    )  # fmt: skip
+
+
+def _integer(value: Any, name: str) -> Any:
+    """An INTEGER column's value as SQLite would keep it schedulable: a bool or
+    an integral float as an int; anything else non-integral is refused."""
+    if value is None or isinstance(value, int):
+        return None if value is None else int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise StoreError(f"PostgreSQL store: upsert: {name} must be an integer, not {value!r}")
+
+
+def _due(value: Any, action: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        raise StoreError(f"PostgreSQL store: {action}: due_at must be a number, not {value!r}")
+    return float(value)
+
+
+def _columns(rows: Sequence[RowWrite], now: float) -> list[list[Any]]:
+    """The seven arrays of one upsert statement, checked before anything is
+    sent (a refused batch writes nothing)."""
+    cols: list[list[Any]] = [[], [], [], [], [], [], []]
+    for w in rows:
+        cols[0].append(w.key)
+        cols[1].append(w.route)
+        cols[2].append(None if w.cadence_s is MISSING else _integer(w.cadence_s, "cadence_s"))
+        cols[3].append(0 if w.sitemap is MISSING else _integer(w.sitemap, "sitemap"))
+        cols[4].append(now if w.due_at is MISSING else w.due_at)
+        cols[5].append(None if w.payload is MISSING else _encode_payload(w.payload))
+        cols[6].append(DEFAULT_JOB if w.job is MISSING else w.job)
+    for due_at in cols[4]:
+        if due_at is not None:
+            _due(due_at, "upsert")
+    return cols
+
+
+def _distinct_runs(rows: list[RowWrite]) -> Iterator[list[RowWrite]]:
+    """``rows`` cut, in order, into runs of distinct keys (one statement may
+    not write a key twice)."""
+    run: list[RowWrite] = []
+    seen: set[str] = set()
+    for w in rows:
+        if w.key in seen or len(run) >= UPSERT_CHUNK:
+            yield run
+            run, seen = [], set()
+        run.append(w)
+        seen.add(w.key)
+    if run:
+        yield run
+
+
+class PostgresStore(Store):
+    """The schedule in a PostgreSQL database (created and migrated on open)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        durable: bool = True,
+        node_name: str | None = None,
+        pool_max: int = POOL_MAX,
+    ) -> None:
+        """``url``: a libpq URL (``postgresql://user@host:port/db``; a password
+        may come from ``PGPASSWORD``). ``durable`` False: a commit does not
+        wait for its WAL flush (``synchronous_commit = off`` for the
+        transaction), and ``sync`` makes every commit so far durable, as the
+        SQLite store's NORMAL (the ledger's store). ``node_name``: whose meta
+        this store reads and writes (the host's node name by default)."""
+        self._conninfo = url
+        self.durable = durable
+        self.url = redact_url(url)
+        self.node_name = node_name or host_node_name()
+        self._pool_max = pool_max
+        self._closed = False
+        self._listener: Listener | None = None
+        self._horizon = Horizon()
+        self._open()
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def _open(self) -> None:
+        self._pid = os.getpid()
+        self._lock = threading.Lock()  # the horizon's
+        self._listen_lock = threading.Lock()
+        try:
+            # One connection first: a server that refuses fails at once (a
+            # pool would retry until its timeout), and it runs the migrations.
+            with psycopg.connect(
+                self._conninfo, autocommit=True, connect_timeout=int(CONNECT_TIMEOUT_S)
+            ) as conn:
+                self._migrate(conn)
+        except psycopg.Error as exc:
+            raise _wrap(exc, f"opening {self.url}") from exc
+        pool = psycopg_pool.ConnectionPool(
+            self._conninfo,
+            min_size=1,
+            max_size=self._pool_max,
+            kwargs={"autocommit": True},
+            timeout=CONNECT_TIMEOUT_S,
+            open=False,
+            name="queue-node",
+        )
+        try:
+            pool.open(wait=True, timeout=CONNECT_TIMEOUT_S)
+        except (psycopg.Error, psycopg_pool.PoolTimeout) as exc:
+            pool.close()  # its threads would go on trying
+            raise _wrap(exc, f"opening {self.url}") from exc
+        self._pool = pool
+
+    def _migrate(self, conn: Any) -> None:
+        """Bring the database to SCHEMA_VERSION, under an advisory lock held
+        for the transaction: processes starting at once on an empty database
+        take turns, and the later ones find nothing to do."""
+        try:
+            found = conn.execute(q.READ_SCHEMA_VERSION).fetchone()
+            if found is not None and found[0] == q.SCHEMA_VERSION:
+                return
+        except psycopg.errors.UndefinedTable:
+            pass  # a new database
+        with conn.transaction():
+            conn.execute(q.LOCK_MIGRATIONS, (q.MIGRATION_LOCK,))
+            conn.execute(q.CREATE_MIGRATIONS)
+            current = conn.execute(q.READ_SCHEMA_VERSION).fetchone()[0]
+            if current > q.SCHEMA_VERSION:
+                raise StoreError(
+                    f"PostgreSQL store: {self.url} has schema version {current}, newer "
+                    f"than this build's {q.SCHEMA_VERSION}; upgrade queue-node"
+                )
+            for version, name, statements in q.MIGRATIONS:
+                if version <= current:
+                    continue
+                for statement in statements:
+                    conn.execute(statement)
+                conn.execute(q.RECORD_MIGRATION, (version, name, time.time()))
+
+    @contextmanager
+    def _conn(self, action: str) -> Iterator[Any]:
+        """A pooled connection for one operation; driver errors as the store's."""
+        if self._closed:
+            raise StoreError(f"PostgreSQL store: {action}: the store is closed")
+        if self._pid != os.getpid():
+            self.check_fork()
+        try:
+            with self._pool.connection() as conn:
+                yield conn
+        except (psycopg.Error, psycopg_pool.PoolTimeout) as exc:
+            raise _wrap(exc, action) from exc
+
+    @contextmanager
+    def _write(self, action: str, origin: str | None) -> Iterator[Any]:
+        """One write transaction, its origin set for the triggers first (SET
+        LOCAL: it ends with the transaction)."""
+        with self._conn(action) as conn, conn.transaction():
+            if origin is not None:
+                conn.execute(q.SET_ORIGIN if self.durable else q.SET_ORIGIN_ASYNC, (origin,))
+            elif not self.durable:
+                conn.execute(q.SET_ASYNC)
+            yield conn
+
+    def sync(self) -> None:
+        """Every commit so far made durable (a store opened not durable
+        commits without waiting for the WAL flush): one synchronous commit
+        of a transaction with an xid flushes the WAL up to it. Raises
+        OSError, as the base says."""
+        try:
+            with self._conn("sync") as conn, conn.transaction():
+                conn.execute(q.SYNC)
+        except StoreError as exc:
+            raise OSError(str(exc)) from exc
+
+    def check_fork(self) -> None:
+        if self._pid == os.getpid() or self._closed:
+            return
+        # The parent's pool is left alone: closing it here would end the
+        # parent's sessions (libpq says goodbye on the shared socket). Once
+        # collected in the child it does not (psycopg finishes a connection
+        # only in the process that opened it).
+        self._listener = None
+        self._horizon = Horizon()
+        self._open()
+
+    def schema_version(self) -> int:
+        with self._conn("schema_version") as conn:
+            return conn.execute(q.READ_SCHEMA_VERSION).fetchone()[0]
+
+    def reopen(self) -> PostgresStore:
+        return PostgresStore(
+            self._conninfo, durable=self.durable, node_name=self.node_name,
+            pool_max=self._pool_max,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._pid != os.getpid():
+            return  # the parent's pool: never closed in a child (check_fork)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        self._pool.close()
+
+    # claim_source(): None (the base's): the claim path in C reads SQLite
+    # only; claims on this store take the Python path (get / get_many).
+
+    # -- writes ----------------------------------------------------------------
+
+    def upsert(self, rows: Sequence[RowWrite], *, now: float, origin: str = ORIGIN_NODE) -> int:
+        """Insert or update rows in one transaction; returns ``len(rows)``.
+        Consecutive writes carrying the same fields go in multi-row
+        statements, cut where a key repeats, so a later write of a key in
+        the batch wins and seqs follow the batch's order."""
+        _check_origin(origin)
+        if not rows:
+            return 0
+        statements = [
+            (q.upsert_sql(present), _columns(run, now))
+            for present, group in groupby(rows, key=RowWrite.present)
+            for run in _distinct_runs(list(group))
+        ]
+        with self._write("upsert", origin) as conn:
+            for sql, cols in statements:
+                conn.execute(sql, cols)
+        return len(rows)
+
+    def delete(self, keys: Sequence[str], *, origin: str = ORIGIN_NODE) -> int:
+        _check_origin(origin)
+        if not keys:
+            return 0
+        with self._write("delete", origin) as conn:
+            cur = conn.cursor()
+            cur.executemany(q.DELETE_ROW, [(k,) for k in keys])
+            return cur.rowcount
+
+    def write_next_due(self, key: str, due_at: float, *, if_version: int) -> int | None:
+        due = _due(due_at, "write_next_due")
+        with self._write("write_next_due", ORIGIN_WRITEBACK) as conn:
+            found = conn.execute(q.WRITE_NEXT_DUE, (due, key, if_version)).fetchone()
+        return None if found is None else found[0]
+
+    def write_back_many(self, items: Sequence[WriteBack]) -> list[int | None]:
+        """One transaction, one statement: a server-side loop runs the
+        guarded UPDATE per item, in order (a key twice in the group sees
+        its first write-back), and returns the new versions."""
+        if not items:
+            return []
+        dues = [_due(it.due_at, "write_back_many") for it in items]
+        params = (
+            [it.key for it in items], dues, [it.if_version for it in items],
+            [it.result_id for it in items], [it.finished_at for it in items],
+        )  # fmt: skip
+        with self._write("write_back_many", ORIGIN_WRITEBACK) as conn:
+            found = conn.execute(q.WRITE_BACK_MANY, params).fetchone()[0]
+        return list(found)
+
+    def write_last_errors(self, items: Sequence[LastError]) -> int:
+        if not items:
+            return 0
+        with self._write("write_last_errors", None) as conn:
+            cur = conn.cursor()
+            cur.executemany(q.WRITE_LAST_ERROR, [(it.error, it.key, it.at) for it in items])
+            return cur.rowcount
+
+    # -- reads -----------------------------------------------------------------
+
+    def get(self, key: str) -> Row | BadRow | None:
+        with self._conn("get") as conn:
+            stored = conn.execute(q.GET_ROW, (key,)).fetchone()
+        return None if stored is None else _row(stored)
+
+    def get_many(self, keys: Iterable[str]) -> dict[str, Row | BadRow]:
+        wanted = list(dict.fromkeys(keys))
+        if not wanted:
+            return {}
+        with self._conn("get_many") as conn:
+            found = conn.execute(q.GET_MANY, (wanted,)).fetchall()
+        return {stored[0]: _row(stored) for stored in found}
+
+    def jobs_of(self, keys: Iterable[str]) -> dict[str, tuple[str, float | None, str]]:
+        wanted = list(dict.fromkeys(keys))
+        if not wanted:
+            return {}
+        with self._conn("jobs_of") as conn:
+            found = conn.execute(q.JOBS_OF, (wanted,)).fetchall()
+        return {
+            key: (job, cadence_s, route)
+            for key, job, cadence_s, route, sitemap, due_at in found
+            if stored_row_is_valid(route, cadence_s, sitemap, due_at)
+        }
+
+    def walk(self, after: str | None, limit: int) -> list[Row | BadRow]:
+        if limit <= 0:
+            return []
+        with self._conn("walk") as conn:
+            if after is None:
+                found = conn.execute(q.WALK_ALL, (limit,)).fetchall()
+            else:
+                found = conn.execute(q.WALK_AFTER, (after, limit)).fetchall()
+        return [_row(stored) for stored in found]
+
+    def walk_schedule(
+        self, after: str | None, limit: int
+    ) -> tuple[list[tuple], list[BadRow], str | None]:
+        if limit <= 0:
+            return [], [], after
+        with self._conn("walk") as conn:
+            if after is None:
+                found = conn.execute(q.WALK_SCHEDULE_ALL, (limit,)).fetchall()
+            else:
+                found = conn.execute(q.WALK_SCHEDULE_AFTER, (after, limit)).fetchall()
+        rows: list[tuple] = []
+        bad: list[BadRow] = []
+        valid = stored_row_is_valid
+        for key, version, route, cadence_s, sitemap, due_at in found:
+            if valid(route, cadence_s, sitemap, due_at):
+                rows.append((key, version, route, cadence_s, sitemap == 1, due_at))
+            else:
+                bad.append(BadRow(key, version, _bad_reason(route, cadence_s, sitemap, due_at)))
+        last = found[-1][0] if len(found) >= limit else None
+        return rows, bad, last
+
+    def classes_in_use(self) -> list[tuple[str, int | None, bool]]:
+        with self._conn("classes") as conn:
+            found = conn.execute(q.CLASSES_IN_USE).fetchall()
+        return list(dict.fromkeys(
+            (route, cadence_s, sitemap == 1)
+            for route, cadence_s, sitemap, _oldest in found
+            if stored_row_is_valid(route, cadence_s, sitemap, 0.0)
+        ))  # fmt: skip
+
+    def count(self) -> int:
+        with self._conn("count") as conn:
+            return conn.execute(q.COUNT_ROWS).fetchone()[0]
+
+    # -- change log ------------------------------------------------------------
+
+    def changes(self, after_seq: int, limit: int) -> list[Change]:
+        """Change-log entries after ``after_seq`` in seq order, up to the
+        first seq whose transaction may still commit (postgres_feed)."""
+        if limit <= 0:
+            return []
+        with self._conn("changes") as conn:
+            found = conn.execute(q.CHANGES_AFTER, (after_seq, limit)).fetchall()
+            if not found:
+                return []
+            with self._lock:
+                horizon = self._horizon
+                horizon.settle(found[0][9])
+                n = horizon.passable(after_seq, [r[0] for r in found], found[0][10])
+                if n < len(found):
+                    hole = after_seq + 1 if n == 0 else found[n - 1][0] + 1
+                    if horizon.needs_settling(hole):
+                        _top, xid = _top_and_xid(conn)
+                        horizon.wait_on(found[-1][0], xid)
+        valid = stored_row_is_valid
+        return [
+            Change(seq, op, key, origin, route, cadence_s, sitemap == 1, due_at, at)
+            if op == "D" or valid(route, cadence_s, sitemap, due_at)
+            else Change(seq, op, key, origin, None, None, False, None, at, False)
+            for seq, op, key, origin, route, cadence_s, sitemap, due_at, at, _x, _t in found[:n]
+        ]
+
+    def last_seq(self) -> int:
+        """The top of the log (0 when none; it stays put after a trim), once
+        every seq up to it is settled: the writers that may hold one have
+        all ended, so a walk started now sees each of their writes."""
+        deadline = time.monotonic() + SETTLE_WAIT_S
+        delay = SETTLE_POLL_FIRST_S
+        with self._conn("last_seq") as conn:
+            top, xid = _top_and_xid(conn)
+            while conn.execute(q.SNAPSHOT_XMIN).fetchone()[0] < xid:
+                if time.monotonic() >= deadline:
+                    raise StoreUnavailable(
+                        f"PostgreSQL store: last_seq: a transaction older than xid {xid} "
+                        f"has been open for over {SETTLE_WAIT_S:.0f} s"
+                    )
+                time.sleep(delay)  # polling the server's snapshot, bounded
+                delay = min(delay * 2, SETTLE_POLL_MAX_S)
+        with self._lock:
+            self._horizon.settled_through = max(self._horizon.settled_through, top)
+        return top
+
+    def first_seq_after(self, after_seq: int) -> int | None:
+        with self._conn("first_seq_after") as conn:
+            return conn.execute(q.FIRST_SEQ_AFTER, (after_seq,)).fetchone()[0]
+
+    def trim_changes(self, through_seq: int) -> int:
+        with self._write("trim_changes", None) as conn:
+            return conn.execute(q.TRIM_CHANGES, (through_seq,)).fetchone()[0]
+
+    def due_history(self, after_seq: int, through_seq: int, limit: int) -> list[DueChange]:
+        with self._conn("due_history") as conn:
+            found = conn.execute(q.DUE_HISTORY, (after_seq, through_seq, limit)).fetchall()
+        return [
+            DueChange(seq, op, key, origin, due_or_none(due_at), due_or_none(old), float(at))
+            for seq, op, key, origin, due_at, old, at in found
+        ]
+
+    def wait_for_changes(self, timeout_s: float) -> bool:
+        """Block until a write to the schedule commits (a NOTIFY from its
+        statement's trigger) or ``timeout_s`` passes; True when one came.
+        The first call opens a dedicated LISTEN connection; a notification
+        that arrived since the last call returns at once."""
+        with self._listen_lock:
+            try:
+                if self._listener is None:
+                    conn = psycopg.connect(
+                        self._conninfo, autocommit=True, connect_timeout=int(CONNECT_TIMEOUT_S)
+                    )
+                    conn.execute(q.LISTEN)
+                    self._listener = Listener(conn)
+                return self._listener.wait(timeout_s)
+            except psycopg.Error as exc:
+                if self._listener is not None:
+                    self._listener.close()
+                    self._listener = None
+                raise _wrap(exc, "wait_for_changes") from exc
+
+    # -- meta (this node's) -------------------------------------------------------
+
+    def get_meta(self, name: str, default: Any = None) -> Any:
+        with self._conn("get_meta") as conn:
+            found = conn.execute(q.GET_META, (self.node_name, name)).fetchone()
+        return default if found is None else json.loads(found[0])
+
+    def set_meta(self, name: str, value: Any) -> None:
+        encoded = json.dumps(value, separators=(",", ":"), allow_nan=False)
+        with self._conn("set_meta") as conn:
+            conn.execute(q.SET_META, (self.node_name, name, encoded))
