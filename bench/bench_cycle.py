@@ -210,6 +210,7 @@ def _cycle_loop(cycle: Any, start_at: float, seconds: float, node: bool) -> dict
         time.sleep(start_at - now)
     deadline = start_at + seconds
     t = last_done = time.monotonic()
+    cpu0 = time.process_time()
     drained = False
     while t < deadline:
         n, done, got = cycle()
@@ -236,6 +237,7 @@ def _cycle_loop(cycle: Any, start_at: float, seconds: float, node: bool) -> dict
         "stopped_at": (last_done if drained else t) - start_at,
         "lat": lat.tobytes(),
         "ids": ids.tobytes(),
+        "cpu_s": time.process_time() - cpu0,  # this claimer's own CPU over its loop
     }
 
 
@@ -262,6 +264,7 @@ def _receiver_child(kind, cfg, ready, go, start, stop, expected, out) -> None:
             time.sleep(start_at - time.monotonic())
         times, counts, ids = array("d"), array("q"), array("q")
         taken, last_take, stop_seen = 0, time.monotonic(), None
+        cpu0, cpu_s = time.process_time(), None
         while True:
             n, got = take()
             t = time.monotonic()
@@ -274,13 +277,16 @@ def _receiver_child(kind, cfg, ready, go, start, stop, expected, out) -> None:
             else:
                 time.sleep(TAKE_IDLE_S)  # a bench's poll interval, not synchronisation
             if stop.is_set():
+                if stop_seen is None:  # the claimers' loops are over: the window's CPU
+                    cpu_s = time.process_time() - cpu0
                 stop_seen = stop_seen or t
                 if taken >= expected.value:
                     break
                 if t - max(last_take, stop_seen) > DRAIN_IDLE_S or t - stop_seen > DRAIN_MAX_S:
                     break
         close()
-        res = {"taken": taken, "times": times.tobytes(), "counts": counts.tobytes()}
+        res = {"taken": taken, "times": times.tobytes(), "counts": counts.tobytes(),
+               "cpu_s": cpu_s}  # fmt: skip
         out.put(("receiver", -1, {**res, "ids": ids.tobytes()}, None))
     except BaseException:  # noqa: BLE001 - reported to the parent
         out.put(("receiver", -1, None, traceback.format_exc()))
@@ -339,8 +345,12 @@ def measure(kind: str, cfg: dict, batch: int, procs: int, seconds: float, pid: i
                 p.join()
     res = _figures(kind, claimers, receiver, seconds)
     res.update(batch=batch, procs=procs, cpus=os.cpu_count(), loadavg_1m=round(load_1m, 2))
-    if pid is not None:
-        res["cpu_s"] = node_cpu.spent()  # the node's processes, over the claimers' loops
+    # CPU seconds over the claimers' loops: the node's processes by title,
+    # then the bench's own claimers (together) and receiver.
+    res["cpu_s"] = node_cpu.spent() if pid is not None else {}
+    res["cpu_s"]["claimers"] = round(sum(r["cpu_s"] for r in claimers), 3)
+    if receiver["cpu_s"] is not None:
+        res["cpu_s"]["receiver"] = round(receiver["cpu_s"], 3)
     return res
 
 
@@ -445,6 +455,14 @@ def table(results: list[dict]) -> list[dict]:
             f"{r['variant']:<13} {r['batch']:>5} {r['acked_per_s']:>9.0f} {r['p50_ms']!s:>9} "
             f"{r['p99_ms']!s:>9} {r['completed']:>11} {r['taken']:>7} {r['lost']:>7}  {note}"
         )
+    print("\nCPU a completed item, µs (each process over the claimers' loops)")
+    for r in results:
+        if "not_run" in r or not r.get("cpu_s") or not r["completed"]:
+            continue
+        spent = {k: v for k, v in r["cpu_s"].items() if v > 0}
+        parts = "  ".join(f"{k} {v * 1e6 / r['completed']:.1f}" for k, v in spent.items())
+        total = sum(spent.values()) * 1e6 / r["completed"]
+        print(f"{r['variant']:<13} {r['batch']:>5}   {parts}  | all {total:.1f}")
     ratios = []
     by = {(r["variant"], r["batch"]): r for r in results if "not_run" not in r}
     print("\nratio (completed-and-acked/s)            batch     x   target")

@@ -48,6 +48,11 @@ def test_bench_cycle_quick(tmp_path: Path) -> None:
     runs = [json.loads(line) for line in (tmp_path / "cycle.jsonl").read_text().splitlines()]
     local = next(r for r in runs if r["variant"] == "node_local")
     assert local["taken"] == local["completed"] == local["distinct_ok_ids"] > 0
+    # Every process's CPU over the window: the node's, and the bench's own
+    # claimers and receiver (the whole cycle's cost an item, clients included).
+    assert local["cpu_s"]["ledger"] > 0 and local["cpu_s"]["claimers"] > 0, local["cpu_s"]
+    assert local["cpu_s"]["receiver"] > 0, local["cpu_s"]
+    assert "CPU a completed item" in proc.stdout
 
 
 @pytest.mark.timeout(60)
