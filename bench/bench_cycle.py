@@ -329,6 +329,8 @@ def measure(kind: str, cfg: dict, batch: int, procs: int, seconds: float, pid: i
     try:
         for _ in children:
             ready.get(timeout=120)
+        if pid is None and "dsn" in cfg:  # PostgreSQL: its backends serving the bench
+            node_cpu = _pg_backends(cfg)
         start.value = time.monotonic() + START_DELAY_S
         go.set()
         node_cpu.mark(start.value)
@@ -347,11 +349,36 @@ def measure(kind: str, cfg: dict, batch: int, procs: int, seconds: float, pid: i
     res.update(batch=batch, procs=procs, cpus=os.cpu_count(), loadavg_1m=round(load_1m, 2))
     # CPU seconds over the claimers' loops: the node's processes by title,
     # then the bench's own claimers (together) and receiver.
-    res["cpu_s"] = node_cpu.spent() if pid is not None else {}
+    res["cpu_s"] = node_cpu.spent()
     res["cpu_s"]["claimers"] = round(sum(r["cpu_s"] for r in claimers), 3)
     if receiver["cpu_s"] is not None:
         res["cpu_s"]["receiver"] = round(receiver["cpu_s"], 3)
     return res
+
+
+def _pg_backends(cfg: dict) -> Any:
+    """The CPU reader of the PostgreSQL backends connected to the peer's own
+    database (the claimers' and the receiver's connections; the server's
+    shared processes, the WAL writer among them, are not counted: other
+    databases of the server use them too)."""
+    import psutil
+    import psycopg
+
+    class Backends(_NodeCPU):
+        def spent(self) -> dict[str, float]:
+            return {"postgres": round(sum(super().spent().values()), 3)}
+
+    cpu = Backends(None)
+    try:
+        with psycopg.connect(cfg["dsn"], autocommit=True) as conn:
+            pids = [pid for (pid,) in conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+                (cfg["db"],),
+            ).fetchall()]  # fmt: skip
+        cpu.procs = [psutil.Process(pid) for pid in pids]
+    except Exception:  # noqa: BLE001 - not counted then (another user's server)
+        cpu.procs = []
+    return cpu
 
 
 def _arr(kind: str, raw: bytes) -> array:
