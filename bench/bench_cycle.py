@@ -34,6 +34,10 @@ took the last completion; the rate counts the items acked within it.
 
 Each run is one JSON line, printed and appended to bench/results/cycle.jsonl;
 ``--json PATH`` writes the figures (name, value, unit, setup, machine).
+``--repeat N`` runs N rounds, every peer once a round in turn (the node and
+its peer meet the same moment of a shared machine's load); a ratio is then
+the median of the rounds' ratios, a figure the median of its runs, and
+``setup.rounds`` keeps each.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ import time
 import traceback
 from array import array
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -210,6 +215,7 @@ def _cycle_loop(cycle: Any, start_at: float, seconds: float, node: bool) -> dict
         time.sleep(start_at - now)
     deadline = start_at + seconds
     t = last_done = time.monotonic()
+    cpu0 = time.process_time()
     drained = False
     while t < deadline:
         n, done, got = cycle()
@@ -236,6 +242,7 @@ def _cycle_loop(cycle: Any, start_at: float, seconds: float, node: bool) -> dict
         "stopped_at": (last_done if drained else t) - start_at,
         "lat": lat.tobytes(),
         "ids": ids.tobytes(),
+        "cpu_s": time.process_time() - cpu0,  # this claimer's own CPU over its loop
     }
 
 
@@ -262,6 +269,7 @@ def _receiver_child(kind, cfg, ready, go, start, stop, expected, out) -> None:
             time.sleep(start_at - time.monotonic())
         times, counts, ids = array("d"), array("q"), array("q")
         taken, last_take, stop_seen = 0, time.monotonic(), None
+        cpu0, cpu_s = time.process_time(), None
         while True:
             n, got = take()
             t = time.monotonic()
@@ -274,13 +282,16 @@ def _receiver_child(kind, cfg, ready, go, start, stop, expected, out) -> None:
             else:
                 time.sleep(TAKE_IDLE_S)  # a bench's poll interval, not synchronisation
             if stop.is_set():
+                if stop_seen is None:  # the claimers' loops are over: the window's CPU
+                    cpu_s = time.process_time() - cpu0
                 stop_seen = stop_seen or t
                 if taken >= expected.value:
                     break
                 if t - max(last_take, stop_seen) > DRAIN_IDLE_S or t - stop_seen > DRAIN_MAX_S:
                     break
         close()
-        res = {"taken": taken, "times": times.tobytes(), "counts": counts.tobytes()}
+        res = {"taken": taken, "times": times.tobytes(), "counts": counts.tobytes(),
+               "cpu_s": cpu_s}  # fmt: skip
         out.put(("receiver", -1, {**res, "ids": ids.tobytes()}, None))
     except BaseException:  # noqa: BLE001 - reported to the parent
         out.put(("receiver", -1, None, traceback.format_exc()))
@@ -323,6 +334,8 @@ def measure(kind: str, cfg: dict, batch: int, procs: int, seconds: float, pid: i
     try:
         for _ in children:
             ready.get(timeout=120)
+        if pid is None and "dsn" in cfg:  # PostgreSQL: its backends serving the bench
+            node_cpu = _pg_backends(cfg)
         start.value = time.monotonic() + START_DELAY_S
         go.set()
         node_cpu.mark(start.value)
@@ -339,9 +352,38 @@ def measure(kind: str, cfg: dict, batch: int, procs: int, seconds: float, pid: i
                 p.join()
     res = _figures(kind, claimers, receiver, seconds)
     res.update(batch=batch, procs=procs, cpus=os.cpu_count(), loadavg_1m=round(load_1m, 2))
-    if pid is not None:
-        res["cpu_s"] = node_cpu.spent()  # the node's processes, over the claimers' loops
+    # CPU seconds over the claimers' loops: the node's processes by title,
+    # then the bench's own claimers (together) and receiver.
+    res["cpu_s"] = node_cpu.spent()
+    res["cpu_s"]["claimers"] = round(sum(r["cpu_s"] for r in claimers), 3)
+    if receiver["cpu_s"] is not None:
+        res["cpu_s"]["receiver"] = round(receiver["cpu_s"], 3)
     return res
+
+
+def _pg_backends(cfg: dict) -> Any:
+    """The CPU reader of the PostgreSQL backends connected to the peer's own
+    database (the claimers' and the receiver's connections; the server's
+    shared processes, the WAL writer among them, are not counted: other
+    databases of the server use them too)."""
+    import psutil
+    import psycopg
+
+    class Backends(_NodeCPU):
+        def spent(self) -> dict[str, float]:
+            return {"postgres": round(sum(super().spent().values()), 3)}
+
+    cpu = Backends(None)
+    try:
+        with psycopg.connect(cfg["dsn"], autocommit=True) as conn:
+            pids = [pid for (pid,) in conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+                (cfg["db"],),
+            ).fetchall()]  # fmt: skip
+        cpu.procs = [psutil.Process(pid) for pid in pids]
+    except Exception:  # noqa: BLE001 - not counted then (another user's server)
+        cpu.procs = []
+    return cpu
 
 
 def _arr(kind: str, raw: bytes) -> array:
@@ -441,13 +483,24 @@ def table(results: list[dict]) -> list[dict]:
             continue
         note = r.get("complete", "") if r["variant"] == "node_http" else ""
         note += " drained" if r["drained"] else ""
+        note += f" round {r['rep'] + 1}" if "rep" in r else ""
         print(
             f"{r['variant']:<13} {r['batch']:>5} {r['acked_per_s']:>9.0f} {r['p50_ms']!s:>9} "
             f"{r['p99_ms']!s:>9} {r['completed']:>11} {r['taken']:>7} {r['lost']:>7}  {note}"
         )
+    print("\nCPU a completed item, µs (each process over the claimers' loops)")
+    for r in results:
+        if "not_run" in r or not r.get("cpu_s") or not r["completed"]:
+            continue
+        spent = {k: v for k, v in r["cpu_s"].items() if v > 0}
+        parts = "  ".join(f"{k} {v * 1e6 / r['completed']:.1f}" for k, v in spent.items())
+        total = sum(spent.values()) * 1e6 / r["completed"]
+        print(f"{r['variant']:<13} {r['batch']:>5}   {parts}  | all {total:.1f}")
     ratios = []
-    by = {(r["variant"], r["batch"]): r for r in results if "not_run" not in r}
-    print("\nratio (completed-and-acked/s)            batch     x   target")
+    by = {(r["variant"], r["batch"], r.get("rep", 0)): r for r in results if "not_run" not in r}
+    reps = sorted({r.get("rep", 0) for r in results})
+    print("\nratio (completed-and-acked/s)            batch     x   target"
+          + ("   (each round's, x their median)" if len(reps) > 1 else ""))  # fmt: skip
     for batch in sorted({r["batch"] for r in results}):
         for node, peer in (
             ("node_local", "postgres"),
@@ -455,18 +508,24 @@ def table(results: list[dict]) -> list[dict]:
             ("node_local", "redis"),
             ("node_http", "redis"),
         ):
-            a, b = by.get((node, batch)), by.get((peer, batch))
-            if a is None or b is None or not b["acked_per_s"]:
+            runs = []  # the node's and the peer's runs of the same round, paired
+            for rep in reps:
+                a, b = by.get((node, batch, rep)), by.get((peer, batch, rep))
+                if a is not None and b is not None and b["acked_per_s"]:
+                    runs.append(a["acked_per_s"] / b["acked_per_s"])
+            if not runs:
                 continue
-            x = a["acked_per_s"] / b["acked_per_s"]
+            x = median(runs)
             want = TARGETS.get((node, batch)) if peer == "postgres" else None
             mark = ""
             if want is not None:
                 least = MINIMUM.get((node, batch))
                 ok = "ok" if x >= want else ("at least" if least and x >= least else "MISS")
                 mark = f"{want:>4} {ok}" + (f" (at least {least})" if least else "")
-            print(f"{node + ' / ' + peer:<40} {batch:>5} {x:>6.2f}   {mark}")
-            ratios.append({"node": node, "peer": peer, "batch": batch, "x": round(x, 3)})
+            each = "   (" + ", ".join(f"{v:.2f}" for v in runs) + ")" if len(reps) > 1 else ""
+            print(f"{node + ' / ' + peer:<40} {batch:>5} {x:>6.2f}   {mark}{each}")
+            ratios.append({"node": node, "peer": peer, "batch": batch, "x": round(x, 3),
+                           "runs": [round(v, 3) for v in runs]})  # fmt: skip
     return ratios
 
 
@@ -476,29 +535,40 @@ def records(results: list[dict], ratios: list[dict], args: Any) -> list[dict]:
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "note": "one run, shared machine",
+        "note": f"{args.repeat} round(s), shared machine",
     }
     base = {"rows": args.rows, "procs": args.procs, "seconds": args.seconds,
             "result_bytes": len(RESULT), "receiver_max": TAKE_MAX}  # fmt: skip
     out = []
+    groups: dict[tuple[str, int], list[dict]] = {}  # a peer's runs at a batch, every round
     for r in results:
-        setup = {**base, "batch": r["batch"]}
+        groups.setdefault((r["variant"], r["batch"]), []).append(r)
+    for (variant, batch), runs in groups.items():
+        ran = [r for r in runs if "not_run" not in r]
+        r = ran[0] if ran else runs[0]
+        setup = {**base, "batch": batch}
         for k in ("complete", "postgres", "synchronous_commit", "redis", "durable", "loadavg_1m"):
             if k in r:
                 setup[k] = r[k]
-        name = f"cycle.{r['variant']}.batch{r['batch']}"
-        if "not_run" in r:
+        name = f"cycle.{variant}.batch{batch}"
+        if not ran:
             out.append({"name": f"{name}.acked_per_s", "value": None, "unit": "items/s",
                         "setup": setup, "machine": machine, "not_run": r["not_run"]})  # fmt: skip
             continue
+        if len(runs) > 1:  # --repeat: each figure the median of the rounds, every round kept
+            setup["rounds"] = [r["acked_per_s"] for r in ran]
         for field, unit in (("acked_per_s", "items/s"), ("p50_ms", "ms"), ("p99_ms", "ms"),
                             ("lost", "items")):  # fmt: skip
-            out.append({"name": f"{name}.{field}", "value": r[field], "unit": unit,
+            values = [r[field] for r in ran if r[field] is not None]
+            value = sum(values) if field == "lost" else (median(values) if values else None)
+            out.append({"name": f"{name}.{field}", "value": value, "unit": unit,
                         "setup": setup, "machine": machine})  # fmt: skip
     for x in ratios:
+        setup = {**base, "batch": x["batch"]}
+        if len(x["runs"]) > 1:
+            setup["rounds"] = x["runs"]
         out.append({"name": f"cycle.ratio.{x['node']}_over_{x['peer']}.batch{x['batch']}",
-                    "value": x["x"], "unit": "x", "setup": {**base, "batch": x["batch"]},
-                    "machine": machine})  # fmt: skip
+                    "value": x["x"], "unit": "x", "setup": setup, "machine": machine})  # fmt: skip
     return out
 
 
@@ -510,6 +580,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=None, help="the window (15; --quick 5)")
     p.add_argument("--quick", action="store_true", help="20,000 rows, 5 s: about a minute")
     p.add_argument("--peers", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument(
+        "--repeat", type=int, default=1,
+        help="rounds, each peer once a round: the median of the rounds' ratios",
+    )  # fmt: skip
     p.add_argument("--workers", type=int, default=2, help="the node's HTTP workers")
     p.add_argument("--ready-size", type=int, default=5000)
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
@@ -517,25 +591,32 @@ def main(argv: list[str] | None = None) -> int:
         "--results", type=Path, default=RESULTS, help="the template and cycle.jsonl's folder"
     )
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
     args.rows = args.rows or (20_000 if args.quick else 200_000)
     args.seconds = args.seconds or (5.0 if args.quick else 15.0)
     db = template(args.rows, args.results) if any(v in NODE_PATHS for v in args.peers) else None
     results: list[dict] = []
-    for batch in args.batch:
-        for kind in args.peers:
-            try:
-                if kind in NODE_PATHS:
-                    assert db is not None
-                    res = run_node(kind, db, args.rows, batch, args)
-                else:
-                    res = run_peer(kind, args.rows, batch, args)
-            except Exception as exc:  # noqa: BLE001 - a peer that cannot start is reported
-                if kind in NODE_PATHS:
-                    raise
-                res = {"variant": kind, "batch": batch, "not_run": f"{type(exc).__name__}: {exc}"}
-                res["not_run"] = res["not_run"].strip().splitlines()[0][:200]
-            report(res, args.results)
-            results.append(res)
+    # Every round runs each peer once, in turn, so the node's and its peer's
+    # runs of a round meet the same moment of a shared machine's load.
+    rounds = [(batch, rep, kind) for batch in args.batch for rep in range(args.repeat)
+              for kind in args.peers]  # fmt: skip
+    for batch, rep, kind in rounds:
+        try:
+            if kind in NODE_PATHS:
+                assert db is not None
+                res = run_node(kind, db, args.rows, batch, args)
+            else:
+                res = run_peer(kind, args.rows, batch, args)
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot start is reported
+            if kind in NODE_PATHS:
+                raise
+            res = {"variant": kind, "batch": batch, "not_run": f"{type(exc).__name__}: {exc}"}
+            res["not_run"] = res["not_run"].strip().splitlines()[0][:200]
+        if args.repeat > 1:
+            res["rep"] = rep
+        report(res, args.results)
+        results.append(res)
     ratios = table(results)
     if args.json:
         args.json.write_text(json.dumps(records(results, ratios, args), indent=1) + "\n")

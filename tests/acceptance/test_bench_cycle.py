@@ -48,6 +48,43 @@ def test_bench_cycle_quick(tmp_path: Path) -> None:
     runs = [json.loads(line) for line in (tmp_path / "cycle.jsonl").read_text().splitlines()]
     local = next(r for r in runs if r["variant"] == "node_local")
     assert local["taken"] == local["completed"] == local["distinct_ok_ids"] > 0
+    # Every process's CPU over the window: the node's, and the bench's own
+    # claimers and receiver (the whole cycle's cost an item, clients included).
+    assert local["cpu_s"]["ledger"] > 0 and local["cpu_s"]["claimers"] > 0, local["cpu_s"]
+    assert local["cpu_s"]["receiver"] > 0, local["cpu_s"]
+    assert "CPU a completed item" in proc.stdout
+    if pg["value"] is not None:  # its backends serving the bench are counted too
+        pg_run = next(r for r in runs if r["variant"] == "postgres")
+        assert pg_run["cpu_s"]["postgres"] > 0 and pg_run["cpu_s"]["claimers"] > 0, pg_run
+
+
+@pytest.mark.timeout(150)
+def test_bench_cycle_repeat_takes_the_median_of_rounds_run_in_turn(tmp_path: Path) -> None:
+    out = tmp_path / "cycle.json"
+    argv = [
+        sys.executable, "bench/bench_cycle.py",
+        "--rows", "2000", "--seconds", "1", "--batch", "16", "--repeat", "2",
+        "--peers", "node_local", "postgres",
+        "--results", str(tmp_path), "--json", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    runs = [json.loads(line) for line in (tmp_path / "cycle.jsonl").read_text().splitlines()]
+    # Rounds in turn: node, peer, node, peer.
+    assert [(r["variant"], r["rep"]) for r in runs] == [
+        ("node_local", 0), ("postgres", 0), ("node_local", 1), ("postgres", 1)
+    ], runs  # fmt: skip
+    figures = {r["name"]: r for r in json.loads(out.read_text())}
+    local = figures["cycle.node_local.batch16.acked_per_s"]
+    rates = [r["acked_per_s"] for r in runs if r["variant"] == "node_local"]
+    assert local["setup"]["rounds"] == rates
+    assert local["value"] == (rates[0] + rates[1]) / 2  # the median of two
+    ratio = figures["cycle.ratio.node_local_over_postgres.batch16"]
+    pg = [r["acked_per_s"] for r in runs if r["variant"] == "postgres"]
+    each = [round(a / b, 3) for a, b in zip(rates, pg, strict=True)]
+    assert ratio["setup"]["rounds"] == each, (ratio, each)
+    assert abs(ratio["value"] - (rates[0] / pg[0] + rates[1] / pg[1]) / 2) < 1e-3
+    assert "round 2" in proc.stdout
 
 
 @pytest.mark.timeout(60)

@@ -79,6 +79,14 @@ KEEPER_COUNTERS_REREAD_S = 1.0
 ENV_LOG_FAULTS = "QUEUE_NODE_TEST_LOG_FAULTS"
 # At most this many results per fsync (a request is never split).
 GROUP_MAX_ITEMS = 1024
+# The group commit's fsync runs on the loop's thread: a hop to the fsync
+# thread and back costs more than the loop gains meanwhile (docs/performance.md,
+# "Every process's CPU a completed item"). After an fsync slower than
+# FSYNC_SLOW_S (a slow disk: far above a preempted one's), groups go to the
+# fsync thread for FSYNC_SLOW_HOLD_S, so that polls, acks and new completions
+# are answered while the disk works; then the loop tries again.
+FSYNC_SLOW_S = 0.05
+FSYNC_SLOW_HOLD_S = 1.0
 # A poll's reply stops growing past this (frames are at most 32 MiB).
 REPLY_BYTES = 24 << 20
 # On SIGTERM, how long requests in flight get to finish.
@@ -151,6 +159,7 @@ class Ledger:
         self._stopping = asyncio.Event()
         # The group commit's fsync runs here, off the event loop's thread.
         self._fsync = ThreadPoolExecutor(1, thread_name_prefix="ledger-fsync")
+        self._fsync_slow_until = float("-inf")  # monotonic: the fsync thread until then
         # And the schedule's WAL checkpoints here (its commits run none).
         self._checkpointer = ThreadPoolExecutor(1, thread_name_prefix="ledger-checkpoint")
         self._checkpointing: Future | None = None
@@ -324,7 +333,10 @@ class Ledger:
 
         try:
             if handle is not None:
-                self.log.flush_end(handle)
+                inline, t_sync = handle.future is None, time.perf_counter()
+                self.log.flush_end(handle)  # the fsync itself when inline
+                if inline and time.perf_counter() - t_sync > FSYNC_SLOW_S:
+                    self._fsync_slow_until = time.monotonic() + FSYNC_SLOW_HOLD_S
         except LogUnavailable as exc:
             log.warn("log_unavailable", results=len(items), error=str(exc))
             return False
@@ -495,16 +507,22 @@ class Ledger:
                 try:
                     now = time.time()
                     # (An empty group still flushes: the acks buffered meanwhile.)
-                    begun = self.commit_begin(group, now, self._fsync)
+                    # The fsync on the loop, or on its thread while the disk is
+                    # slow (and for acks alone: they are no claimer's cycle).
+                    thread = not group or time.monotonic() < self._fsync_slow_until
+                    begun = self.commit_begin(group, now, self._fsync if thread else None)
                     if begun is None:
                         self._settle(batches, "log_unavailable", None)
                     else:
-                        # The fsync runs on its thread: polls, acks and new
-                        # completions are answered meanwhile (none of this
-                        # group is offered or answered before it is durable).
+                        # On its thread, the fsync runs while polls, acks and
+                        # new completions are answered (none of this group is
+                        # offered or answered before it is durable).
                         handle = begun[1]
                         if handle is not None and handle.future is not None:
-                            await asyncio.wrap_future(handle.future)
+                            try:
+                                await asyncio.wrap_future(handle.future)
+                            except Exception:  # noqa: BLE001 - flush_end takes it from the future
+                                pass  # (a failed fsync: log_unavailable, the batch cut back)
                         ids = begun[0]
                         if self.commit_end(group, now, *begun):
                             self._settle(batches, "ok", ids)  # durable: ok, whatever the store said
