@@ -117,6 +117,9 @@ class KeeperBase:
         self.ready = ready
         self.state = state
         self.test_hooks = test_hooks
+        # A fleet node's membership (keeper/fleet.py, set by the loop); None
+        # on a store without one (SQLite).
+        self.fleet: Any = None
         if shared_classes is BY_NAME:
             # The node's shared class table (shm/classes.py); a keeper run
             # without a node (tests, tools) has none and keeps its own limit.

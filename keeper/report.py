@@ -105,6 +105,8 @@ class Report(KeeperBase):
                 "lag": self.stats.lag_figures(),
                 "feed_seq": self.feed_seq,
                 "store": self.stats.store,  # keeper/outage.py
+                # A fleet node's membership (keeper/fleet.py); null without one.
+                "membership": None if self.fleet is None else self.fleet.doc(),
             },
         }
 

@@ -142,8 +142,17 @@ class Membership:
         membership_timeout_s: float = 10.0,
         clock: Callable[[], float] = time.time,
         monotonic_ns: Callable[[], int] = time.monotonic_ns,
+        connect_timeout_s: int = 10,
+        statement_timeout_s: float | None = None,
     ) -> None:
+        """``statement_timeout_s``: every statement (lock waits included)
+        and every unacknowledged send on the connection fails past it
+        (``statement_timeout``, ``tcp_user_timeout``): a caller that must
+        not block long, the keeper's loop, sets it. ``connect_timeout_s``:
+        libpq's, 2 s at the least."""
         self.conninfo = conninfo
+        self.connect_timeout_s = max(2, int(connect_timeout_s))
+        self.statement_timeout_s = statement_timeout_s
         self.name = name
         self.address = address
         self.membership_timeout_s = float(membership_timeout_s)
@@ -166,7 +175,14 @@ class Membership:
         if self._conn is None:
             psycopg = _psycopg()
             try:
-                self._conn = psycopg.connect(self.conninfo, autocommit=True, connect_timeout=10)
+                bounds: dict[str, Any] = {}
+                if self.statement_timeout_s is not None:
+                    ms = max(1, int(self.statement_timeout_s * 1000))
+                    bounds = {"options": f"-c statement_timeout={ms}", "tcp_user_timeout": ms}
+                self._conn = psycopg.connect(
+                    self.conninfo, autocommit=True, connect_timeout=self.connect_timeout_s,
+                    **bounds,
+                )  # fmt: skip
             except psycopg.Error as exc:
                 raise StoreUnavailable(f"the fleet's database cannot be reached: {exc}") from exc
             self._conn_pid = os.getpid()

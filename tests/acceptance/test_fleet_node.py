@@ -1,0 +1,140 @@
+"""Acceptance: a node on PostgreSQL is a fleet member (issue 18, item 2;
+docs/fleet.md). Its keeper joins the node list at start and heartbeats; the
+grant deadline each heartbeat earns lets it grant; a stalled keeper (SIGSTOP)
+stops granting, over HTTP and to a LocalClaimer, before the database counts
+it out; a clean stop (SIGTERM) leaves the list at once. A SQLite node has no
+membership and no deadline."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psycopg
+import pytest
+
+from node.client import LocalClaimer
+from node.core.errors import ClientError
+from node.store.postgres import PostgresStore
+from node.testing import NodeProcess, finish, wait_for
+from shm.ready import ReadySet
+from tests import pg
+
+pytestmark = pytest.mark.timeout(180)
+
+TIMEOUT_S = 3.0  # membership_timeout_s: the deadline lapses 0.6 s before it
+HEARTBEAT_S = 0.2
+FLEET_ENV = {
+    "QUEUE_NODE_MEMBERSHIP_TIMEOUT_S": str(TIMEOUT_S),
+    "QUEUE_NODE_HEARTBEAT_S": str(HEARTBEAT_S),
+}
+
+ROW = """SELECT number, left_at IS NOT NULL,
+                extract(epoch FROM now() - heartbeat_at)::float8,
+                heartbeat_at > now() - make_interval(secs => %s) AND left_at IS NULL
+           FROM fleet_nodes WHERE name = %s"""
+
+
+@pytest.fixture
+def node(tmp_path, node_name, pg_url):
+    PostgresStore(pg_url).close()  # the schema, in a database new to this run
+    pg.reset(pg_url)
+    proc = NodeProcess(tmp_path / "data", node_name, "--store", pg_url, env=FLEET_ENV)
+    yield proc
+    finish([proc], node_name)
+
+
+def _row(pg_url: str, name: str) -> tuple | None:
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        return conn.execute(ROW, (TIMEOUT_S, name)).fetchone()
+
+
+def _due_rows(node: NodeProcess, n: int) -> None:
+    rows = [{"key": f"k{i}", "route": "r", "cadence_s": 3600, "due_at": time.time() - 60}
+            for i in range(n)]  # fmt: skip
+    assert node.request("POST", "/rows", rows) == (200, {"upserted": n})
+
+
+def _claim(node: NodeProcess, n: int = 1) -> tuple[int, dict]:
+    return node.request("POST", "/claim", {"max": n, "consumer": "t", "lease_s": 600})
+
+
+def test_a_postgresql_node_joins_heartbeats_grants_and_leaves_at_once_on_sigterm(node, pg_url):
+    node.start()
+    number, left, age_s, live = wait_for(lambda: _row(pg_url, node.name), 10, "joined")
+    assert number == 1 and not left and live and age_s < 1.0
+    # The heartbeat goes on: the row's age stays under a few heartbeats.
+    first = _row(pg_url, node.name)
+    wait_for(lambda: (r := _row(pg_url, node.name)) and r[2] < first[2] or None, 10,
+             "a newer heartbeat")  # fmt: skip
+
+    _due_rows(node, 5)
+    wait_for(lambda: _claim(node)[1].get("leases"), 30, "a grant")
+
+    status, doc = node.request("GET", "/queue-state")
+    assert status == 200, doc
+    member = doc["trust"]["membership"]
+    assert member["name"] == node.name and member["number"] == 1
+    assert member["state"] == "member" and member["live"] == [node.name]
+    assert 0 <= member["last_heartbeat_age_s"] < 2.0
+    assert 0 < member["grant_deadline_left_s"] <= TIMEOUT_S
+    assert member["skew_flagged"] is False and abs(member["skew_s"]) < 1.0
+    assert member["heartbeats"] >= 1
+
+    # SIGTERM: out of the list by a clean leave (left_at), long before the
+    # membership timeout could count the node out.
+    sent = time.monotonic()
+    node.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: _row(pg_url, node.name)[1], TIMEOUT_S, "left at once")
+    left_after_s = time.monotonic() - sent
+    assert left_after_s < TIMEOUT_S
+    assert node.proc.wait(30) == 0
+    assert not _row(pg_url, node.name)[3]
+
+
+def test_a_stalled_keeper_stops_granting_before_it_drops_from_the_live_list(node, pg_url):
+    node.start()
+    wait_for(lambda: _row(pg_url, node.name), 10, "joined")
+    _due_rows(node, 200)
+    wait_for(lambda: _claim(node)[1].get("leases"), 30, "a grant")
+    keeper = node.pids()["keeper"]
+    with LocalClaimer(node.name, data_dir=str(node.data_dir), consumer="local") as local:
+        assert local.claim(1, lease_s=600, wait_s=1.0)  # it grants while the keeper beats
+        os.kill(keeper, signal.SIGSTOP)
+        try:
+            def refused() -> bool:
+                try:
+                    local.claim(1, lease_s=600)
+                except ClientError as exc:
+                    assert (exc.status, exc.code) == (503, "not_granting"), exc
+                    return True
+                return False
+
+            wait_for(refused, 10, "a LocalClaimer refused")
+            # At that moment the database still counts the node live: the
+            # deadline lapsed first.
+            assert _row(pg_url, node.name)[3], "dropped from the list before it stopped granting"
+            status, body = _claim(node)
+            assert status == 503 and "not_granting" in str(body), (status, body)
+            wait_for(lambda: not _row(pg_url, node.name)[3], 10, "out of the live list")
+        finally:
+            os.kill(keeper, signal.SIGCONT)
+    # Back: its next heartbeat renews the membership and the grants.
+    wait_for(lambda: _row(pg_url, node.name)[3], 10, "live again")
+    wait_for(lambda: _claim(node)[1].get("leases"), 30, "granting again")
+    assert node.stop() == 0
+
+
+def test_a_sqlite_node_has_no_membership_and_no_deadline(tmp_path, node_name):
+    node = NodeProcess(tmp_path / "data", node_name, env=FLEET_ENV)
+    try:
+        node.start()
+        status, doc = node.request("GET", "/queue-state")
+        assert status == 200, doc
+        assert doc["trust"]["membership"] is None
+        with ReadySet.attach(node.name) as ready:
+            assert ready.grant_until_ns == 0
+        assert node.stop() == 0
+    finally:
+        finish([node], node_name)
