@@ -51,6 +51,7 @@ class Feed(KeeperBase):
         get = self.buckets.get
         buckets = self.buckets
         refused_due = self.refused_due
+        owned = None if self.ownership is None else self._owned
         for _ in range(FEED_BATCHES_PER_TICK):
             batch = changes(self.feed_seq, FEED_BATCH)
             if not batch:
@@ -60,7 +61,11 @@ class Feed(KeeperBase):
                 self._feed_gap(batch[0].seq, now)  # changes trimmed before they were read
             flow = self._flow_minute(now)
             self._record_lag(batch)
+            # A fleet node applies and counts only the keys it owns.
+            mine = None if owned is None else owned([ch.key for ch in batch])
             for ch in batch:
+                if mine is not None and ch.key not in mine:
+                    continue
                 # The input side (docs/accounting.md): whether a write other
                 # than the node's own write-back takes a due row out.
                 before = None if loading or ch.origin == ORIGIN_WRITEBACK else get(ch.key)
@@ -162,6 +167,10 @@ class Feed(KeeperBase):
 
     def _load_step(self, now: float) -> None:
         rows, bad, after = self.store.walk_schedule(self._load_after, LOAD_CHUNK)
+        if self.ownership is not None:  # a fleet node loads only the rows it owns
+            mine = self._owned([row[0] for row in rows] + [b.key for b in bad]) or set()
+            rows = [row for row in rows if row[0] in mine]
+            bad = [b for b in bad if b.key in mine]
         load = self.stats.load
         load["rows"] += len(rows) + len(bad)
         load["unreadable"] += len(bad)
@@ -190,6 +199,10 @@ class Feed(KeeperBase):
         # Only what the saved input counts include: a keeper that starts
         # after this one died replays the rest (``_start_received``).
         through = min(self.feed_seq, self._saved_seq)
+        if self.ownership is not None:
+            # A fleet's log may be trimmed only below what every live node
+            # applied (issue 18): not tracked yet, so a fleet node keeps it.
+            through = 0
         if through:
             try:
                 self.store.trim_changes(through)

@@ -32,14 +32,16 @@ def _on_usr1(signum: int, frame: object) -> None:
     _flags["leave"] = True  # the supervisor's drain began: leave the fleet now
 
 
-def _fleet_tick(fleet: Any, leave: bool = False) -> None:
-    """A fleet node's heartbeat when due (keeper/fleet.py); it leaves once
-    the supervisor's drain began (SIGUSR1) or the loop ends."""
+def _fleet_tick(fleet: Any, keeper: Any, leave: bool = False) -> None:
+    """A fleet node's heartbeat when due (keeper/fleet.py), and the rows
+    the live list makes its own (keeper/owned.py); it leaves once the
+    supervisor's drain began (SIGUSR1) or the loop ends."""
     if fleet is None:
         return
     if leave or _flags["leave"]:
         fleet.leave()
-    fleet.tick()
+    if fleet.tick() and fleet.live is not None:
+        keeper.reown(fleet.live.names, time.time())
 
 
 def main() -> int:
@@ -86,13 +88,13 @@ def main() -> int:
     # A fleet node (PostgreSQL) joins before its first publish; the supervisor
     # set its deadline in the past, so nothing is granted until a heartbeat.
     fleet = keeper.fleet = FleetMember.for_store(config, ready)
-    _fleet_tick(fleet)
+    _fleet_tick(fleet, keeper)
     metrics.start()  # made now, not on the first observation inside the hot loop
     keeper.start(time.time())
     log.log("keeper_start", feed_seq=keeper.feed_seq)
     was_loading = True
     while not _flags["stop"]:
-        _fleet_tick(fleet)
+        _fleet_tick(fleet, keeper)
         now = time.time()
         try:
             wait_s = keeper.tick(now)
@@ -116,7 +118,7 @@ def main() -> int:
             wait_s = min(wait_s, fleet.wait_s())
         if wait_s > 0:
             wake.wait(wait_s)
-    _fleet_tick(fleet, leave=True)  # stop granting, then out of the list at once
+    _fleet_tick(fleet, keeper, leave=True)  # stop granting, then out of the list at once
     state.heartbeat(time.time(), "stopped", False, "stopped")
     log.log(
         "keeper_stop",

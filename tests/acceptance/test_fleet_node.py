@@ -10,7 +10,10 @@ from __future__ import annotations
 import os
 import signal
 import time
+import uuid
+from pathlib import Path
 
+import msgpack
 import psycopg
 import pytest
 
@@ -138,3 +141,92 @@ def test_a_sqlite_node_has_no_membership_and_no_deadline(tmp_path, node_name):
         assert node.stop() == 0
     finally:
         finish([node], node_name)
+
+
+# -- two nodes on one database: ownership ------------------------------------------
+
+ROWS = 3000  # a third due an hour ago, the rest due in an hour or more
+
+
+def _dump(node: NodeProcess) -> dict[str, int]:
+    """The keeper's held rows as key -> due minute (the ask channel's dump)."""
+    from keeper.ask import ask
+
+    reply = ask(node.name, {"op": "dump"}, timeout_s=5)
+    assert reply["ok"], reply
+    doc = msgpack.unpackb(Path(reply["path"]).read_bytes())
+    return {key: minute for key, minute, _cid, _version in doc["rows"]}
+
+
+def _settled(node: NodeProcess, live: list[str]) -> dict | None:
+    """The node's state once it vouches with ``live`` as its node list and
+    no walk left (exact)."""
+    from shm.state import read_state
+
+    try:
+        state = read_state(node.name)
+    except Exception:  # noqa: BLE001 - not up yet
+        return None
+    trust = state.get("trust") or {}
+    member = trust.get("membership") or {}
+    if not trust.get("vouched") or not trust.get("exact") or member.get("live") != live:
+        return None
+    return state
+
+
+def _split(nodes: list[NodeProcess], pg_url: str) -> bool:
+    """Every row held by exactly one keeper, and the due counts adding up to
+    a count over the table."""
+    names = sorted(n.name for n in nodes)
+    states = [_settled(n, names) for n in nodes]
+    if not all(states):
+        return False
+    held = [_dump(n) for n in nodes]
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        keys = {k for (k,) in conn.execute("SELECT key FROM schedule")}
+        due = conn.execute("SELECT count(*) FROM schedule WHERE due_at < %s",
+                           (time.time() - 600,)).fetchone()[0]  # fmt: skip
+    union = set().union(*held)
+    if union != keys or sum(map(len, held)) != len(keys):
+        return False
+    return sum(s["now"]["due"]["total"] for s in states) == due  # type: ignore[index]
+
+
+def test_two_nodes_on_one_database_each_hold_their_own_and_a_clean_stop_hands_over(
+    tmp_path, pg_url
+):
+    PostgresStore(pg_url).close()
+    pg.reset(pg_url)
+    now = time.time()
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO schedule (key, route, cadence_s, due_at)"
+            " SELECT 'k' || i, 'r', 86400, CASE WHEN i %% 3 = 0 THEN %s ELSE %s + i END"
+            " FROM generate_series(1, %s) AS i",
+            (now - 3600, now + 3600, ROWS),
+        )
+    names = [f"t-{uuid.uuid4().hex[:10]}" for _ in range(2)]
+    nodes = [NodeProcess(tmp_path / n, n, "--store", pg_url, env=FLEET_ENV) for n in names]
+    try:
+        for node in nodes:
+            node.start()
+        wait_for(lambda: _split(nodes, pg_url), 60, "the rows split between the two keepers")
+        for node in nodes:  # the input law balances on each node
+            assert _settled(node, sorted(names))["counters"]["input_gap"] == 0  # type: ignore[index]
+        held = [_dump(n) for n in nodes]
+        assert all(held), "each node holds a share"
+        assert set(held[0]).isdisjoint(held[1])
+
+        # One stops cleanly: the other holds every row, exact.
+        survivor, leaving = nodes
+        assert leaving.stop() == 0
+        wait_for(lambda: _split([survivor], pg_url), 60, "every row held by the survivor")
+        state = _settled(survivor, [survivor.name])
+        assert state is not None
+        assert state["trust"]["repairs"]["membership"] >= len(held[1])
+        # The rows gained were received here; the law still balances.
+        assert state["counters"]["input_gap"] == 0, state["counters"]
+        assert len(_dump(survivor)) == ROWS
+    finally:
+        finish(nodes, names[0])
+        finish([], names[1])
