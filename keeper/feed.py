@@ -61,11 +61,11 @@ class Feed(KeeperBase):
                 self._feed_gap(batch[0].seq, now)  # changes trimmed before they were read
             flow = self._flow_minute(now)
             self._record_lag(batch)
-            # A fleet node applies and counts only the keys it owns.
-            mine = None if owned is None else owned([ch.key for ch in batch])
-            for ch in batch:
-                if mine is not None and ch.key not in mine:
-                    continue
+            mine = batch
+            if owned is not None:  # a fleet node applies and counts only the keys it owns
+                keys = owned([ch.key for ch in batch]) or ()
+                mine = [ch for ch in batch if ch.key in keys]
+            for ch in mine:
                 # The input side (docs/accounting.md): whether a write other
                 # than the node's own write-back takes a due row out.
                 before = None if loading or ch.origin == ORIGIN_WRITEBACK else get(ch.key)
