@@ -125,6 +125,9 @@ class KeeperBase:
         # Which keys this node owns among the live list (keeper/owned.py);
         # None: every key (no fleet).
         self.ownership: Ownership | None = None
+        # Leased keys a membership change dropped (keeper/owned.py): in
+        # flight here, held by another node; not waiting here.
+        self.fenced: set[str] = set()
         if shared_classes is BY_NAME:
             # The node's shared class table (shm/classes.py); a keeper run
             # without a node (tests, tools) has none and keeps its own limit.
@@ -223,6 +226,7 @@ class KeeperBase:
         def _write_failed(self, what: str, exc: Exception, now: float) -> None: ...
         def _feed_gap(self, first_seq: int, now: float) -> None: ...
         def _owned(self, keys: Sequence[str]) -> set[str] | None: ...
+        def fenced_in_flight(self) -> int: ...
         def _withdraw(
             self, before: tuple[int, int, int], after: tuple[int, int, int] | None
         ) -> None: ...

@@ -67,8 +67,14 @@ class Feed(KeeperBase):
                 mine = [ch for ch in batch if ch.key in keys]
             for ch in mine:
                 # The input side (docs/accounting.md): whether a write other
-                # than the node's own write-back takes a due row out.
-                before = None if loading or ch.origin == ORIGIN_WRITEBACK else get(ch.key)
+                # than the node's own write-back takes a due row out. In a
+                # fleet, a write-back of a key this node holds no lease on is
+                # another node's lease ending (granted before a membership
+                # change moved the key here): a write like any other.
+                own_write_back = ch.origin == ORIGIN_WRITEBACK and (
+                    owned is None or ch.key in exclude
+                )
+                before = None if loading or own_write_back else get(ch.key)
                 leased = before is not None and ch.key in exclude and self._leased(ch.key)
                 if leased:
                     # A write to a row while it is leased: the lease's end

@@ -13,8 +13,8 @@ A membership change (``reown``, from the heartbeat's live list):
 1. the held rows no longer owned are dropped, each counted as withdrawn when
    it was due and not leased; a leased key stays fenced (the lease table
    keeps it out, its lease completes normally, the write-back under the
-   version guard), and its lease's end decides its count, as for any write
-   to a leased row;
+   version guard): in flight here, not waiting (``fenced``: the input law's
+   ``waiting`` leaves it out) until its lease ends;
 2. the set published is replaced at the next tick (``next_publish = 0``);
 3. a walk of the table, started by the next tick (no store call here),
    adds the rows gained (``_doubt = "membership"``: the repair walk of
@@ -66,6 +66,15 @@ class Owned(KeeperBase):
         log("keeper_reowned", dropped=dropped, nodes=len(new.nodes))
         return True
 
+    def fenced_in_flight(self) -> int:
+        """Leases still live on keys a membership change dropped: in
+        flight here and not held here, so the input law's ``waiting`` (due
+        rows no lease holds) leaves them out of the in-flight count it
+        subtracts. A key whose lease ended leaves the set."""
+        if self.fenced:
+            self.fenced = {key for key in self.fenced if self._leased(key)}
+        return len(self.fenced)
+
     def _drop_unowned(self) -> int:
         keys = [item[0] for item in self.buckets.items()]
         owned = self._owned(keys)
@@ -80,7 +89,9 @@ class Owned(KeeperBase):
             before = get(key)
             remove(key)
             dropped += 1
-            if before is not None and not (key in exclude and self._leased(key)):
+            if key in exclude and self._leased(key):
+                self.fenced.add(key)  # in flight: its lease's end decides
+            elif before is not None:
                 self._withdraw(before, None)
         for key in [k for k in self.refused_due if k not in (self._owned([k]) or {k})]:
             self.refused_due.discard(key)  # received here, held nowhere: it leaves

@@ -192,6 +192,14 @@ def _split(nodes: list[NodeProcess], pg_url: str) -> bool:
     return sum(s["now"]["due"]["total"] for s in states) == due  # type: ignore[index]
 
 
+def _balanced(nodes: list[NodeProcess], live: list[str], since: float) -> bool:
+    """The input law balanced on every node, by counts taken after ``since``."""
+    states = [_settled(n, live) for n in nodes]
+    return all(
+        s and s["counters"]["at"] > since and s["counters"]["input_gap"] == 0 for s in states
+    )
+
+
 def test_two_nodes_on_one_database_each_hold_their_own_and_a_clean_stop_hands_over(
     tmp_path, pg_url
 ):
@@ -230,3 +238,67 @@ def test_two_nodes_on_one_database_each_hold_their_own_and_a_clean_stop_hands_ov
     finally:
         finish(nodes, names[0])
         finish([], names[1])
+
+
+def test_a_node_joining_takes_its_share_and_a_leased_key_it_takes_stays_fenced(tmp_path, pg_url):
+    PostgresStore(pg_url).close()
+    pg.reset(pg_url)
+    now = time.time()
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO schedule (key, route, cadence_s, due_at)"
+            " SELECT 'k' || i, 'r', 86400, %s FROM generate_series(1, 400) AS i",
+            (now - 3600,),
+        )
+    names = sorted(f"t-{uuid.uuid4().hex[:10]}" for _ in range(2))
+    first, second = (NodeProcess(tmp_path / n, n, "--store", pg_url, env=FLEET_ENV)
+                     for n in names)  # fmt: skip
+    try:
+        first.start()
+        wait_for(lambda: _split([first], pg_url), 60, "the first node holds every row")
+        leases: dict[str, int] = {}
+
+        def claim() -> bool:
+            status, body = first.request(
+                "POST", "/claim", {"max": 64, "consumer": "t", "lease_s": 600}
+            )
+            assert status == 200, body
+            leases.update({x["key"]: x["lease_id"] for x in body["leases"]})
+            return len(leases) >= 100
+
+        wait_for(claim, 30, "100 leases on the first node")
+        second.start()
+        wait_for(lambda: _split([first, second], pg_url), 60, "the rows split")
+        held = _dump(first)
+        moved = [k for k in leases if k not in held]
+        assert moved, "some leased keys moved to the second node"
+        # In flight on the first node, not held there: fenced, not waiting.
+        split_at = time.time()
+        wait_for(lambda: _balanced([first, second], names, split_at), 30,
+                 "the input law balanced with the moved leases in flight")  # fmt: skip
+        counters = _settled(first, names)["counters"]  # type: ignore[index]
+        assert counters["fenced"] == len(moved), counters
+        # The leases granted before the change complete normally on the
+        # first node: accepted once, delivered, the law balanced on each.
+        for key, lease_id in leases.items():
+            status, body = first.request(
+                "POST", "/complete", {"lease_id": lease_id, "key": key, "result": key}
+            )
+            assert status == 200, (key, status, body)
+
+        def delivered() -> list:
+            status, body = first.request("GET", "/jobs/default/results?max=200")
+            assert status == 200, body
+            return body["results"] if len(body["results"]) == len(leases) else []
+
+        results = wait_for(delivered, 30, "every result offered")
+        assert sorted(r["key"] for r in results) == sorted(leases)
+
+        done = time.time()
+        wait_for(lambda: _balanced([first, second], names, done), 30,
+                 "the input law balanced on both nodes")  # fmt: skip
+        assert _settled(first, names)["counters"]["fenced"] == 0  # type: ignore[index]
+        wait_for(lambda: _split([first, second], pg_url), 60, "still split, exact")
+    finally:
+        finish([first], names[0])
+        finish([second], names[1])
