@@ -93,7 +93,9 @@ class Owned(KeeperBase):
                 self.fenced.add(key)  # in flight: its lease's end decides
             elif before is not None:
                 self._withdraw(before, None)
-        for key in [k for k in self.refused_due if k not in (self._owned([k]) or {k})]:
-            self.refused_due.discard(key)  # received here, held nowhere: it leaves
-            self.withdrawn += 1
+        if self.refused_due:  # received here, held nowhere, another node's now: it leaves
+            kept = self._owned(list(self.refused_due)) or set()
+            for key in [k for k in self.refused_due if k not in kept]:
+                self.refused_due.discard(key)
+                self.withdrawn += 1
         return dropped
