@@ -15,12 +15,14 @@ combined class has the real one), so the split costs no call anything.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
 from keeper.buckets import Buckets
 from keeper.classes import ClassTable
 from keeper.lag import LagWindow
+from keeper.owners import Ownership
 from node.core.config import Config
 from node.store.base import Store
 
@@ -117,6 +119,15 @@ class KeeperBase:
         self.ready = ready
         self.state = state
         self.test_hooks = test_hooks
+        # A fleet node's membership (keeper/fleet.py, set by the loop); None
+        # on a store without one (SQLite).
+        self.fleet: Any = None
+        # Which keys this node owns among the live list (keeper/owned.py);
+        # None: every key (no fleet).
+        self.ownership: Ownership | None = None
+        # Leased keys a membership change dropped (keeper/owned.py): in
+        # flight here, held by another node; not waiting here.
+        self.fenced: set[str] = set()
         if shared_classes is BY_NAME:
             # The node's shared class table (shm/classes.py); a keeper run
             # without a node (tests, tools) has none and keeps its own limit.
@@ -214,6 +225,11 @@ class KeeperBase:
         def _low_water_min_s(self) -> float: ...
         def _write_failed(self, what: str, exc: Exception, now: float) -> None: ...
         def _feed_gap(self, first_seq: int, now: float) -> None: ...
+        def _owned(self, keys: Sequence[str]) -> set[str] | None: ...
+        def fenced_in_flight(self) -> int: ...
+        def _withdraw(
+            self, before: tuple[int, int, int], after: tuple[int, int, int] | None
+        ) -> None: ...
 
     def _phase(self) -> str:
         if self._outage is not None:

@@ -51,6 +51,7 @@ class Feed(KeeperBase):
         get = self.buckets.get
         buckets = self.buckets
         refused_due = self.refused_due
+        owned = None if self.ownership is None else self._owned
         for _ in range(FEED_BATCHES_PER_TICK):
             batch = changes(self.feed_seq, FEED_BATCH)
             if not batch:
@@ -60,10 +61,20 @@ class Feed(KeeperBase):
                 self._feed_gap(batch[0].seq, now)  # changes trimmed before they were read
             flow = self._flow_minute(now)
             self._record_lag(batch)
-            for ch in batch:
+            mine = batch
+            if owned is not None:  # a fleet node applies and counts only the keys it owns
+                keys = owned([ch.key for ch in batch]) or ()
+                mine = [ch for ch in batch if ch.key in keys]
+            for ch in mine:
                 # The input side (docs/accounting.md): whether a write other
-                # than the node's own write-back takes a due row out.
-                before = None if loading or ch.origin == ORIGIN_WRITEBACK else get(ch.key)
+                # than the node's own write-back takes a due row out. In a
+                # fleet, a write-back of a key this node holds no lease on is
+                # another node's lease ending (granted before a membership
+                # change moved the key here): a write like any other.
+                own_write_back = ch.origin == ORIGIN_WRITEBACK and (
+                    owned is None or ch.key in exclude
+                )
+                before = None if loading or own_write_back else get(ch.key)
                 leased = before is not None and ch.key in exclude and self._leased(ch.key)
                 if leased:
                     # A write to a row while it is leased: the lease's end
@@ -162,6 +173,10 @@ class Feed(KeeperBase):
 
     def _load_step(self, now: float) -> None:
         rows, bad, after = self.store.walk_schedule(self._load_after, LOAD_CHUNK)
+        if self.ownership is not None:  # a fleet node loads only the rows it owns
+            mine = self._owned([row[0] for row in rows] + [b.key for b in bad]) or set()
+            rows = [row for row in rows if row[0] in mine]
+            bad = [b for b in bad if b.key in mine]
         load = self.stats.load
         load["rows"] += len(rows) + len(bad)
         load["unreadable"] += len(bad)
@@ -190,6 +205,10 @@ class Feed(KeeperBase):
         # Only what the saved input counts include: a keeper that starts
         # after this one died replays the rest (``_start_received``).
         through = min(self.feed_seq, self._saved_seq)
+        if self.ownership is not None:
+            # A fleet's log may be trimmed only below what every live node
+            # applied (issue 18): not tracked yet, so a fleet node keeps it.
+            through = 0
         if through:
             try:
                 self.store.trim_changes(through)

@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import Any
 
 from node.core import log
 from node.core.config import load_run_config
 from node.core.proc import RET_ERROR, RET_OK, child_signals, die_with_parent, set_title
 
-_flags = {"stop": False, "reload": False}
+_flags = {"stop": False, "reload": False, "leave": False}
 
 
 def _on_term(signum: int, frame: object) -> None:
@@ -27,16 +28,34 @@ def _on_hup(signum: int, frame: object) -> None:
     _flags["reload"] = True
 
 
+def _on_usr1(signum: int, frame: object) -> None:
+    _flags["leave"] = True  # the supervisor's drain began: leave the fleet now
+
+
+def _fleet_tick(fleet: Any, keeper: Any, leave: bool = False) -> None:
+    """A fleet node's heartbeat when due (keeper/fleet.py), and the rows
+    the live list makes its own (keeper/owned.py); it leaves once the
+    supervisor's drain began (SIGUSR1) or the loop ends."""
+    if fleet is None:
+        return
+    if leave or _flags["leave"]:
+        fleet.leave()
+    if fleet.tick() and fleet.live is not None:
+        keeper.reown(fleet.live.names, time.time())
+
+
 def main() -> int:
     die_with_parent()
     child_signals()
     set_title("qn-keeper")
     signal.signal(signal.SIGTERM, _on_term)
     signal.signal(signal.SIGHUP, _on_hup)
+    signal.signal(signal.SIGUSR1, _on_usr1)
     config = load_run_config("keeper")
     log.setup("keeper", verbose=bool(os.environ.get("QUEUE_NODE_VERBOSE")))
 
     from keeper.ask import AskServer
+    from keeper.fleet import FleetMember
     from keeper.outage import KeeperReload, open_when_there
     from keeper.process import Keeper
     from node.core import metrics
@@ -66,11 +85,16 @@ def main() -> int:
         test_hooks=os.environ.get("QUEUE_NODE_TEST_HOOKS") == "1",
         leases=leases,
     )
+    # A fleet node (PostgreSQL) joins before its first publish; the supervisor
+    # set its deadline in the past, so nothing is granted until a heartbeat.
+    fleet = keeper.fleet = FleetMember.for_store(config, ready)
+    _fleet_tick(fleet, keeper)
     metrics.start()  # made now, not on the first observation inside the hot loop
     keeper.start(time.time())
     log.log("keeper_start", feed_seq=keeper.feed_seq)
     was_loading = True
     while not _flags["stop"]:
+        _fleet_tick(fleet, keeper)
         now = time.time()
         try:
             wait_s = keeper.tick(now)
@@ -90,8 +114,11 @@ def main() -> int:
             keeper.next_publish = 0.0
             log.log("keeper_reconfigured", classes=len(keeper.classes))
             continue
+        if fleet is not None:
+            wait_s = min(wait_s, fleet.wait_s())
         if wait_s > 0:
             wake.wait(wait_s)
+    _fleet_tick(fleet, keeper, leave=True)  # stop granting, then out of the list at once
     state.heartbeat(time.time(), "stopped", False, "stopped")
     log.log(
         "keeper_stop",

@@ -36,6 +36,7 @@ import msgpack
 
 from keeper.feed import LOAD_CHUNK, Feed
 from keeper.outage import Outage
+from keeper.owned import Owned
 from keeper.publish import LOW_WATER_MIN_S, Publish
 from keeper.report import FLOW_FIELDS, LATENESS_EDGES, RECEIVED_META, Report
 from keeper.verify import Verify
@@ -54,7 +55,7 @@ __all__ = ["FLOW_FIELDS", "LATENESS_EDGES", "LOAD_CHUNK", "LOW_WATER_MIN_S", "OU
            "Keeper"]
 
 
-class Keeper(Feed, Publish, Verify, Report, Outage):
+class Keeper(Feed, Publish, Verify, Report, Outage, Owned):
     """Worker 0: the state of keeper/base.py with the methods of each concern."""
 
     # -- start -----------------------------------------------------------

@@ -105,6 +105,8 @@ class Report(KeeperBase):
                 "lag": self.stats.lag_figures(),
                 "feed_seq": self.feed_seq,
                 "store": self.stats.store,  # keeper/outage.py
+                # A fleet node's membership (keeper/fleet.py); null without one.
+                "membership": None if self.fleet is None else self.fleet.doc(),
             },
         }
 
@@ -205,7 +207,10 @@ class Report(KeeperBase):
         requeued = (
             table["expired"] - table["late_expired"] + table["released"] - table["late_released"]
         )
-        waiting = due - in_flight
+        # A lease on a key a membership change dropped is in flight, but
+        # its row is not among the due rows held here (keeper/owned.py).
+        fenced = self.fenced_in_flight()
+        waiting = due - (in_flight - fenced)
         try:
             unapplied = max(0, self.store.last_seq() - self.feed_seq)
         except NodeError:
@@ -214,6 +219,7 @@ class Report(KeeperBase):
             routed=routed,
             requeued=requeued,
             in_flight=in_flight,
+            fenced=fenced,
             waiting=waiting,
             unapplied=unapplied,
             input_gap=received + requeued - routed - waiting - withdrawn,

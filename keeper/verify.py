@@ -62,6 +62,9 @@ class VerifyWalk:
         # The doubt this walk answers (keeper/outage.py): a gap found after
         # it started needs another walk.
         self.doubt_gen = 0
+        # The walk after a membership change (keeper/owned.py): the rows it
+        # adds were gained, counted received and in repairs.membership.
+        self.membership = False
         # A repair walk (``_repair_step``): what the copy held at its start,
         # key -> version << 32 | due minute; each key the table walk meets
         # is taken out, and those left at the end are not in the table.
@@ -96,7 +99,7 @@ class Verify(KeeperBase):
         self.stats.verify["top_checked"] += len(keys)
         self.stats.verify["top_repairs"] += repaired
 
-    def _reconcile(self, key: str, row: Any, snap_seq: int) -> bool:
+    def _reconcile(self, key: str, row: Any, snap_seq: int, gained: bool = False) -> bool:
         """Make the buckets agree with ``row`` (read after ``snap_seq`` was
         taken, and before the feed was drained). Returns True on a repair.
 
@@ -124,7 +127,10 @@ class Verify(KeeperBase):
         self.buckets.apply(key, row.version, row.route, row.cadence_s, row.sitemap, row.due_at)
         # A repair puts back what the table held all along: restored state,
         # not an occurrence coming due (docs/accounting.md, the input law).
-        self.buckets.came_due = came_due
+        # A row a membership change gained (``gained``) comes due here for
+        # the first time: received.
+        if not gained or held is not None:
+            self.buckets.came_due = came_due
         if key in self.exclude or key in self._out:
             self.buckets.detach(key)
         return True
@@ -135,6 +141,7 @@ class Verify(KeeperBase):
         if self._verify is None and not self._loading:
             walk = self._verify = VerifyWalk(now, self.store.count() + len(self.buckets))
             walk.doubt_gen = self._doubt_gen
+            walk.membership = self._doubt == "membership"
             if self._doubt is not None:
                 # One pass over the copy (a few tenths of a second and about
                 # 100 MB at 1M rows, while nothing vouches anyway) spares the
@@ -156,7 +163,8 @@ class Verify(KeeperBase):
         if not walk.table_done:
             rows = self.store.walk(walk.after, VERIFY_CHUNK)
             self.drain_feed(now)
-            for row in rows:
+            mine = self._owned([row.key for row in rows])  # a fleet node's own rows only
+            for row in rows if mine is None else [r for r in rows if r.key in mine]:
                 if self._reconcile(row.key, row, snap_seq):
                     walk.repairs += 1
             walk.compared += len(rows)
@@ -187,7 +195,7 @@ class Verify(KeeperBase):
         v["last_s"] = round(now - walk.started_at, 3)
         v["compared"] = walk.compared
         v["repairs"] += walk.repairs
-        v["repairs_feed_missed"] += walk.repairs
+        v["repairs_membership" if walk.membership else "repairs_feed_missed"] += walk.repairs
         v["last_repairs"] = walk.repairs
         self._verify = None
         self.status = "live"
@@ -217,6 +225,11 @@ class Verify(KeeperBase):
         snap_seq = self.store.last_seq()
         rows, bad, after = self.store.walk_schedule(walk.after, REPAIR_CHUNK)
         self.drain_feed(now)
+        mine = self._owned([row[0] for row in rows] + [b.key for b in bad])
+        if mine is not None:  # a fleet node's own rows only
+            rows = [row for row in rows if row[0] in mine]
+            bad = [b for b in bad if b.key in mine]
+        gained = walk.membership
         reconcile = self._reconcile
         repairs = 0
         pop = held.pop
@@ -224,7 +237,7 @@ class Verify(KeeperBase):
         for j in differ:
             key, version, route, cadence_s, sitemap, due_at = rows[j]
             row = _Walked(key, version, route, cadence_s, bool(sitemap), due_at)
-            repairs += reconcile(key, row, snap_seq)
+            repairs += reconcile(key, row, snap_seq, gained)
         for bad_row in bad:
             pop(bad_row.key, None)
             repairs += reconcile(bad_row.key, bad_row, snap_seq)

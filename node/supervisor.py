@@ -31,7 +31,6 @@ explicitly with fchmod (the state buffer's 0640 for ``state_group``).
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import select
@@ -46,8 +45,10 @@ from node.core import log, metrics
 from node.core.config import Config, tls_context
 from node.core.errors import ConfigError, NodeError
 from node.core.identity import data_dir_id, new_boot_id
-from node.core.proc import ENV_CONFIG, ENV_STARTED_AT, ENV_SUPERVISOR, python_argv
+from node.core.proc import ENV_CONFIG, ENV_STARTED_AT, ENV_SUPERVISOR, drain_pipe, python_argv
+from node.core.proc import unblock_all as unblock_signals
 from node.core.urls import redact_url
+from node.store import is_fleet_url
 
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 5.0
@@ -97,6 +98,7 @@ class Supervisor:
         self._sock: socket.socket | None = None
         self.http = ""
         self._segments: list[object] = []
+        self.fleet = is_fleet_url(config.store_url)  # a member of a fleet (docs/fleet.md)
 
     # -- setup -------------------------------------------------------------------
 
@@ -253,6 +255,9 @@ class Supervisor:
         from shm.wake import Wake
 
         self.ready = ReadySet.create(self.name, self.config.ready_size, identity=self.identity)
+        # A fleet node grants nothing before its keeper's first heartbeat (even
+        # from a set a crash left); a single node has no deadline (0).
+        self.ready.set_grant_until(1 if self.fleet else 0)
         self.leases = LeaseTable.create(
             self.name,
             capacity=self.config.lease_capacity,
@@ -426,7 +431,7 @@ class Supervisor:
                 pass_fds=child.pass_fds,
                 stdin=subprocess.DEVNULL,
                 restore_signals=True,
-                preexec_fn=_unblock_all,
+                preexec_fn=unblock_signals,
             )
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
@@ -532,7 +537,7 @@ class Supervisor:
                 select.select([rfd], [], [], timeout)
             except InterruptedError:
                 pass
-            _drain_pipe(rfd)
+            drain_pipe(rfd)
             signals, self._signals = self._signals, []
             if signal.SIGTERM in signals or signal.SIGINT in signals:
                 return self.stop()
@@ -584,6 +589,7 @@ class Supervisor:
         ledgers = [c for c in self.children if c.role == "ledger"]
         keepers = [c for c in self.children if c.role == "keeper"]
         killed = False
+        self._leave_fleet(keepers)
         for group in (granting, ledgers, keepers):
             for child in group:
                 if child.proc is not None and child.proc.poll() is None:
@@ -619,26 +625,18 @@ class Supervisor:
                 restarts=restarts, forced=killed)
         return 0
 
+    def _leave_fleet(self, keepers: list[Child]) -> None:
+        """A fleet node leaves the node list as its drain begins (its keeper
+        does, on SIGUSR1: keeper/fleet.py), so its rows move at once."""
+        for child in keepers if self.fleet else ():
+            if child.proc is not None and child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGUSR1)
+
     def _kill_all(self) -> None:
         log.warn("node_kill", reason="second signal")
         for child in self.children:
             if child.proc is not None and child.proc.poll() is None:
                 child.proc.kill()
-
-
-def _unblock_all() -> None:
-    signal.pthread_sigmask(signal.SIG_SETMASK, set())
-
-
-def _drain_pipe(fd: int) -> None:
-    while True:
-        try:
-            if not os.read(fd, 512):
-                return
-        except OSError as exc:
-            if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
-                return
-            raise
 
 
 def run(config: Config, verbose: bool = False) -> int:

@@ -21,6 +21,7 @@ _RESET = (
     "DELETE FROM schedule",
     "DELETE FROM changes",
     "DELETE FROM node_meta",
+    "DELETE FROM fleet_nodes",
     "UPDATE changes_trimmed SET through = 0",
     "SELECT setval('changes_seq', 1, false)",
 )

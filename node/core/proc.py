@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import errno
 import os
 import signal
 import sys
@@ -71,3 +72,20 @@ def set_title(title: str) -> None:
 
 def python_argv(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
+
+
+def unblock_all() -> None:
+    """A child's ``preexec_fn``: it starts with no signal blocked."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+
+
+def drain_pipe(fd: int) -> None:
+    """Read a non-blocking pipe (a signal wake-up fd) until it is empty."""
+    while True:
+        try:
+            if not os.read(fd, 512):
+                return
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                return
+            raise

@@ -1,9 +1,9 @@
 """The heartbeat: membership renewed every ``heartbeat_s``, and the grant
 deadline it earns written into the node's ready set (docs/fleet.md).
 
-Whoever runs it (in this build: a test, or a program of the user's; wiring it
-into the node's processes comes with the PostgreSQL store) owns the ready
-set's ``grant_until`` word; nobody else writes it. The order of things:
+Whoever runs it (a node on PostgreSQL: its keeper, keeper/fleet.py; a test)
+owns the ready set's ``grant_until`` word; nobody else writes it but the
+supervisor, which sets it before any child starts. The order of things:
 
 - ``join``: stop granting first (the deadline set in the past), then join;
   the first heartbeat sets the first real deadline. A node never grants
@@ -40,6 +40,7 @@ class Heartbeat:
         self.beats = 0
         self.failures = 0
         self.last: Beat | None = None
+        self.last_error: StoreError | None = None  # the last failed beat's, until one succeeds
 
     def join(self) -> Member:
         self.ready.set_grant_until(PAST)
@@ -54,11 +55,13 @@ class Heartbeat:
             beat = self.membership.heartbeat()
         except StoreError as exc:
             self.failures += 1
+            self.last_error = exc
             warn("fleet_heartbeat_failed", node=self.membership.name, error=str(exc))
             return None
         self.ready.set_grant_until(beat.grant_until_ns)
         self.beats += 1
         self.last = beat
+        self.last_error = None
         if beat.lapsed:
             log("fleet_rejoined", node=self.membership.name, note="heartbeat older than timeout")
         return beat

@@ -35,6 +35,7 @@ from typing import Any
 from node.core.errors import NodeError, StoreError, StoreUnavailable
 from node.core.fleet import GRANT_MARGIN_FRACTION
 from node.core.log import warn
+from node.core.urls import redact_url
 from node.fleet import queries as q
 
 # A host whose wall clock is further than this from the database's is
@@ -141,8 +142,17 @@ class Membership:
         membership_timeout_s: float = 10.0,
         clock: Callable[[], float] = time.time,
         monotonic_ns: Callable[[], int] = time.monotonic_ns,
+        connect_timeout_s: int = 10,
+        statement_timeout_s: float | None = None,
     ) -> None:
+        """``statement_timeout_s``: every statement (lock waits included)
+        and every unacknowledged send on the connection fails past it
+        (``statement_timeout``, ``tcp_user_timeout``): a caller that must
+        not block long, the keeper's loop, sets it. ``connect_timeout_s``:
+        libpq's, 2 s at the least."""
         self.conninfo = conninfo
+        self.connect_timeout_s = max(2, int(connect_timeout_s))
+        self.statement_timeout_s = statement_timeout_s
         self.name = name
         self.address = address
         self.membership_timeout_s = float(membership_timeout_s)
@@ -165,7 +175,14 @@ class Membership:
         if self._conn is None:
             psycopg = _psycopg()
             try:
-                self._conn = psycopg.connect(self.conninfo, autocommit=True, connect_timeout=10)
+                bounds: dict[str, Any] = {}
+                if self.statement_timeout_s is not None:
+                    ms = max(1, int(self.statement_timeout_s * 1000))
+                    bounds = {"options": f"-c statement_timeout={ms}", "tcp_user_timeout": ms}
+                self._conn = psycopg.connect(
+                    self.conninfo, autocommit=True, connect_timeout=self.connect_timeout_s,
+                    **bounds,
+                )  # fmt: skip
             except psycopg.Error as exc:
                 raise StoreUnavailable(f"the fleet's database cannot be reached: {exc}") from exc
             self._conn_pid = os.getpid()
@@ -200,27 +217,23 @@ class Membership:
     # -- membership ----------------------------------------------------------------
 
     def ensure_schema(self) -> None:
-        """Create the node list if it is missing (idempotent, safe when
-        several nodes start at once: under the fleet's advisory lock)."""
+        """Bring the database to the PostgreSQL store's schema, the node
+        list included (its versioned migrations, node/store/postgres.py:
+        idempotent, and safe when several nodes start at once)."""
+        from node.store.postgres import migrate
 
-        def steps(conn: Any) -> None:
-            with conn.transaction():
-                conn.execute(q.LOCK, {"lock": q.FLEET_LOCK_KEY})
-                conn.execute(q.CREATE)
-
-        self._run("schema", steps)
+        self._run("schema", lambda conn: migrate(conn, redact_url(self.conninfo)))
 
     def join(self) -> Member:
         """Join the fleet: revive this name's row (keeping its number) or
-        insert one with the lowest free number; the table is created first
-        if missing. Under the fleet's advisory lock, so nodes joining at once
-        get distinct numbers."""
+        insert one with the lowest free number; the schema is migrated first
+        if it is behind. Under the fleet's advisory lock, so nodes joining at
+        once get distinct numbers."""
         params = {"name": self.name, "address": self.address, "lock": q.FLEET_LOCK_KEY}
 
         def steps(conn: Any) -> tuple[int, float]:
             with conn.transaction():
                 conn.execute(q.LOCK, params)
-                conn.execute(q.CREATE)
                 row = conn.execute(q.REVIVE, params).fetchone()
                 if row is None:
                     (number,) = conn.execute(q.LOWEST_FREE).fetchone()
@@ -232,6 +245,7 @@ class Membership:
                     row = conn.execute(q.INSERT, {**params, "number": number}).fetchone()
             return row
 
+        self.ensure_schema()
         number, started_at = self._run("join", steps)
         self.number = number
         return Member(self.name, self.address, number, started_at, started_at)

@@ -6,36 +6,26 @@ judge whether a heartbeat is too old. A node's row outlives its membership:
 a node that left or died keeps its name's row and its number (its result ids
 carry that number in their high bits), and the same name revives it.
 
-Creating the table takes ``pg_advisory_xact_lock(FLEET_LOCK_KEY)``: two nodes
-starting at once on an empty database would otherwise race in
-``CREATE TABLE IF NOT EXISTS`` (it can fail on pg_type's unique index), and
-two joins would pick the same lowest free number. The lead folds the table
-into the PostgreSQL store's versioned migrations (node/store/), taking the
-same lock there or the store's own.
+The table is made by the PostgreSQL store's versioned migrations
+(``node/store/postgres_schema.py``, migration 2, under the store's advisory
+lock): ``Membership`` runs them before it joins. A join takes
+``pg_advisory_xact_lock(FLEET_LOCK_KEY)``: two joins at once would otherwise
+pick the same lowest free number.
 """
 
 from __future__ import annotations
 
-# The advisory lock that serialises schema creation and joins: any constant
-# the rest of a fleet's database does not use ("qnfleet" in ASCII).
+from node.store.postgres_schema import FLEET_MAX_NUMBER
+
+# The advisory lock that serialises joins: any constant the rest of a fleet's
+# database does not use ("qnfleet" in ASCII).
 FLEET_LOCK_KEY = 0x716E666C656574
 
 # A node's number: 1 to MAX_NUMBER, unique in the fleet (0 is a node outside
-# any fleet). keeper/owners.py holds at most 255 nodes in one list.
-MAX_NUMBER = 255
+# any fleet); the table's CHECK says the same.
+MAX_NUMBER = FLEET_MAX_NUMBER
 
 LOCK = "SELECT pg_advisory_xact_lock(%(lock)s)"
-
-CREATE = f"""
-CREATE TABLE IF NOT EXISTS fleet_nodes (
-    name          text        PRIMARY KEY,
-    address       text        NOT NULL,
-    number        smallint    NOT NULL UNIQUE CHECK (number BETWEEN 1 AND {MAX_NUMBER}),
-    started_at    timestamptz NOT NULL,
-    heartbeat_at  timestamptz NOT NULL,
-    left_at       timestamptz
-)
-"""
 
 # Join, step 1: a name seen before takes its row back (and keeps its number).
 REVIVE = """

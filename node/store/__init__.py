@@ -25,7 +25,14 @@ __all__ = [
     "WriteBack",
     "open_store",
     "check_store_url",
+    "is_fleet_url",
 ]
+
+
+def is_fleet_url(url: str) -> bool:
+    """Whether a node on this store is a fleet member (PostgreSQL): it
+    joins the node list and grants only under a heartbeat (docs/fleet.md)."""
+    return url.startswith(("postgresql://", "postgres://"))
 
 
 def open_store(
@@ -57,7 +64,7 @@ def open_store(
         from node.store.memory import MemoryStore
 
         return MemoryStore(url)
-    if url.startswith(("postgresql://", "postgres://")):
+    if is_fleet_url(url):
         from node.store.postgres import PostgresStore
 
         return PostgresStore(url, durable=durable, node_name=node_name)

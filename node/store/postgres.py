@@ -189,6 +189,35 @@ def _distinct_runs(rows: list[RowWrite]) -> Iterator[list[RowWrite]]:
         yield run
 
 
+def migrate(conn: Any, shown_url: str) -> None:
+    """Bring the database on ``conn`` (autocommit) to SCHEMA_VERSION, under
+    an advisory lock held for the transaction: processes starting at once on
+    an empty database take turns, and the later ones find nothing to do.
+    The store runs it on open, and a fleet's membership before it joins
+    (node/fleet/). Driver errors pass through (the caller wraps them)."""
+    try:
+        found = conn.execute(q.READ_SCHEMA_VERSION).fetchone()
+        if found is not None and found[0] == q.SCHEMA_VERSION:
+            return
+    except psycopg.errors.UndefinedTable:
+        pass  # a new database
+    with conn.transaction():
+        conn.execute(q.LOCK_MIGRATIONS, (q.MIGRATION_LOCK,))
+        conn.execute(q.CREATE_MIGRATIONS)
+        current = conn.execute(q.READ_SCHEMA_VERSION).fetchone()[0]
+        if current > q.SCHEMA_VERSION:
+            raise StoreError(
+                f"PostgreSQL store: {shown_url} has schema version {current}, newer "
+                f"than this build's {q.SCHEMA_VERSION}; upgrade queue-node"
+            )
+        for version, name, statements in q.MIGRATIONS:
+            if version <= current:
+                continue
+            for statement in statements:
+                conn.execute(statement)
+            conn.execute(q.RECORD_MIGRATION, (version, name, time.time()))
+
+
 class PostgresStore(Store):
     """The schedule in a PostgreSQL database (created and migrated on open)."""
 
@@ -248,30 +277,7 @@ class PostgresStore(Store):
         self._pool = pool
 
     def _migrate(self, conn: Any) -> None:
-        """Bring the database to SCHEMA_VERSION, under an advisory lock held
-        for the transaction: processes starting at once on an empty database
-        take turns, and the later ones find nothing to do."""
-        try:
-            found = conn.execute(q.READ_SCHEMA_VERSION).fetchone()
-            if found is not None and found[0] == q.SCHEMA_VERSION:
-                return
-        except psycopg.errors.UndefinedTable:
-            pass  # a new database
-        with conn.transaction():
-            conn.execute(q.LOCK_MIGRATIONS, (q.MIGRATION_LOCK,))
-            conn.execute(q.CREATE_MIGRATIONS)
-            current = conn.execute(q.READ_SCHEMA_VERSION).fetchone()[0]
-            if current > q.SCHEMA_VERSION:
-                raise StoreError(
-                    f"PostgreSQL store: {self.url} has schema version {current}, newer "
-                    f"than this build's {q.SCHEMA_VERSION}; upgrade queue-node"
-                )
-            for version, name, statements in q.MIGRATIONS:
-                if version <= current:
-                    continue
-                for statement in statements:
-                    conn.execute(statement)
-                conn.execute(q.RECORD_MIGRATION, (version, name, time.time()))
+        migrate(conn, self.url)
 
     @contextmanager
     def _conn(self, action: str) -> Iterator[Any]:

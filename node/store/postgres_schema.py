@@ -36,6 +36,10 @@ CHANNEL = "queue_node_changes"
 # The advisory lock migrations run under: processes that start at once on
 # an empty database take turns, and the second finds nothing to do.
 MIGRATION_LOCK = 0x71_6E_6F_64_65  # "qnode"
+# A fleet node's number: 1 to this, unique in the fleet (the high bits of its
+# result ids; 0 is a node outside any fleet). keeper/owners.py holds at most
+# 255 nodes in one list. node/fleet/ uses the table.
+FLEET_MAX_NUMBER = 255
 
 _ORIGIN_SQL = "COALESCE(NULLIF(current_setting('queue_node.origin', true), ''), 'external')"
 _NOW_SQL = "extract(epoch FROM clock_timestamp())::float8"
@@ -204,6 +208,23 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             FOR EACH ROW EXECUTE FUNCTION queue_node_log_delete()""",
             """CREATE TRIGGER schedule_notify AFTER INSERT OR UPDATE OR DELETE ON schedule
             FOR EACH STATEMENT EXECUTE FUNCTION queue_node_notify()""",
+        ],
+    ),
+    (
+        2,
+        "fleet_nodes: a fleet's node list (node/fleet/)",
+        [
+            # IF NOT EXISTS: a database where an earlier build's membership
+            # made the table itself (under its own lock) keeps it as it is.
+            f"""CREATE TABLE IF NOT EXISTS fleet_nodes (
+                name          text        PRIMARY KEY,
+                address       text        NOT NULL,
+                number        smallint    NOT NULL UNIQUE
+                              CHECK (number BETWEEN 1 AND {FLEET_MAX_NUMBER}),
+                started_at    timestamptz NOT NULL,
+                heartbeat_at  timestamptz NOT NULL,
+                left_at       timestamptz
+            )""",
         ],
     ),
 ]

@@ -188,6 +188,36 @@ def _join(db: str, name: str, go: Any, out: Any) -> None:
             out.put((name, repr(exc)))
 
 
+def test_the_node_list_is_a_migration_of_the_stores_schema(db):
+    import psycopg
+
+    from node.store import postgres_schema as schema
+    from node.store.postgres import PostgresStore
+
+    # A join on an empty database brings it to the store's schema version:
+    # the node list is one of its migrations, not a table of its own.
+    with Membership(db, "a", "a:1") as a:
+        assert a.join().number == 1
+    with psycopg.connect(db) as conn:
+        applied = conn.execute("SELECT version FROM schema_migrations ORDER BY 1").fetchall()
+    assert applied == [(v,) for v, _, _ in schema.MIGRATIONS]
+    with PostgresStore(db) as store:  # it finds nothing left to do
+        assert store.schema_version() == schema.SCHEMA_VERSION
+    # A database whose node list an earlier build made by itself (no
+    # migrations recorded) keeps it and its rows.
+    with psycopg.connect(db, autocommit=True) as conn:
+        conn.execute("DROP TABLE schema_migrations, schedule, changes, changes_trimmed, node_meta")
+        conn.execute("DROP SEQUENCE changes_seq")
+        conn.execute("DROP FUNCTION queue_node_take_seq, queue_node_before_insert,"
+                     " queue_node_before_update, queue_node_version_guard, queue_node_log_write,"
+                     " queue_node_log_inserts, queue_node_log_delete, queue_node_notify,"
+                     " queue_node_write_back")
+    with PostgresStore(db) as store:
+        assert store.schema_version() == schema.SCHEMA_VERSION
+    with Membership(db, "b", "b:1") as b:
+        assert b.live().names == ("a",)
+
+
 @pytest.mark.parametrize("round_", range(3))
 def test_nodes_joining_at_once_on_an_empty_database_get_distinct_numbers(db, round_):
     go, out = SPAWN.Event(), SPAWN.Queue()

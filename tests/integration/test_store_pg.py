@@ -240,6 +240,10 @@ def test_processes_starting_at_once_on_an_empty_database_migrate_it_once():
             "import sys\n"
             "from node.core.rows import RowWrite\n"
             "from node.store.postgres import PostgresStore\n"
+            "from node.fleet import Membership\n"
+            "if sys.argv[2] in ('k1', 'k3'):  # a fleet node's membership migrates too\n"
+            "    with Membership(sys.argv[1], sys.argv[2], 'h:1') as m:\n"
+            "        m.join()\n"
             "with PostgresStore(sys.argv[1]) as s:\n"
             "    s.upsert([RowWrite(sys.argv[2], 'r')], now=1.0)\n"
         )
@@ -253,7 +257,9 @@ def test_processes_starting_at_once_on_an_empty_database_migrate_it_once():
             assert s.schema_version() == schema.SCHEMA_VERSION
         with psycopg.connect(url) as conn:
             applied = conn.execute("SELECT version FROM schema_migrations").fetchall()
+            joined = conn.execute("SELECT name FROM fleet_nodes ORDER BY name").fetchall()
         assert applied == [(v,) for v, _, _ in schema.MIGRATIONS]
+        assert joined == [("k1",), ("k3",)]
     finally:
         pg.drop_database(url)
 

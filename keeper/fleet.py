@@ -1,0 +1,132 @@
+"""A node on PostgreSQL is a fleet member, and its keeper keeps it one
+(docs/fleet.md): it joins at start, heartbeats every ``heartbeat_s``, writes
+the grant deadline each heartbeat earns into the ready set, reads the live
+list, and leaves on a clean stop.
+
+Why the keeper's loop, and not a thread or a process of its own: a stalled
+keeper's ready set is stale, so a keeper that cannot tick should not earn
+grants either; a heartbeat in the loop stops with it (SIGSTOP included) and
+the deadline lapses by itself. The price is that a heartbeat blocks the loop
+while it runs, so the membership's connection is bounded:
+
+- ``statement_timeout`` and ``tcp_user_timeout`` of ``STATEMENT_TIMEOUT_S``
+  (0.5 s): a heartbeat (one UPDATE, then the live list) that the database
+  cannot answer in that long fails, and the loop goes on; the deadline it
+  did not extend lapses unless a later heartbeat succeeds (at the default
+  10 s timeout and 1 s heartbeat, 7 more tries). A database that slow would
+  also stall the keeper's own reads. Half a second of the loop is half a
+  publish interval: claimers go on taking from the set already published.
+- ``connect_timeout`` 2 s (libpq's least): only when the connection is being
+  (re)opened, after a failure; a refused connection fails at once.
+
+A SQLite node has no membership (``for_store`` answers None) and its
+deadline stays 0, as the supervisor set it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from node.core.config import Config
+from node.core.errors import StoreError
+from node.core.log import log, warn
+from node.fleet import LiveList, Membership, NotAMember
+from node.fleet.heartbeat import Heartbeat
+from node.store import is_fleet_url
+from shm.ready import ReadySet
+
+STATEMENT_TIMEOUT_S = 0.5
+CONNECT_TIMEOUT_S = 2
+
+
+class FleetMember:
+    """This node's membership, driven by the keeper's loop (``tick``)."""
+
+    def __init__(self, config: Config, ready: ReadySet, conninfo: str) -> None:
+        self.name = config.name
+        self.ready = ready
+        self.heartbeat_s = config.heartbeat_s
+        self.membership = Membership(
+            conninfo, config.name, config.http,
+            membership_timeout_s=config.membership_timeout_s,
+            connect_timeout_s=CONNECT_TIMEOUT_S, statement_timeout_s=STATEMENT_TIMEOUT_S,
+        )  # fmt: skip
+        self.heart = Heartbeat(self.membership, ready, config.heartbeat_s)
+        self.number: int | None = None  # once joined
+        self.live: LiveList | None = None
+        self.left = False
+        self.next_beat_ns = 0
+        self.join_failures = 0
+
+    @classmethod
+    def for_store(cls, config: Config, ready: ReadySet) -> FleetMember | None:
+        if not is_fleet_url(config.store_url):
+            return None
+        return cls(config, ready, config.store_url)
+
+    def wait_s(self) -> float:
+        """How long the loop may wait before the next heartbeat is due."""
+        if self.left:
+            return float("inf")
+        return max(0.0, (self.next_beat_ns - time.monotonic_ns()) / 1e9)
+
+    def tick(self) -> bool:
+        """Join or heartbeat when one is due; True when the live list was
+        read anew (the caller compares it with the last one)."""
+        if self.left or time.monotonic_ns() < self.next_beat_ns:
+            return False
+        self.next_beat_ns = time.monotonic_ns() + int(self.heartbeat_s * 1e9)
+        if self.number is None:
+            try:
+                member = self.heart.join()  # the deadline in the past, then the first beat
+            except StoreError as exc:
+                self.join_failures += 1
+                warn("fleet_join_failed", node=self.name, error=str(exc))
+                return False
+            self.number = member.number
+            log("fleet_joined", node=self.name, number=member.number)
+        elif self.heart.beat() is None:
+            if isinstance(self.heart.last_error, NotAMember):
+                self.number = None  # forgotten, or left by another hand: join again
+            return False
+        try:
+            self.live = self.membership.live()
+        except StoreError as exc:
+            warn("fleet_live_list_failed", node=self.name, error=str(exc))
+            return False
+        return True
+
+    def leave(self) -> None:
+        """Stop granting now, then leave the list (a clean stop); heartbeats
+        end. A failure is logged: the membership then lapses by timeout."""
+        if self.left:
+            return
+        self.left = True
+        try:
+            self.heart.leave()
+            log("fleet_left", node=self.name)
+        except StoreError as exc:
+            warn("fleet_leave_failed", node=self.name, error=str(exc))
+        self.membership.close()
+
+    def doc(self) -> dict[str, Any]:
+        """``trust.membership`` of /queue-state."""
+        now_ns = time.monotonic_ns()
+        last = self.heart.last
+        age = None if last is None else round((now_ns - last.sent_ns) / 1e9, 3)
+        until = self.ready.grant_until_ns
+        return {
+            "name": self.name,
+            "number": self.number,
+            "state": "left" if self.left else "member" if self.number is not None else "joining",
+            "live": list(self.live.names) if self.live is not None else [],
+            "heartbeat_s": self.heartbeat_s,
+            "membership_timeout_s": self.membership.membership_timeout_s,
+            "last_heartbeat_age_s": age,
+            "heartbeats": self.heart.beats,
+            "heartbeat_failures": self.heart.failures + self.join_failures,
+            "skew_s": None if last is None else round(last.skew.skew_s, 4),
+            "skew_flagged": False if last is None else last.skew.flagged,
+            "grant_deadline_left_s": round(max(0, until - now_ns) / 1e9, 3),
+        }

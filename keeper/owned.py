@@ -1,0 +1,101 @@
+"""A fleet keeper holds only the rows its node owns (docs/fleet.md,
+"Ownership"): rendezvous hashing of each key over the live node list
+(keeper/owners.py). ``ownership`` None (a node that is no fleet member)
+owns every key.
+
+The load walk, the change feed and the verification walks keep only owned
+keys (``_owned``: one C call a chunk). A change to a key another node owns
+is neither applied nor counted: that row never came due here, so the input
+law (docs/accounting.md) has nothing to say about it on this node.
+
+A membership change (``reown``, from the heartbeat's live list):
+
+1. the held rows no longer owned are dropped, each counted as withdrawn when
+   it was due and not leased; a leased key stays fenced (the lease table
+   keeps it out, its lease completes normally, the write-back under the
+   version guard): in flight here, not waiting (``fenced``: the input law's
+   ``waiting`` leaves it out) until its lease ends;
+2. the set published is replaced at the next tick (``next_publish = 0``);
+3. a walk of the table, started by the next tick (no store call here),
+   adds the rows gained (``_doubt = "membership"``: the repair walk of
+   keeper/verify.py), each counted as received, and its
+   repairs are counted in ``trust.repairs.membership`` apart from
+   ``feed_missed``. The keeper is not exact until it ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from keeper.base import KeeperBase
+from keeper.owners import Ownership
+from node.core.log import log
+
+MEMBERSHIP = "membership"  # the doubt a membership change leaves until its walk ends
+
+
+class Owned(KeeperBase):
+    def _owned(self, keys: Sequence[str]) -> set[str] | None:
+        """The keys of ``keys`` this node owns; None: all of them."""
+        if self.ownership is None:
+            return None
+        return set(self.ownership.mine(list(keys)))
+
+    def reown(self, names: Sequence[str], now: float) -> bool:
+        """The live list changed (or came first): hold what this node owns
+        among ``names``. A list without this node (its membership lapsed)
+        changes nothing: its deadline has stopped its grants already."""
+        if self.config.name not in names:
+            return False
+        new = Ownership(names, self.config.name)
+        if new == self.ownership:
+            return False
+        first = self.ownership is None and self.feed_seq == 0 and not self.buckets
+        self.ownership = new
+        log("keeper_ownership", nodes=list(new.nodes), first=first)
+        if first:
+            return True  # before the load: it walks with it
+        dropped = self._drop_unowned()
+        self.next_publish = 0.0  # no set may go on offering a dropped key
+        self._doubt = MEMBERSHIP
+        self._doubt_gen += 1
+        self._verify = None  # a walk under way restarts, for the new split
+        if self.status == "verifying":
+            self.status = "live"
+        self._set_exact(False, now)  # the next tick starts the walk (keeper/process.py)
+        log("keeper_reowned", dropped=dropped, nodes=len(new.nodes))
+        return True
+
+    def fenced_in_flight(self) -> int:
+        """Leases still live on keys a membership change dropped: in
+        flight here and not held here, so the input law's ``waiting`` (due
+        rows no lease holds) leaves them out of the in-flight count it
+        subtracts. A key whose lease ended leaves the set."""
+        if self.fenced:
+            self.fenced = {key for key in self.fenced if self._leased(key)}
+        return len(self.fenced)
+
+    def _drop_unowned(self) -> int:
+        keys = [item[0] for item in self.buckets.items()]
+        owned = self._owned(keys)
+        if owned is None:
+            return 0
+        exclude = self.exclude if self.leases is not None else ()
+        get, remove = self.buckets.get, self.buckets.remove
+        dropped = 0
+        for key in keys:
+            if key in owned:
+                continue
+            before = get(key)
+            remove(key)
+            dropped += 1
+            if key in exclude and self._leased(key):
+                self.fenced.add(key)  # in flight: its lease's end decides
+            elif before is not None:
+                self._withdraw(before, None)
+        if self.refused_due:  # received here, held nowhere, another node's now: it leaves
+            kept = self._owned(list(self.refused_due)) or set()
+            for key in [k for k in self.refused_due if k not in kept]:
+                self.refused_due.discard(key)
+                self.withdrawn += 1
+        return dropped
