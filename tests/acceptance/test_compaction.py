@@ -66,7 +66,9 @@ def test_segments_of_acknowledged_results_are_removed(node):
     acked.update(r["id"] for r in first)
     wait_for(ack_all, 30, "every result acknowledged")
     wait_for(lambda: len(_segments(node)) == 1, 20, "compaction down to the active segment")
-    assert "action=segments_removed" in node.log()
+    # The removal's log line reaches node.log through the supervisor's pipe,
+    # a moment after the files are gone.
+    wait_for(lambda: "action=segments_removed" in node.log(), 10, "the removal logged")
     accounts = client.accounting()
     assert accounts["finished"] == accounts["acknowledged"] == ITEMS and accounts["balanced"]
     client.close()
