@@ -58,6 +58,10 @@ class FleetMember:
         self.left = False
         self.next_beat_ns = 0
         self.join_failures = 0
+        # A heartbeat came after this node's membership had lapsed: while
+        # out of the list its position held no trim back. Set here, cleared
+        # by the loop once the keeper has looked (``Owned.rejoined``).
+        self.lapsed = False
 
     @classmethod
     def for_store(cls, config: Config, ready: ReadySet) -> FleetMember | None:
@@ -71,31 +75,59 @@ class FleetMember:
             return float("inf")
         return max(0.0, (self.next_beat_ns - time.monotonic_ns()) / 1e9)
 
-    def tick(self) -> bool:
+    def tick(self, applied_seq: int | None = None) -> bool:
         """Join or heartbeat when one is due; True when the live list was
-        read anew (the caller compares it with the last one)."""
+        read anew (the caller compares it with the last one).
+        ``applied_seq``: the change-log position this node's keeper would
+        resume from after a kill -9 (``Keeper.resume_seq``), reported with
+        the heartbeat so that no node trims the shared log past it."""
         if self.left or time.monotonic_ns() < self.next_beat_ns:
             return False
         self.next_beat_ns = time.monotonic_ns() + int(self.heartbeat_s * 1e9)
         if self.number is None:
             try:
-                member = self.heart.join()  # the deadline in the past, then the first beat
+                # the deadline in the past, then the first beat
+                member = self.heart.join(applied_seq)
             except StoreError as exc:
                 self.join_failures += 1
                 warn("fleet_join_failed", node=self.name, error=str(exc))
                 return False
             self.number = member.number
             log("fleet_joined", node=self.name, number=member.number)
-        elif self.heart.beat() is None:
+        elif (beat := self.heart.beat(applied_seq)) is None:
             if isinstance(self.heart.last_error, NotAMember):
                 self.number = None  # forgotten, or left by another hand: join again
             return False
+        elif beat.lapsed:
+            self.lapsed = True  # the loop tells the keeper (``Owned.rejoined``)
         try:
             self.live = self.membership.live()
         except StoreError as exc:
             warn("fleet_live_list_failed", node=self.name, error=str(exc))
             return False
         return True
+
+    def trim_through(self) -> int:
+        """How far the shared change log may be trimmed: the lowest position
+        every live node reported (``Membership.trim_through``); 0 (trim
+        nothing) before this node joined, after it left, or when the
+        database does not answer."""
+        if self.number is None or self.left:
+            return 0
+        try:
+            return self.membership.trim_through()
+        except StoreError as exc:
+            warn("fleet_trim_position_failed", node=self.name, error=str(exc))
+            return 0
+
+    def trimmed_through(self) -> int | None:
+        """How far the shared log was trimmed; None when the database does
+        not answer."""
+        try:
+            return self.membership.trimmed_through()
+        except StoreError as exc:
+            warn("fleet_trim_position_failed", node=self.name, error=str(exc))
+            return None
 
     def leave(self) -> None:
         """Stop granting now, then leave the list (a clean stop); heartbeats
