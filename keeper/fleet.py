@@ -31,7 +31,7 @@ from typing import Any
 from node.core.config import Config
 from node.core.errors import StoreError
 from node.core.log import log, warn
-from node.fleet import LiveList, Membership, NotAMember
+from node.fleet import LiveList, Membership, NotAMember, peers_seen
 from node.fleet.heartbeat import Heartbeat
 from node.store import is_fleet_url
 from shm.ready import ReadySet
@@ -62,6 +62,15 @@ class FleetMember:
         # out of the list its position held no trim back. Set here, cleared
         # by the loop once the keeper has looked (``Owned.rejoined``).
         self.lapsed = False
+        # A node that names peers publishes nothing until it sees one of them
+        # live, or ``peer_wait_s`` passes (then alone, with a warning): it
+        # would otherwise offer every row as its own for a moment, rows a
+        # peer about to appear owns. A node alone does not wait.
+        self.peers = config.peers
+        self.peer_wait_s = config.peer_wait_s
+        self.peer_state = "waiting" if self.peers else "none"
+        self._peer_since_ns = time.monotonic_ns()
+        self.peer_waited_s: float | None = None
 
     @classmethod
     def for_store(cls, config: Config, ready: ReadySet) -> FleetMember | None:
@@ -105,6 +114,31 @@ class FleetMember:
         except StoreError as exc:
             warn("fleet_live_list_failed", node=self.name, error=str(exc))
             return False
+        return True
+
+    @property
+    def waiting_for_peers(self) -> bool:
+        """True while the node may not publish (``Publish.publish`` offers
+        nothing)."""
+        return self.peer_state == "waiting"
+
+    def peer_wait_over(self) -> bool:
+        """True once, when the wait for peers ends: a peer is in the live
+        list, or ``peer_wait_s`` passed (the node goes on alone)."""
+        if self.peer_state != "waiting":
+            return False
+        waited_s = (time.monotonic_ns() - self._peer_since_ns) / 1e9
+        if self.live is not None and peers_seen(self.live, self.name, self.peers):
+            self.peer_state = "seen"
+            log("fleet_peer_seen", node=self.name, live=list(self.live.names),
+                waited_s=round(waited_s, 3))  # fmt: skip
+        elif waited_s >= self.peer_wait_s:
+            self.peer_state = "alone"
+            warn("fleet_no_peer", node=self.name, peers=list(self.peers),
+                 waited_s=round(waited_s, 3), note="publishing alone")  # fmt: skip
+        else:
+            return False
+        self.peer_waited_s = round(waited_s, 3)
         return True
 
     def trim_through(self) -> int:
@@ -161,4 +195,10 @@ class FleetMember:
             "skew_s": None if last is None else round(last.skew.skew_s, 4),
             "skew_flagged": False if last is None else last.skew.flagged,
             "grant_deadline_left_s": round(max(0, until - now_ns) / 1e9, 3),
+            "peers": {
+                "names": list(self.peers),
+                "state": self.peer_state,
+                "waited_s": self.peer_waited_s,
+                "wait_s": self.peer_wait_s,
+            },
         }
