@@ -200,15 +200,21 @@ class Feed(KeeperBase):
         else:
             self.state.heartbeat(now, "loading", False, f"walking {walked} rows")
 
+    def resume_seq(self) -> int:
+        """The change-log position a keeper starting after this one died
+        would resume from: what the saved input counts include (a successor
+        replays the rest, ``_start_received``), never past what was applied."""
+        return min(self.feed_seq, self._saved_seq)
+
     def _trim(self, now: float) -> None:
         self.next_trim = now + TRIM_INTERVAL_S
-        # Only what the saved input counts include: a keeper that starts
-        # after this one died replays the rest (``_start_received``).
-        through = min(self.feed_seq, self._saved_seq)
+        through = self.resume_seq()
         if self.ownership is not None:
-            # A fleet's log may be trimmed only below what every live node
-            # applied (issue 18): not tracked yet, so a fleet node keeps it.
-            through = 0
+            # A fleet's log is shared: trimmed only through the lowest
+            # position every live node reported with its heartbeat
+            # (docs/fleet.md). Every node trims so, idempotently: no
+            # election, and no trim stops while any node is live.
+            through = 0 if self.fleet is None else min(through, self.fleet.trim_through())
         if through:
             try:
                 self.store.trim_changes(through)

@@ -31,7 +31,7 @@ from typing import Any
 from node.core.config import Config
 from node.core.errors import StoreError
 from node.core.log import log, warn
-from node.fleet import LiveList, Membership, NotAMember
+from node.fleet import LiveList, Membership, NotAMember, peers_seen
 from node.fleet.heartbeat import Heartbeat
 from node.store import is_fleet_url
 from shm.ready import ReadySet
@@ -58,6 +58,19 @@ class FleetMember:
         self.left = False
         self.next_beat_ns = 0
         self.join_failures = 0
+        # A heartbeat came after this node's membership had lapsed: while
+        # out of the list its position held no trim back. Set here, cleared
+        # by the loop once the keeper has looked (``Owned.rejoined``).
+        self.lapsed = False
+        # A node that names peers publishes nothing until it sees one of them
+        # live, or ``peer_wait_s`` passes (then alone, with a warning): it
+        # would otherwise offer every row as its own for a moment, rows a
+        # peer about to appear owns. A node alone does not wait.
+        self.peers = config.peers
+        self.peer_wait_s = config.peer_wait_s
+        self.peer_state = "waiting" if self.peers else "none"
+        self._peer_since_ns = time.monotonic_ns()
+        self.peer_waited_s: float | None = None
 
     @classmethod
     def for_store(cls, config: Config, ready: ReadySet) -> FleetMember | None:
@@ -71,31 +84,84 @@ class FleetMember:
             return float("inf")
         return max(0.0, (self.next_beat_ns - time.monotonic_ns()) / 1e9)
 
-    def tick(self) -> bool:
+    def tick(self, applied_seq: int | None = None) -> bool:
         """Join or heartbeat when one is due; True when the live list was
-        read anew (the caller compares it with the last one)."""
+        read anew (the caller compares it with the last one).
+        ``applied_seq``: the change-log position this node's keeper would
+        resume from after a kill -9 (``Keeper.resume_seq``), reported with
+        the heartbeat so that no node trims the shared log past it."""
         if self.left or time.monotonic_ns() < self.next_beat_ns:
             return False
         self.next_beat_ns = time.monotonic_ns() + int(self.heartbeat_s * 1e9)
         if self.number is None:
             try:
-                member = self.heart.join()  # the deadline in the past, then the first beat
+                # the deadline in the past, then the first beat
+                member = self.heart.join(applied_seq)
             except StoreError as exc:
                 self.join_failures += 1
                 warn("fleet_join_failed", node=self.name, error=str(exc))
                 return False
             self.number = member.number
             log("fleet_joined", node=self.name, number=member.number)
-        elif self.heart.beat() is None:
+        elif (beat := self.heart.beat(applied_seq)) is None:
             if isinstance(self.heart.last_error, NotAMember):
                 self.number = None  # forgotten, or left by another hand: join again
             return False
+        elif beat.lapsed:
+            self.lapsed = True  # the loop tells the keeper (``Owned.rejoined``)
         try:
             self.live = self.membership.live()
         except StoreError as exc:
             warn("fleet_live_list_failed", node=self.name, error=str(exc))
             return False
         return True
+
+    @property
+    def waiting_for_peers(self) -> bool:
+        """True while the node may not publish (``Publish.publish`` offers
+        nothing)."""
+        return self.peer_state == "waiting"
+
+    def peer_wait_over(self) -> bool:
+        """True once, when the wait for peers ends: a peer is in the live
+        list, or ``peer_wait_s`` passed (the node goes on alone)."""
+        if self.peer_state != "waiting":
+            return False
+        waited_s = (time.monotonic_ns() - self._peer_since_ns) / 1e9
+        if self.live is not None and peers_seen(self.live, self.name, self.peers):
+            self.peer_state = "seen"
+            log("fleet_peer_seen", node=self.name, live=list(self.live.names),
+                waited_s=round(waited_s, 3))  # fmt: skip
+        elif waited_s >= self.peer_wait_s:
+            self.peer_state = "alone"
+            warn("fleet_no_peer", node=self.name, peers=list(self.peers),
+                 waited_s=round(waited_s, 3), note="publishing alone")  # fmt: skip
+        else:
+            return False
+        self.peer_waited_s = round(waited_s, 3)
+        return True
+
+    def trim_through(self) -> int:
+        """How far the shared change log may be trimmed: the lowest position
+        every live node reported (``Membership.trim_through``); 0 (trim
+        nothing) before this node joined, after it left, or when the
+        database does not answer."""
+        if self.number is None or self.left:
+            return 0
+        try:
+            return self.membership.trim_through()
+        except StoreError as exc:
+            warn("fleet_trim_position_failed", node=self.name, error=str(exc))
+            return 0
+
+    def trimmed_through(self) -> int | None:
+        """How far the shared log was trimmed; None when the database does
+        not answer."""
+        try:
+            return self.membership.trimmed_through()
+        except StoreError as exc:
+            warn("fleet_trim_position_failed", node=self.name, error=str(exc))
+            return None
 
     def leave(self) -> None:
         """Stop granting now, then leave the list (a clean stop); heartbeats
@@ -129,4 +195,10 @@ class FleetMember:
             "skew_s": None if last is None else round(last.skew.skew_s, 4),
             "skew_flagged": False if last is None else last.skew.flagged,
             "grant_deadline_left_s": round(max(0, until - now_ns) / 1e9, 3),
+            "peers": {
+                "names": list(self.peers),
+                "state": self.peer_state,
+                "waited_s": self.peer_waited_s,
+                "wait_s": self.peer_wait_s,
+            },
         }

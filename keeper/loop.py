@@ -40,8 +40,13 @@ def _fleet_tick(fleet: Any, keeper: Any, leave: bool = False) -> None:
         return
     if leave or _flags["leave"]:
         fleet.leave()
-    if fleet.tick() and fleet.live is not None:
+    if fleet.tick(keeper.resume_seq()) and fleet.live is not None:
         keeper.reown(fleet.live.names, time.time())
+    if fleet.peer_wait_over():
+        keeper.next_publish = 0.0  # the first real publish, now
+    if fleet.lapsed:
+        fleet.lapsed = False
+        keeper.rejoined(fleet.trimmed_through(), time.time())
 
 
 def main() -> int:

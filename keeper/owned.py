@@ -66,6 +66,27 @@ class Owned(KeeperBase):
         log("keeper_reowned", dropped=dropped, nodes=len(new.nodes))
         return True
 
+    def rejoined(self, trimmed_through: int | None, now: float) -> None:
+        """A heartbeat came after this node's membership had lapsed (a stall,
+        a partition): while it was out of the list its position held no trim
+        back (docs/fleet.md), so the shared log may have lost changes its
+        feed has not read, and no later change need be there to show the
+        gap. Past its position (or not known): a gap, as keeper/outage.py
+        handles one. The feed goes on from the trim, and the walk brings
+        every row written up to it."""
+        if trimmed_through is not None and trimmed_through <= self.feed_seq:
+            return  # nothing unread was trimmed: the feed goes on as it was
+        log("keeper_lapsed_gap", feed_seq=self.feed_seq, trimmed_through=trimmed_through)
+        self.stats.store["gaps"] += 1
+        self._doubt = "gap"
+        self._doubt_gen += 1
+        if trimmed_through is not None:
+            self.feed_seq = trimmed_through
+        self._verify = None  # a walk under way restarts from the first key
+        if self.status == "verifying":
+            self.status = "live"
+        self._set_exact(False, now)  # the next tick starts the walk (keeper/process.py)
+
     def fenced_in_flight(self) -> int:
         """Leases still live on keys a membership change dropped: in
         flight here and not held here, so the input law's ``waiting`` (due

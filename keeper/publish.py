@@ -52,7 +52,9 @@ class Publish(KeeperBase):
         # The best K straight from the class orders into the ready set: the
         # merge gives C arrays of slots, minutes, classes and ranks, and the
         # writer reads keys and versions by slot (no Python object a row).
-        k = 0 if self.paused_node else self.config.ready_size
+        # Nothing while paused, or while a fleet node waits for its peers.
+        waiting = self.fleet is not None and self.fleet.waiting_for_peers
+        k = 0 if self.paused_node or waiting else self.config.ready_size
         picked = self.buckets.best_gathered(now, k, paused_routes=self.paused_routes)
         keys = self.ready.publish_gathered(*picked[:7], now, ahead=ahead)
         if keep_out:  # the keys written (fewer when the heap was full) leave the orders

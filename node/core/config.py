@@ -145,10 +145,11 @@ class Config:
     # A fleet (docs/fleet.md): a node is out once its heartbeat is older than
     # membership_timeout_s by the database's clock; it heartbeats every
     # heartbeat_s; with peers (names or HOST:PORT addresses) it waits up to
-    # 2 minutes to see one live before it publishes.
+    # peer_wait_s (issue 18: 2 minutes) to see one live before it publishes.
     membership_timeout_s: float = 10.0
     heartbeat_s: float = 1.0
     peers: tuple[str, ...] = ()
+    peer_wait_s: float = 120.0
     defaults: RouteConfig = RouteConfig()
     routes: dict[str, RouteConfig] = field(default_factory=dict)
     jobs: dict[str, JobConfig] = field(default_factory=dict)
@@ -251,6 +252,7 @@ OPTIONS: dict[str, str] = {
     "membership_timeout_s": _DURATION,
     "heartbeat_s": _DURATION,
     "peers": _PEERS,
+    "peer_wait_s": _DURATION,
 }
 
 # name -> the values a string option may take
@@ -284,6 +286,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "header_timeout_s": (1, 300),
     "membership_timeout_s": (1, 3600),
     "heartbeat_s": (0.05, 600),
+    "peer_wait_s": (1, 3600),
 }
 
 

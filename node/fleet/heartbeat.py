@@ -42,17 +42,18 @@ class Heartbeat:
         self.last: Beat | None = None
         self.last_error: StoreError | None = None  # the last failed beat's, until one succeeds
 
-    def join(self) -> Member:
+    def join(self, applied_seq: int | None = None) -> Member:
         self.ready.set_grant_until(PAST)
         member = self.membership.join()
-        self.beat()
+        self.beat(applied_seq)
         return member
 
-    def beat(self) -> Beat | None:
+    def beat(self, applied_seq: int | None = None) -> Beat | None:
         """One heartbeat and the deadline it earns; None when it failed (the
-        deadline then stays, and lapses unless a later beat succeeds)."""
+        deadline then stays, and lapses unless a later beat succeeds).
+        ``applied_seq`` rides along (``Membership.heartbeat``)."""
         try:
-            beat = self.membership.heartbeat()
+            beat = self.membership.heartbeat(applied_seq)
         except StoreError as exc:
             self.failures += 1
             self.last_error = exc

@@ -250,15 +250,16 @@ class Membership:
         self.number = number
         return Member(self.name, self.address, number, started_at, started_at)
 
-    def heartbeat(self) -> Beat:
+    def heartbeat(self, applied_seq: int | None = None) -> Beat:
         """One heartbeat (one UPDATE, answered with the database's clock).
         The grant deadline it earns counts from the monotonic time read
-        before it was sent. NotAMember when this node has no live row."""
+        before it was sent. ``applied_seq``: the change-log position this
+        node's keeper would resume from (None leaves the last one). NotAMember
+        when this node has no live row."""
         sent_ns = self.monotonic_ns()
         wall_before = self.clock()
-        row = self._run(
-            "heartbeat", lambda conn: conn.execute(q.HEARTBEAT, {"name": self.name}).fetchone()
-        )
+        params = {"name": self.name, "applied_seq": applied_seq}
+        row = self._run("heartbeat", lambda conn: conn.execute(q.HEARTBEAT, params).fetchone())
         wall_after = self.clock()
         if row is None:
             raise NotAMember(f"node {self.name!r} has no live row in the fleet: join again")
@@ -283,6 +284,20 @@ class Membership:
             return LiveList((), self._run("clock", lambda c: c.execute(q.NOW).fetchone()[0]))
         members = tuple(Member(*row[:5]) for row in rows)
         return LiveList(members, rows[0][5])
+
+    def trim_through(self) -> int:
+        """The highest seq the shared change log may be trimmed through: the
+        lowest position a live node reported; 0 (keep it all) while a live
+        node has reported none, or none is live."""
+        params = {"timeout_s": self.membership_timeout_s}
+        low, unreported = self._run(
+            "trim position", lambda conn: conn.execute(q.TRIM_THROUGH, params).fetchone()
+        )
+        return 0 if low is None or unreported else int(low)
+
+    def trimmed_through(self) -> int:
+        """The highest seq a trim of the shared change log has removed."""
+        return int(self._run("trimmed", lambda conn: conn.execute(q.TRIMMED).fetchone()[0]))
 
     def leave(self) -> bool:
         """Leave at once (a clean shutdown): the other nodes stop counting

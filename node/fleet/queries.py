@@ -30,7 +30,8 @@ LOCK = "SELECT pg_advisory_xact_lock(%(lock)s)"
 # Join, step 1: a name seen before takes its row back (and keeps its number).
 REVIVE = """
 UPDATE fleet_nodes
-   SET address = %(address)s, started_at = now(), heartbeat_at = now(), left_at = NULL
+   SET address = %(address)s, started_at = now(), heartbeat_at = now(), left_at = NULL,
+       applied_seq = NULL
  WHERE name = %(name)s
 RETURNING number, extract(epoch FROM started_at)::float8
 """
@@ -48,10 +49,11 @@ RETURNING number, extract(epoch FROM started_at)::float8
 """
 
 # One statement: the database's clock, and the heartbeat it replaced (to tell
-# a node whether it had dropped out of the live list meanwhile).
+# a node whether it had dropped out of the live list meanwhile). It carries
+# the change-log position the node's keeper may resume from (NULL: unchanged).
 HEARTBEAT = """
 UPDATE fleet_nodes AS n
-   SET heartbeat_at = now()
+   SET heartbeat_at = now(), applied_seq = COALESCE(%(applied_seq)s, n.applied_seq)
   FROM (SELECT name, heartbeat_at FROM fleet_nodes WHERE name = %(name)s FOR UPDATE) AS before
  WHERE n.name = before.name AND n.left_at IS NULL
 RETURNING extract(epoch FROM now())::float8, extract(epoch FROM before.heartbeat_at)::float8
@@ -65,6 +67,20 @@ SELECT name, address, number, extract(epoch FROM started_at)::float8,
  WHERE left_at IS NULL AND heartbeat_at > now() - make_interval(secs => %(timeout_s)s)
  ORDER BY name
 """
+
+# How far the shared change log may be trimmed: the lowest position every
+# live node reported, and whether a live node has reported none yet (it
+# joined a moment ago: the log is kept whole until it does). Nodes that left
+# or lapsed do not count: they load anew, or find their gap and walk.
+TRIM_THROUGH = """
+SELECT min(applied_seq)::bigint, bool_or(applied_seq IS NULL)
+  FROM fleet_nodes
+ WHERE left_at IS NULL AND heartbeat_at > now() - make_interval(secs => %(timeout_s)s)
+"""
+
+# How far the log was trimmed (by any node): a node back from a lapse
+# compares it with its feed's position (keeper/owned.py, ``rejoined``).
+TRIMMED = "SELECT through FROM changes_trimmed"
 
 NOW = "SELECT extract(epoch FROM now())::float8"
 

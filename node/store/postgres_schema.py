@@ -227,6 +227,15 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             )""",
         ],
     ),
+    (
+        3,
+        "fleet_nodes.applied_seq: the change-log position each node may resume from",
+        [
+            # NULL until the node's first heartbeat reports it (and again at
+            # each join): a live node with NULL holds the whole log (keeper/feed.py).
+            "ALTER TABLE fleet_nodes ADD COLUMN IF NOT EXISTS applied_seq bigint",
+        ],
+    ),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

@@ -256,3 +256,41 @@ def test_a_node_with_peers_waits_for_one_and_a_node_alone_does_not(db):
         assert seen and live.names == ("a", "b")
         _live, seen = b.wait_for_peers([], timeout_s=0.0)
         assert seen
+
+
+def test_the_trim_position_is_the_lowest_a_live_node_reported(db):
+    """The shared change log may be trimmed only through the lowest position
+    every live node reported with its heartbeat (docs/fleet.md): a node that
+    has reported none holds it all; one that left or lapsed holds nothing."""
+    from node.testing import wait_for
+
+    with (
+        Membership(db, "a", "a:1", membership_timeout_s=1.0) as a,
+        Membership(db, "b", "b:1", membership_timeout_s=1.0) as b,
+    ):
+        a.join()
+        assert a.trim_through() == 0  # joined, nothing reported yet
+        a.heartbeat(applied_seq=40)
+        assert a.trim_through() == 40
+        b.join()
+        assert a.trim_through() == 0  # b reported nothing yet: keep it all
+        b.heartbeat(applied_seq=25)
+        assert a.trim_through() == 25
+        a.heartbeat()  # no position: the last one stays
+        assert a.trim_through() == 25
+        b.heartbeat(applied_seq=60)
+        a.heartbeat(applied_seq=50)
+        assert b.trim_through() == 50
+        # b left: it holds the log back no more; back, it has reported none.
+        assert b.leave() and a.trim_through() == 50
+        a.heartbeat(applied_seq=70)
+        assert a.trim_through() == 70
+        b.join()
+        assert a.trim_through() == 0
+        b.heartbeat(applied_seq=30)
+        # b lapses (no heartbeat past the timeout): a alone decides.
+        a.heartbeat(applied_seq=80)
+        assert a.trim_through() == 30
+        wait_for(lambda: (a.heartbeat(applied_seq=80), "b" not in a.live())[1], 10, "b lapsed")
+        assert a.trim_through() == 80
+        assert a.trimmed_through() == 0  # nothing trimmed the log yet

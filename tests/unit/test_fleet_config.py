@@ -28,6 +28,8 @@ def test_defaults_and_every_source():
     config = load_config({"membership_timeout_s": "30s", "heartbeat_s": "2"}, env={})
     assert (config.membership_timeout_s, config.heartbeat_s) == (30.0, 2.0)
     assert Config.from_json(config.to_json()) == config
+    assert load_config(env={"QUEUE_NODE_NAME": "a"}).peer_wait_s == 120.0
+    assert load_config(env={"QUEUE_NODE_NAME": "a", "QUEUE_NODE_PEER_WAIT_S": "5"}).peer_wait_s == 5
 
 
 def test_peers_from_the_file(tmp_path):
@@ -47,6 +49,7 @@ def test_peers_from_the_file(tmp_path):
         ),
         ({"membership_timeout_s": "0.5"}, "out of range: allowed 1 to 3600"),
         ({"heartbeat_s": "0"}, "out of range: allowed 0.05 to 600"),
+        ({"peer_wait_s": "0.5"}, "out of range: allowed 1 to 3600"),
         ({"peers": "b,not a name"}, "expected a list of node names or HOST:PORT addresses"),
         ({"peers": "a,b"}, "peers names this node ('a')"),
     ],
