@@ -51,6 +51,7 @@ from node.core.urls import redact_url
 from node.store import postgres_schema as q
 from node.store.base import BadRow, DueChange, LastError, Store, WriteBack, due_or_none
 from node.store.postgres_feed import Horizon, Listener
+from node.store.values import bad_reason, encode_payload, stored_row
 
 try:
     import psycopg
@@ -107,39 +108,6 @@ def _check_origin(origin: str) -> None:
         raise ValueError(f"origin must be one of {ORIGINS}, not {origin!r}")
 
 
-def _encode_payload(payload: Any) -> str | None:
-    if payload is None:
-        return None
-    return json.dumps(payload, separators=(",", ":"), allow_nan=False)
-
-
-def _decode_payload(stored: Any) -> Any:
-    """Parsed JSON; what another program stored that is not JSON comes back raw."""
-    if stored is None:
-        return None
-    try:
-        return json.loads(stored)
-    except (ValueError, TypeError):
-        return stored
-
-
-def _bad_reason(route: Any, cadence_s: Any, sitemap: Any, due_at: Any) -> str:
-    return (
-        "stored values are not schedulable: "
-        f"route={route!r} cadence_s={cadence_s!r} sitemap={sitemap!r} due_at={due_at!r}"
-    )
-
-
-def _row(stored: tuple) -> Row | BadRow:
-    key, route, cadence_s, sitemap, due_at, payload, job, version, rid, finished, error = stored
-    if not stored_row_is_valid(route, cadence_s, sitemap, due_at):
-        return BadRow(key, version, _bad_reason(route, cadence_s, sitemap, due_at))
-    return Row(
-        key, route, cadence_s, sitemap == 1, due_at, _decode_payload(payload), job, version,
-        rid, finished, error,
-    )  # fmt: skip
-
-
 def _integer(value: Any, name: str) -> Any:
     """An INTEGER column's value as SQLite would keep it schedulable: a bool or
     an integral float as an int; anything else non-integral is refused."""
@@ -166,7 +134,7 @@ def _columns(rows: Sequence[RowWrite], now: float) -> list[list[Any]]:
         cols[2].append(None if w.cadence_s is MISSING else _integer(w.cadence_s, "cadence_s"))
         cols[3].append(0 if w.sitemap is MISSING else _integer(w.sitemap, "sitemap"))
         cols[4].append(now if w.due_at is MISSING else w.due_at)
-        cols[5].append(None if w.payload is MISSING else _encode_payload(w.payload))
+        cols[5].append(None if w.payload is MISSING else encode_payload(w.payload))
         cols[6].append(DEFAULT_JOB if w.job is MISSING else w.job)
     for due_at in cols[4]:
         if due_at is not None:
@@ -412,7 +380,7 @@ class PostgresStore(Store):
     def get(self, key: str) -> Row | BadRow | None:
         with self._conn("get") as conn:
             stored = conn.execute(q.GET_ROW, (key,)).fetchone()
-        return None if stored is None else _row(stored)
+        return None if stored is None else stored_row(stored)
 
     def get_many(self, keys: Iterable[str]) -> dict[str, Row | BadRow]:
         wanted = list(dict.fromkeys(keys))
@@ -420,7 +388,7 @@ class PostgresStore(Store):
             return {}
         with self._conn("get_many") as conn:
             found = conn.execute(q.GET_MANY, (wanted,)).fetchall()
-        return {stored[0]: _row(stored) for stored in found}
+        return {stored[0]: stored_row(stored) for stored in found}
 
     def jobs_of(self, keys: Iterable[str]) -> dict[str, tuple[str, float | None, str]]:
         wanted = list(dict.fromkeys(keys))
@@ -442,7 +410,7 @@ class PostgresStore(Store):
                 found = conn.execute(q.WALK_ALL, (limit,)).fetchall()
             else:
                 found = conn.execute(q.WALK_AFTER, (after, limit)).fetchall()
-        return [_row(stored) for stored in found]
+        return [stored_row(stored) for stored in found]
 
     def walk_schedule(
         self, after: str | None, limit: int
@@ -461,7 +429,7 @@ class PostgresStore(Store):
             if valid(route, cadence_s, sitemap, due_at):
                 rows.append((key, version, route, cadence_s, sitemap == 1, due_at))
             else:
-                bad.append(BadRow(key, version, _bad_reason(route, cadence_s, sitemap, due_at)))
+                bad.append(BadRow(key, version, bad_reason(route, cadence_s, sitemap, due_at)))
         last = found[-1][0] if len(found) >= limit else None
         return rows, bad, last
 

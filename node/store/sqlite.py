@@ -62,14 +62,12 @@ from node.store.sqlite_values import (
     BUSY_TIMEOUT_S,
     _check_origin,
     _params,
-    _row,
     _set_wal,
     _wrap,
     _WriteTransaction,
-    bad_reason,
-    decode_payload,
     store_error,
 )
+from node.store.values import bad_reason, decode_payload, stored_row
 
 # WriteBack(key, due_at, if_version, result_id, finished_at): its key, and the
 # parameters of q.WRITE_BACK in their order (due_at, result_id, finished_at,
@@ -407,13 +405,13 @@ class SQLiteStore(Store):
                 stored = conn.execute(q.GET_ROW, (key,)).fetchone()
             except sqlite3.Error as exc:
                 raise _wrap(exc, "get") from exc
-        return None if stored is None else _row(stored)
+        return None if stored is None else stored_row(stored)
 
     def get_many(self, keys: Iterable[str]) -> dict[str, Row | BadRow]:
         """Batched point read: Row or BadRow (as ``get``) by key; keys with
         no row are absent."""
         found = self._read_keys(keys, q.get_many_sql, "get_many")
-        return {stored[0]: _row(stored) for stored in found}
+        return {stored[0]: stored_row(stored) for stored in found}
 
     def _read_keys(self, keys: Iterable[str], sql_of: Any, action: str) -> list[tuple]:
         """The rows ``sql_of(n)`` reads for the distinct keys, IN_CHUNK at a time."""
@@ -502,7 +500,7 @@ class SQLiteStore(Store):
                     found = conn.execute(q.WALK_AFTER, (after, limit)).fetchall()
             except sqlite3.Error as exc:
                 raise _wrap(exc, "walk") from exc
-        return [_row(stored) for stored in found]
+        return [stored_row(stored) for stored in found]
 
     def walk_schedule(
         self, after: str | None, limit: int

@@ -1,65 +1,28 @@
-"""The SQLite store's pieces that are not the store itself: a payload's
-JSON in and out, a stored row's checks and its ``Row``, a write's bound
-values, SQLite's errors as the store's, WAL mode, and the write transaction
+"""The SQLite store's pieces that are not the store itself: a write's bound
+values (a stored row's values out are node/store/values.py's, shared with
+PostgreSQL), SQLite's errors as the store's, WAL mode, and the write transaction
 with its origin for the triggers. ``sqlite.py`` is the store."""
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import time
-from typing import Any
 
 from node.core.errors import StoreError, StoreUnavailable
 from node.core.rows import (
     DEFAULT_JOB,
     MISSING,
     ORIGINS,
-    Row,
     RowWrite,
-    stored_row_is_valid,
 )
 from node.store import queries as q
-from node.store.base import BadRow
+from node.store.values import encode_payload
 
 # A writer holding the file's write lock (another node process, an importer)
 # is waited for this long before the operation fails as unavailable.
 BUSY_TIMEOUT_S = 5.0
 
-# -- values in and out ---------------------------------------------------------
-
-
-def encode_payload(payload: Any) -> str | None:
-    if payload is None:
-        return None
-    return json.dumps(payload, separators=(",", ":"), allow_nan=False)
-
-
-def decode_payload(stored: Any) -> Any:
-    """Parsed JSON; what another program stored that is not JSON comes back raw."""
-    if stored is None:
-        return None
-    try:
-        return json.loads(stored)
-    except (ValueError, TypeError):
-        return stored
-
-
-def bad_reason(route: Any, cadence_s: Any, sitemap: Any, due_at: Any) -> str:
-    return (
-        "stored values are not schedulable: "
-        f"route={route!r} cadence_s={cadence_s!r} sitemap={sitemap!r} due_at={due_at!r}"
-    )
-
-
-def _row(stored: tuple) -> Row | BadRow:
-    key, route, cadence_s, sitemap, due_at, payload, job, version, rid, finished, error = stored
-    if not stored_row_is_valid(route, cadence_s, sitemap, due_at):
-        return BadRow(key, version, bad_reason(route, cadence_s, sitemap, due_at))
-    return Row(
-        key, route, cadence_s, sitemap == 1, due_at, decode_payload(payload), job, version,
-        rid, finished, error,
-    )  # fmt: skip
+# -- values in ------------------------------------------------------------------
 
 
 def _params(w: RowWrite, now: float) -> tuple:

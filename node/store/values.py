@@ -1,0 +1,46 @@
+"""A stored row's values in and out, alike for the SQL stores (SQLite and
+PostgreSQL keep the payload as compact JSON text and a row's columns in the
+same order): a payload's JSON, a stored row's checks and its ``Row``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from node.core.rows import Row, stored_row_is_valid
+from node.store.base import BadRow
+
+
+def encode_payload(payload: Any) -> str | None:
+    if payload is None:
+        return None
+    return json.dumps(payload, separators=(",", ":"), allow_nan=False)
+
+
+def decode_payload(stored: Any) -> Any:
+    """Parsed JSON; what another program stored that is not JSON comes back raw."""
+    if stored is None:
+        return None
+    try:
+        return json.loads(stored)
+    except (ValueError, TypeError):
+        return stored
+
+
+def bad_reason(route: Any, cadence_s: Any, sitemap: Any, due_at: Any) -> str:
+    return (
+        "stored values are not schedulable: "
+        f"route={route!r} cadence_s={cadence_s!r} sitemap={sitemap!r} due_at={due_at!r}"
+    )
+
+
+def stored_row(stored: tuple) -> Row | BadRow:
+    """A row as read (key, route, cadence_s, sitemap, due_at, payload, job,
+    version and the three outcome columns), or a BadRow naming what is wrong."""
+    key, route, cadence_s, sitemap, due_at, payload, job, version, rid, finished, error = stored
+    if not stored_row_is_valid(route, cadence_s, sitemap, due_at):
+        return BadRow(key, version, bad_reason(route, cadence_s, sitemap, due_at))
+    return Row(
+        key, route, cadence_s, sitemap == 1, due_at, decode_payload(payload), job, version,
+        rid, finished, error,
+    )  # fmt: skip
