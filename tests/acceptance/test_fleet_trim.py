@@ -43,6 +43,18 @@ def _positions(pg_url: str) -> tuple[int, dict[str, tuple[int | None, bool]]]:
     return rows[0][0], {name: (seq, live) for _t, name, seq, live in rows}
 
 
+def _no_heartbeat_in_flight(pg_url: str) -> bool:
+    """No session of the run's database is inside a statement or transaction
+    on the node list: a heartbeat sent before its keeper stopped has landed."""
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        busy = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND state IN ('active', 'idle in transaction')"
+            " AND query ILIKE '%fleet_nodes%'"
+        ).fetchone()[0]
+    return busy == 0
+
+
 def _write(node: NodeProcess, start: int, n: int) -> None:
     rows = [{"key": f"k{i}", "route": "r", "cadence_s": 3600, "due_at": time.time() + 600}
             for i in range(start, start + n)]  # fmt: skip
@@ -102,7 +114,8 @@ def test_the_shared_log_is_trimmed_below_every_live_node_and_a_stalled_one_holds
         os.kill(keeper, signal.SIGSTOP)
         stopped = True
         try:
-            time.sleep(0.5)  # a heartbeat in flight when it stopped has landed
+            wait_for(lambda: _no_heartbeat_in_flight(pg_url), 10,
+                     "a heartbeat in flight when it stopped landed")  # fmt: skip
             held = _positions(pg_url)[1][slow.name][0]
             assert held is not None
             for round_ in range(4, 8):
