@@ -250,6 +250,18 @@ class KeeperBase:
                 # (shm/state.py, write_doc): count again at the next tick.
                 self.next_state = 0.0
 
+    def _doubt_copy(self, kind: str, now: float) -> None:
+        """The copy may differ from the table (``kind``: a store error's
+        verdict, a gap in the change log, a membership change): not exact
+        until a walk started after this ends (keeper/verify.py); a walk under
+        way restarts from the first key."""
+        self._doubt = kind
+        self._doubt_gen += 1
+        self._verify = None
+        if self.status == "verifying":
+            self.status = "live"
+        self._set_exact(False, now)
+
     def _read_paused(self) -> None:
         self.paused_routes = frozenset(self.store.get_meta("paused_routes", []) or [])
         self.paused_node = bool(self.store.get_meta("paused_node", False))

@@ -211,16 +211,12 @@ class Outage(KeeperBase):
             # The change log cannot say what was missed: walk the table. The
             # keeper is exact again when the walk ends (``_finish_verify``).
             figures["walks"] += 1
-            self._doubt = verdict
-            self._doubt_gen += 1
             if verdict == "gap":
                 # Subscribe first, then walk (as the load does): the feed goes
                 # on from the store's last seq, and the walk brings every row
                 # written up to it, those the trimmed log no longer shows too.
                 self.feed_seq = last
-            self._verify = None  # a walk under way restarts from the first key
-            if self.status == "verifying":
-                self.status = "live"
+            self._doubt_copy(verdict, now)
             if not self._loading:
                 self.start_verify(now)
         self.drain_feed(now)

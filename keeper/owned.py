@@ -57,12 +57,7 @@ class Owned(KeeperBase):
             return True  # before the load: it walks with it
         dropped = self._drop_unowned()
         self.next_publish = 0.0  # no set may go on offering a dropped key
-        self._doubt = MEMBERSHIP
-        self._doubt_gen += 1
-        self._verify = None  # a walk under way restarts, for the new split
-        if self.status == "verifying":
-            self.status = "live"
-        self._set_exact(False, now)  # the next tick starts the walk (keeper/process.py)
+        self._doubt_copy(MEMBERSHIP, now)  # the next tick walks, for the new split
         log("keeper_reowned", dropped=dropped, nodes=len(new.nodes))
         return True
 
@@ -78,14 +73,9 @@ class Owned(KeeperBase):
             return  # nothing unread was trimmed: the feed goes on as it was
         log("keeper_lapsed_gap", feed_seq=self.feed_seq, trimmed_through=trimmed_through)
         self.stats.store["gaps"] += 1
-        self._doubt = "gap"
-        self._doubt_gen += 1
         if trimmed_through is not None:
             self.feed_seq = trimmed_through
-        self._verify = None  # a walk under way restarts from the first key
-        if self.status == "verifying":
-            self.status = "live"
-        self._set_exact(False, now)  # the next tick starts the walk (keeper/process.py)
+        self._doubt_copy("gap", now)  # the next tick starts the walk (keeper/process.py)
 
     def fenced_in_flight(self) -> int:
         """Leases still live on keys a membership change dropped: in
