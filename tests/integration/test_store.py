@@ -651,7 +651,11 @@ def test_a_write_lock_held_too_long_is_unavailable(tmp_path, monkeypatch):
         assert s.upsert([RowWrite("k", "r")], now=NOW) == 1
 
 
-def test_a_forked_child_opens_its_own_connection(db):
+@pytest.mark.parametrize("store", ["sqlite", "postgresql"], indirect=True)
+def test_a_forked_child_opens_its_own_connection(store):
+    """A child forked with the store open writes through a connection (a pool,
+    on PostgreSQL) of its own, and the parent's go on working."""
+    db = store
     db.upsert([RowWrite("parent", "r")], now=NOW)
     pid = os.fork()
     if pid == 0:  # the child: report through the exit status only
@@ -665,7 +669,7 @@ def test_a_forked_child_opens_its_own_connection(db):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert db.get("child").version == 2
-    db.upsert([RowWrite("parent", "r2")], now=NOW)
+    db.upsert([RowWrite("parent", "r2")], now=NOW)  # the parent's sessions still work
     assert db.get("parent").version == 3
 
 

@@ -284,25 +284,6 @@ def test_meta_is_the_nodes_own(db, pg_url):
     assert db.get_meta("paused") == ["pages"]
 
 
-def test_a_forked_child_opens_its_own_pool(db):
-    db.upsert([RowWrite("parent", "r")], now=NOW)
-    pid = os.fork()
-    if pid == 0:  # the child: report through the exit status only
-        code = 1
-        try:
-            db.check_fork()
-            db.upsert([RowWrite("child", "r")], now=NOW)
-            code = 0 if db.get("parent") is not None else 2
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    assert db.get("child").version == 2
-    db.upsert([RowWrite("parent", "r2")], now=NOW)  # the parent's sessions still work
-    assert db.get("parent").version == 3
-
-
-@pytest.mark.parametrize(("durable", "setting"), [(True, "on"), (False, "off")])
 def test_a_store_opened_not_durable_commits_without_waiting_for_the_flush(
     pg_url, durable, setting
 ):
