@@ -55,7 +55,7 @@ class Owned(KeeperBase):
         log("keeper_ownership", nodes=list(new.nodes), first=first)
         if first:
             return True  # before the load: it walks with it
-        dropped = self._drop_unowned()
+        dropped = self._drop_unowned(now)
         self.next_publish = 0.0  # no set may go on offering a dropped key
         self._doubt_copy(MEMBERSHIP, now)  # the next tick walks, for the new split
         log("keeper_reowned", dropped=dropped, nodes=len(new.nodes))
@@ -86,11 +86,16 @@ class Owned(KeeperBase):
             self.fenced = {key for key in self.fenced if self._leased(key)}
         return len(self.fenced)
 
-    def _drop_unowned(self) -> int:
+    def _drop_unowned(self, now: float) -> int:
         keys = [item[0] for item in self.buckets.items()]
         owned = self._owned(keys)
         if owned is None:
             return 0
+        if self.leases is not None:
+            # The excluded keys are followed at each publish only: a key
+            # granted from the live set since then must be seen leased now,
+            # or it would be counted withdrawn while its lease is in flight.
+            self._follow_leases(now)
         exclude = self.exclude if self.leases is not None else ()
         get, remove = self.buckets.get, self.buckets.remove
         dropped = 0

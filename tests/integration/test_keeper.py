@@ -482,6 +482,42 @@ def test_leased_keys_are_left_out_of_the_publish_but_counted(segments, node_name
         store.close()
 
 
+def test_a_key_granted_since_the_last_publish_stays_fenced_when_another_node_takes_it(
+    segments, node_name, tmp_path
+):
+    """A membership change drops the rows another node now owns: one a
+    claimer took from the live set since the keeper last published (no
+    publish has followed the lease table since) is in flight, fenced, not
+    withdrawn. (A full-suite run caught it counted withdrawn.)"""
+    from keeper.owners import Ownership
+    from shm.leases import LeaseTable
+
+    store = open_store("memory://")
+    store.upsert([RowWrite(f"k{i}", "pages", due_at=NOW - 3600) for i in range(400)], now=NOW)
+    leases = LeaseTable.create(node_name, capacity=4096, max_misses=3)
+    claimer = ReadySet.attach(node_name)
+    try:
+        keeper = Keeper(_config(node_name, tmp_path), store, *segments, leases=leases)
+        keeper.start(NOW)
+        _run_until_live(keeper, NOW)
+        keeper.publish(NOW)
+        taken = _take(claimer, 100)
+        assert len(taken) == 100
+        assert all(leases.grant(key, "t", 600, NOW, 3600) for key in taken)
+        names = [node_name, "other-node"]
+        moved = [key for key in taken if Ownership(names, "other-node").owns(key)]
+        assert moved
+        assert keeper.reown(names, NOW + 1)
+        assert keeper.fenced == set(moved)
+        lost = sum(1 for i in range(400) if Ownership(names, "other-node").owns(f"k{i}"))
+        assert keeper.withdrawn == lost - len(moved)
+    finally:
+        claimer.close()
+        leases.close()
+        LeaseTable.unlink(node_name)
+        store.close()
+
+
 def test_pause_and_resume_are_read_from_the_store(store, segments, node_name, tmp_path):
     store.upsert(_rows(1000, seed=13), now=NOW)
     keeper = Keeper(_config(node_name, tmp_path), store, *segments)

@@ -284,6 +284,7 @@ def test_meta_is_the_nodes_own(db, pg_url):
     assert db.get_meta("paused") == ["pages"]
 
 
+@pytest.mark.parametrize(("durable", "setting"), [(True, "on"), (False, "off")])
 def test_a_store_opened_not_durable_commits_without_waiting_for_the_flush(
     pg_url, durable, setting
 ):
