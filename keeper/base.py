@@ -142,6 +142,8 @@ class KeeperBase:
         self.stats = Stats()
         self.paused_routes: frozenset[str] = frozenset()
         self.paused_node = False
+        self.paused_nodes: list[str] = []  # in a fleet, every node paused (keeper/owned.py)
+        self._next_pause_read = 0.0
         # Occurrences that came due (``received``): the count saved by the
         # last run plus what this run's buckets counted since its load.
         self._received_base = 0
@@ -227,6 +229,7 @@ class KeeperBase:
         def _feed_gap(self, first_seq: int, now: float) -> None: ...
         def _owned(self, keys: Sequence[str]) -> set[str] | None: ...
         def fenced_in_flight(self) -> int: ...
+        def follow_pauses(self, now: float) -> None: ...
         def _follow_leases(self, now: float) -> None: ...
         def _withdraw(
             self, before: tuple[int, int, int], after: tuple[int, int, int] | None
@@ -264,5 +267,11 @@ class KeeperBase:
         self._set_exact(False, now)
 
     def _read_paused(self) -> None:
-        self.paused_routes = frozenset(self.store.get_meta("paused_routes", []) or [])
-        self.paused_node = bool(self.store.get_meta("paused_node", False))
+        """Re-read what is paused; a change (a pause written by another
+        process, or in a fleet by another node) is published at once: no set
+        may go on offering a paused route's keys."""
+        routes = frozenset(self.store.get_meta("paused_routes", []) or [])
+        node = bool(self.store.get_meta("paused_node", False))
+        if routes != self.paused_routes or node != self.paused_node:
+            self.paused_routes, self.paused_node = routes, node
+            self.next_publish = 0.0

@@ -32,6 +32,10 @@ from keeper.owners import Ownership
 from node.core.log import log
 
 MEMBERSHIP = "membership"  # the doubt a membership change leaves until its walk ends
+# How often a fleet keeper reads what is paused: a route paused through any
+# node is paused fleet-wide (node/store/postgres.py, FLEET_META), and another
+# node's pause shows in every node's state (``now.paused_nodes``).
+PAUSE_READ_S = 1.0
 
 
 class Owned(KeeperBase):
@@ -60,6 +64,17 @@ class Owned(KeeperBase):
         self._doubt_copy(MEMBERSHIP, now)  # the next tick walks, for the new split
         log("keeper_reowned", dropped=dropped, nodes=len(new.nodes))
         return True
+
+    def follow_pauses(self, now: float) -> None:
+        """A fleet keeper's read of the pauses, every PAUSE_READ_S: a route
+        paused through another node stops this node's grants at the publish
+        it causes (``_read_paused``)."""
+        if self.fleet is None or now < self._next_pause_read:
+            return
+        self._next_pause_read = now + PAUSE_READ_S
+        self._read_paused()
+        by_node = self.store.meta_of_every_node("paused_node")
+        self.paused_nodes = sorted(name for name, paused in by_node.items() if paused)
 
     def rejoined(self, trimmed_through: int | None, now: float) -> None:
         """A heartbeat came after this node's membership had lapsed (a stall,

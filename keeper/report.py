@@ -82,6 +82,10 @@ class Report(KeeperBase):
                 "classes": len(self.classes),
                 "paused": sorted(self.paused_routes),
                 "paused_node": self.paused_node,
+                "paused_nodes": (
+                    self.paused_nodes if self.fleet is not None
+                    else [self.config.name] if self.paused_node else []
+                ),
             },
             "coming": self.buckets.coming(now),
             "lateness": self._lateness_doc(now, oldest, per_class),

@@ -257,6 +257,13 @@ class Store(abc.ABC):
     def set_meta(self, name: str, value: Any) -> None:
         """Store a JSON value under ``name``."""
 
+    def meta_of_every_node(self, name: str) -> dict[str, Any]:
+        """``name``'s value for every node that stored one, by node name: a
+        fleet's store keeps a node's meta apart from its peers'; a store of
+        one node has only its own (under the empty name: it has no other)."""
+        value = self.get_meta(name)
+        return {} if value is None else {"": value}
+
     # -- the claim path --------------------------------------------------------
 
     def claim_source(self) -> ClaimSource | None:

@@ -186,6 +186,13 @@ def migrate(conn: Any, shown_url: str) -> None:
             conn.execute(q.RECORD_MIGRATION, (version, name, time.time()))
 
 
+# Meta by intent: a route paused is paused for the whole fleet (every node
+# reads the one entry, under FLEET_SCOPE, a name no node can have); the rest
+# (a node paused, its lifetime counters) is each node's own.
+FLEET_META = frozenset({"paused_routes"})
+FLEET_SCOPE = ""
+
+
 class PostgresStore(Store):
     """The schedule in a PostgreSQL database (created and migrated on open)."""
 
@@ -530,14 +537,22 @@ class PostgresStore(Store):
                     self._listener = None
                 raise _wrap(exc, "wait_for_changes") from exc
 
-    # -- meta (this node's) -------------------------------------------------------
+    # -- meta: this node's, or the fleet's -----------------------------------------
+
+    def _meta_owner(self, name: str) -> str:
+        return FLEET_SCOPE if name in FLEET_META else self.node_name
 
     def get_meta(self, name: str, default: Any = None) -> Any:
         with self._conn("get_meta") as conn:
-            found = conn.execute(q.GET_META, (self.node_name, name)).fetchone()
+            found = conn.execute(q.GET_META, (self._meta_owner(name), name)).fetchone()
         return default if found is None else json.loads(found[0])
 
     def set_meta(self, name: str, value: Any) -> None:
         encoded = json.dumps(value, separators=(",", ":"), allow_nan=False)
         with self._conn("set_meta") as conn:
-            conn.execute(q.SET_META, (self.node_name, name, encoded))
+            conn.execute(q.SET_META, (self._meta_owner(name), name, encoded))
+
+    def meta_of_every_node(self, name: str) -> dict[str, Any]:
+        with self._conn("meta_of_every_node") as conn:
+            found = conn.execute(q.META_OF_EVERY_NODE, (name,)).fetchall()
+        return {node: json.loads(value) for node, value in found}

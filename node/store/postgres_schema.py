@@ -350,6 +350,7 @@ DUE_HISTORY = """SELECT seq, op, key, origin, due_at, old_due_at, at FROM change
 # -- meta ---------------------------------------------------------------------------
 
 GET_META = "SELECT value FROM node_meta WHERE node = %s AND name = %s"
+META_OF_EVERY_NODE = "SELECT node, value FROM node_meta WHERE name = %s AND node <> ''"
 SET_META = """INSERT INTO node_meta (node, name, value) VALUES (%s, %s, %s)
         ON CONFLICT (node, name) DO UPDATE SET value = excluded.value"""
 

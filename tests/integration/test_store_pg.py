@@ -284,6 +284,17 @@ def test_meta_is_the_nodes_own(db, pg_url):
     assert db.get_meta("paused") == ["pages"]
 
 
+def test_a_paused_route_is_the_fleets_and_every_nodes_pause_is_seen(db, pg_url):
+    db.set_meta("paused_routes", ["docs"])
+    db.set_meta("paused_node", True)
+    with PostgresStore(pg_url, node_name="other") as other:
+        assert other.get_meta("paused_routes") == ["docs"]  # one entry, the fleet's
+        assert other.get_meta("paused_node") is None  # a node's own
+        other.set_meta("paused_node", False)
+        assert other.meta_of_every_node("paused_node") == {db.node_name: True, "other": False}
+    assert db.meta_of_every_node("paused_routes") == {}  # no node holds the fleet's
+
+
 @pytest.mark.parametrize(("durable", "setting"), [(True, "on"), (False, "off")])
 def test_a_store_opened_not_durable_commits_without_waiting_for_the_flush(
     pg_url, durable, setting

@@ -1,3 +1,4 @@
+# Over 650 lines: one hand-written description of the whole API (split, shared parts scatter).
 """``GET /openapi.json``: the API as it exists in this build, hand-written.
 
 Keep it in step with ``workers/http/app.py`` (``tests/integration/test_http.py`` checks that
@@ -524,6 +525,7 @@ def _queue_state_schemas() -> tuple[dict[str, Any], dict[str, Any]]:
                     "rows": count,
                     "classes": count,
                     "paused": paused,
+                    "paused_nodes": {"type": "array", "items": {"type": "string"}},
                     "status": {"type": "string"},
                 }
             ),
