@@ -76,6 +76,7 @@ class Summary:
     meta: list[str] = field(default_factory=list)
     checksum: str = ""
     uncounted_changes: int | None = None
+    leases_outstanding: int | None = None
 
     def to_json(self, plan: Plan) -> dict[str, Any]:
         return {
@@ -86,6 +87,7 @@ class Summary:
             "meta": self.meta,
             "checksum": self.checksum,
             "uncounted_changes": self.uncounted_changes,
+            "leases_outstanding": self.leases_outstanding,
             "from": f"sqlite:///{plan.source_path}",
             "to": redact_url(plan.target_url),
         }
@@ -345,8 +347,28 @@ def _run(plan: Plan, source: Source, say: Callable[[str], None], started: float)
                     )
         except psycopg.Error as exc:
             raise _wrap(exc, "migrate") from exc
+    summary.leases_outstanding = leases_outstanding(plan.data_dir)
     summary.seconds = time.monotonic() - started
     return summary
+
+
+def leases_outstanding(data_dir: Path) -> int | None:
+    """The leases a clean stop saved in the data directory (``leases.msgpack``)
+    that a node restarted on it puts back: each was granted on the row's
+    version in the SQLite file, so its result's write-back loses to the
+    target's version guard and the row runs once more (its result is still
+    kept and delivered). None when the file cannot be read."""
+    from shm.leases.persist import read_lease_file
+    from shm.leases.protocol import LEASED
+
+    path = data_dir / "leases.msgpack"
+    if not path.exists():
+        return 0
+    try:
+        _next, _counters, entries = read_lease_file(path)
+    except NodeError:
+        return None
+    return sum(1 for _key, code, _rec in entries if code == LEASED)
 
 
 def _scalar(conn: Any, sql: str) -> Any:

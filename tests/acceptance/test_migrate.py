@@ -17,6 +17,8 @@ from urllib.parse import quote
 import psycopg
 import pytest
 
+from node import migrate as node_migrate
+from node.core.errors import ConfigError
 from node.core.rows import RowWrite
 from node.store.base import LastError, WriteBack
 from node.store.postgres import PostgresStore
@@ -141,6 +143,9 @@ def test_a_stopped_nodes_schedule_moves_row_for_row_and_a_node_on_postgresql_hol
     try:
         node.start()
         assert node.request("POST", "/admin/pause", {"route": PAUSED_ROUTE})[0] == 200
+        # A lease a GPU holds over the stop (saved in the data directory).
+        status, body = node.request("POST", "/claim", {"max": 1, "consumer": "gpu", "lease_s": 600})
+        assert status == 200 and len(body["leases"]) == 1, body
         wait_for(lambda: queue_state(node)["now"]["paused"]["routes"] == [PAUSED_ROUTE], 30,
                  "the pause in the state")  # fmt: skip
         before = queue_state(node)
@@ -158,6 +163,7 @@ def test_a_stopped_nodes_schedule_moves_row_for_row_and_a_node_on_postgresql_hol
         assert summary["migrated"] == len(expected) == ROWS + 2
         assert summary["node"] == node_name  # the data directory's last run on this file
         assert summary["uncounted_changes"] == 0  # a clean stop: the keeper had counted all
+        assert summary["leases_outstanding"] == 1  # its row runs once more (docs/postgres.md)
         assert f"{len(expected):,} of {len(expected):,} rows" in done.stderr  # progress
 
         assert pg_rows(target) == expected  # every column but the version, row for row
@@ -234,3 +240,21 @@ def test_refusals_are_one_line_and_leave_the_target_as_it_was(tmp_path: Path, ta
     refused(migrate("--from", source, "--to", target, "--merge", "--name", "n1"),
             "holds meta of node 'n1' already")  # fmt: skip
     assert snapshot(target) == merged
+
+
+def test_a_write_to_the_source_during_the_copy_commits_nothing(tmp_path: Path, target: str) -> None:
+    db = tmp_path / "schedule.db"
+    seed(db, 300)
+    before = snapshot(target)
+    the_plan = node_migrate.plan(f"sqlite:///{db}", target, name="n1", data_dir=None, merge=False)
+    the_plan.progress_every_s = 0.0  # a progress line after every statement: the write goes there
+
+    def write_meanwhile(_line: str) -> None:
+        store = SQLiteStore(db)
+        store.upsert([RowWrite("late", "pages")], now=time.time())
+        store.close()
+
+    with pytest.raises(ConfigError, match="was written while it was copied"):
+        node_migrate.run(the_plan, write_meanwhile)
+    after = snapshot(target)
+    assert (after[0], after[2]) == (before[0], before[2]) == ([], [])  # no row, no meta
