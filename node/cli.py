@@ -70,7 +70,7 @@ file that is there; --to not postgresql://; a target holding rows (without
 --merge) or any of the source's keys (with it) or meta of the node's name; a
 node running on the source (node.json in its data directory, or a node of
 its name on this host), or any write to it during the copy. Exit 1: the
-database failed (nothing committed either).
+database failed, or read back other rows (nothing committed either).
 
 A password in --to is moved to PGPASSWORD at once and never printed; better,
 leave it out and set PGPASSWORD or ~/.pgpass.
@@ -128,26 +128,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--watch", action="store_true")
     s.add_argument("--interval", type=float, default=WATCH_POLL_S, help=argparse.SUPPRESS)
     sub.add_parser("import", help="import rows from JSON lines, CSV or a sitemap", add_help=False)
-    c = sub.add_parser("clear", help="remove a stopped node's shared memory, semaphore and queues")
+    c = sub.add_parser(
+        "clear", help="remove a stopped node's shared memory, semaphore and queues"
+    )
     c.add_argument("name", help="the node's name")
     _migrate_parser(sub)
     return parser
 
 
 _RUN_OPTIONS = (
-    "store",
-    "data_dir",
-    "name",
-    "http",
-    "workers",
-    "handler",
-    "inference_procs",
-    "gpus",
-    "lease_s",
-    "ready_size",
-    "token",
-    "tls_cert",
-    "tls_key",
+    "store", "data_dir", "name", "http", "workers", "handler", "inference_procs",
+    "gpus", "lease_s", "ready_size", "token", "tls_cert", "tls_key",
 )
 
 

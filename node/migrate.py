@@ -43,6 +43,7 @@ from urllib.parse import quote
 
 from node.core.errors import ConfigError, NodeError, StoreError
 from node.core.names import check_name, host_node_name
+from node.core.rows import ORIGIN_NODE
 from node.core.urls import redact_url
 
 # Rows per INSERT statement (ten arrays of this length), as the store's bulk
@@ -254,10 +255,13 @@ def _pg_value(value: Any, pg_type: str) -> Any:
     elif pg_type == "float8":
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
-    elif isinstance(value, int) and not isinstance(value, bool):
-        return value
-    elif isinstance(value, float) and value.is_integer():
-        return int(value)
+    else:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            bits = 16 if pg_type == "smallint" else 64
+            if -(1 << (bits - 1)) <= value < 1 << (bits - 1):
+                return value
     raise ValueError(pg_type)
 
 
@@ -271,8 +275,9 @@ def target_row(stored: tuple) -> tuple:
             try:
                 _pg_value(value, pg_type)
             except ValueError:
+                shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
                 raise ConfigError(
-                    f"row {stored[0]!r}: {column} holds {value!r}, which PostgreSQL's "
+                    f"row {stored[0]!r}: {column} holds {shown}, which PostgreSQL's "
                     f"{pg_type} column cannot; fix or delete it in the source and run "
                     "migrate again"
                 ) from None
@@ -311,7 +316,7 @@ def _run(plan: Plan, source: Source, say: Callable[[str], None], started: float)
 
     from keeper.report import RECEIVED_META
     from node.store import postgres_schema as pq
-    from node.store.postgres import CONNECT_TIMEOUT_S, _wrap, migrate
+    from node.store.postgres import CONNECT_TIMEOUT_S, migrate, wrap_error
 
     shown = redact_url(plan.target_url)
     summary = Summary(node=plan.name)
@@ -320,7 +325,7 @@ def _run(plan: Plan, source: Source, say: Callable[[str], None], started: float)
             plan.target_url, autocommit=True, connect_timeout=int(CONNECT_TIMEOUT_S)
         )
     except psycopg.Error as exc:
-        raise _wrap(exc, f"opening {shown}") from exc
+        raise wrap_error(exc, f"opening {shown}") from exc
     with conn:
         try:
             _refuse_target(conn, plan, shown)
@@ -329,7 +334,7 @@ def _run(plan: Plan, source: Source, say: Callable[[str], None], started: float)
                 conn.execute(pq.REPEATABLE_READ)
                 before = _scalar(conn, pq.SEQ_TAKEN)
                 _refuse_target(conn, plan, shown)  # again, in the transaction's view
-                conn.execute(pq.SET_ORIGIN, ("node",))
+                conn.execute(pq.SET_ORIGIN, (ORIGIN_NODE,))
                 expected = _copy_rows(conn, plan, source, before, say, started)
                 summary.rows = source.count
                 summary.checksum = _verify(conn, before, source.count, expected)
@@ -346,7 +351,7 @@ def _run(plan: Plan, source: Source, say: Callable[[str], None], started: float)
                         "committed"
                     )
         except psycopg.Error as exc:
-            raise _wrap(exc, "migrate") from exc
+            raise wrap_error(exc, "migrate") from exc
     summary.leases_outstanding = leases_outstanding(plan.data_dir)
     summary.seconds = time.monotonic() - started
     return summary

@@ -219,7 +219,9 @@ WALK_AFTER = f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key > ? ORDER BY key LI
 # same rules as node.rows.stored_row_is_valid); rows come back as
 # (key, version, route, cadence_s, sitemap, due_at, ok).
 WALK_SCHEDULE_ALL = f"SELECT {_SCHEDULE_COLUMNS} FROM schedule ORDER BY key LIMIT ?"
-WALK_SCHEDULE_AFTER = f"SELECT {_SCHEDULE_COLUMNS} FROM schedule WHERE key > ? ORDER BY key LIMIT ?"
+WALK_SCHEDULE_AFTER = (
+    f"SELECT {_SCHEDULE_COLUMNS} FROM schedule WHERE key > ? ORDER BY key LIMIT ?"
+)
 COUNT_ROWS = "SELECT count(*) FROM schedule"
 CLASSES_IN_USE = (
     "SELECT route, cadence_s, sitemap, MIN(version) AS oldest FROM schedule "
@@ -239,7 +241,8 @@ def jobs_of_sql(n: int) -> str:
     ``stored_row_is_valid`` would); not the payload."""
     marks = ", ".join("?" * n)
     return (
-        f"SELECT key, job, cadence_s, route FROM schedule WHERE key IN ({marks}) AND {_VALID_ROW}"
+        "SELECT key, job, cadence_s, route FROM schedule"
+        f" WHERE key IN ({marks}) AND {_VALID_ROW}"
     )
 
 
@@ -286,16 +289,14 @@ CLAIM_ROWS_SQL = (
 
 # -- python -m node migrate (node/migrate.py): the file read as it is ------------------
 
-# Every column but version (the target's triggers assign their own), in key
-# order: the same order as PostgreSQL's COLLATE "C", so the two sides'
-# checksums are taken over the rows in one order.
-# The eleventh column says whether the row's values are of the types the
-# target's columns take as they are (the usual case: the columns' affinities
-# make them so); the others are converted, or refused, one by one.
+# Whether a row's values are of the types the target's columns take as they
+# are (the usual case: the columns' affinities make them so); the others are
+# converted, or refused, one by one.
 _PG_READY = (
     "typeof(key) = 'text' AND instr(key, char(0)) = 0"
     " AND typeof(route) = 'text' AND instr(route, char(0)) = 0"
-    " AND typeof(cadence_s) IN ('integer', 'null') AND typeof(sitemap) = 'integer'"
+    " AND typeof(cadence_s) IN ('integer', 'null')"
+    " AND typeof(sitemap) = 'integer' AND sitemap BETWEEN -32768 AND 32767"
     " AND typeof(due_at) = 'real'"
     " AND typeof(payload) IN ('text', 'null') AND COALESCE(instr(payload, char(0)), 0) = 0"
     " AND typeof(job) = 'text' AND instr(job, char(0)) = 0"
@@ -308,6 +309,9 @@ _MIGRATE_COLUMNS = (
     "key, route, cadence_s, sitemap, due_at, payload, job,"
     " last_result_id, last_finished_at, last_error"
 )
+# Every column but version (the target's triggers assign their own), then
+# _PG_READY, in key order: the order of PostgreSQL's COLLATE "C", so the two
+# sides' checksums are taken over the rows in one order.
 MIGRATE_ROWS = f"SELECT {_MIGRATE_COLUMNS}, {_PG_READY} FROM schedule ORDER BY key"
 # The others alone, checked before anything is written to the target.
 MIGRATE_ROWS_NOT_READY = (
