@@ -110,7 +110,7 @@ def _migrate_parser(sub: argparse._SubParsersAction) -> None:
         help="allow a target with other nodes' rows (never the same key)",
     )
     m.add_argument(
-        "--progress-s", dest="progress_s", type=float, default=2.0, help=argparse.SUPPRESS
+        "--progress-s", dest="progress_s", type=float, help=argparse.SUPPRESS
     )
     m.add_argument("-v", "--verbose", action="store_true")
 

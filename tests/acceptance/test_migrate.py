@@ -242,6 +242,21 @@ def test_refusals_are_one_line_and_leave_the_target_as_it_was(tmp_path: Path, ta
     assert snapshot(target) == merged
 
 
+def test_statements_are_cut_by_payload_bytes_too(
+    tmp_path: Path, target: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    db = tmp_path / "schedule.db"
+    seed(db, 300)
+    monkeypatch.setattr(node_migrate, "CHUNK_BYTES", 50_000)  # a 10 KB payload every 7th row
+    the_plan = node_migrate.plan(f"sqlite:///{db}", target, name="n1", data_dir=None, merge=False)
+    the_plan.progress_every_s = 0.0
+    lines: list[str] = []
+    summary = node_migrate.run(the_plan, lines.append)
+    assert summary.rows == 302
+    assert len(lines) >= 8  # one a statement: 43 payloads of 10 KB, 5 a statement
+    assert pg_rows(target) == sqlite_rows(db)
+
+
 def test_a_write_to_the_source_during_the_copy_commits_nothing(tmp_path: Path, target: str) -> None:
     db = tmp_path / "schedule.db"
     seed(db, 300)
