@@ -1,4 +1,4 @@
-"""The command line: ``python -m node [run|demo|state|import] …``.
+"""The command line: ``python -m node [run|demo|state|import|clear|migrate] …``.
 
 Errors a user can act on are one line on stderr and exit 2; ``-v`` keeps the
 traceback. Exit codes have names in ``node.core.proc``.
@@ -11,7 +11,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from node.core.errors import ConfigError, NodeError, NodeNotRunning
 from node.core.proc import RET_ERROR, RET_NO_NODE, RET_NOT_VOUCHED, RET_OK, RET_USAGE
@@ -52,6 +52,69 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-v", "--verbose", action="store_true")
 
 
+_MIGRATE_HELP = """\
+Move one node's schedule out of its SQLite file into a fleet's PostgreSQL
+database (docs/postgres.md, "Moving a node's schedule into a fleet").
+
+Every row is copied column for column except its version (the target's
+triggers give each row its own, as for any insert); the node's meta
+(lifetime counters, paused routes and node) goes to the node's name in the
+target (--name; else the name of the data directory's last run on this file;
+else the host's node name). One transaction: it is all copied, counted and
+checked (a checksum of every column but the payload, read back) or nothing
+is. The source file is only read. Progress on stderr; a one-line JSON
+summary on stdout.
+
+Refused, with one line and exit 2, nothing written: --from not a sqlite:///
+file that is there; --to not postgresql://; a target holding rows (without
+--merge) or any of the source's keys (with it) or meta of the node's name; a
+node running on the source (node.json in its data directory, or a node of
+its name on this host), or any write to it during the copy. Exit 1: the
+database failed, or read back other rows (nothing committed either).
+
+A password in --to is moved to PGPASSWORD at once and never printed; better,
+leave it out and set PGPASSWORD or ~/.pgpass.
+"""
+
+
+def _migrate_parser(sub: argparse._SubParsersAction) -> None:
+    m = sub.add_parser(
+        "migrate",
+        help="move a node's SQLite schedule into a fleet's PostgreSQL database",
+        description=_MIGRATE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    m.add_argument(
+        "--from",
+        dest="source",
+        required=True,
+        metavar="sqlite:///FILE",
+        help="the node's store (stopped)",
+    )
+    m.add_argument(
+        "--to",
+        dest="target",
+        required=True,
+        metavar="postgresql://USER@HOST/DB",
+        help="the fleet's database",
+    )
+    m.add_argument("--name", help="whose meta it is in the target (see above)")
+    m.add_argument(
+        "--data-dir",
+        dest="data_dir",
+        help="the node's data directory (default: the file's directory)",
+    )
+    m.add_argument(
+        "--merge",
+        action="store_true",
+        help="allow a target with other nodes' rows (never the same key)",
+    )
+    m.add_argument(
+        "--progress-s", dest="progress_s", type=float, help=argparse.SUPPRESS
+    )
+    m.add_argument("-v", "--verbose", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m node", description="queue-node")
     parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks")
@@ -69,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         "clear", help="remove a stopped node's shared memory, semaphore and queues"
     )
     c.add_argument("name", help="the node's name")
+    _migrate_parser(sub)
     return parser
 
 
@@ -193,10 +257,25 @@ def _cmd_clear(args: argparse.Namespace) -> int:
     return RET_OK
 
 
+def _cmd_migrate(args: argparse.Namespace) -> int:
+    from node.migrate import main as migrate_main
+
+    _hide_store_password(args.target)
+    return migrate_main(args)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from node.demo import main as demo_main
 
     return demo_main(args)
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "state": _cmd_state,
+    "demo": _cmd_demo,
+    "clear": _cmd_clear,
+    "migrate": _cmd_migrate,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -217,12 +296,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.command is None:
                 args = parser.parse_args(["run", *argv])
             return _cmd_run(args)
-        if args.command == "state":
-            return _cmd_state(args)
-        if args.command == "demo":
-            return _cmd_demo(args)
-        if args.command == "clear":
-            return _cmd_clear(args)
+        command = _COMMANDS.get(args.command)
+        if command is not None:
+            return command(args)
     except (ConfigError, NodeError) as exc:
         if verbose:
             raise

@@ -93,6 +93,11 @@ def _wrap(exc: BaseException, action: str) -> StoreError:
     return StoreError(f"PostgreSQL store: {action}: {lines[0]}")
 
 
+# Public: a program that runs its own statements (node/migrate.py) words a
+# driver failure as the store does.
+wrap_error = _wrap
+
+
 def _top_and_xid(conn: Any) -> tuple[int, int]:
     """The top of the log and an xid assigned after it was read
     (``TOP_AND_XID``): BEGIN, the statement and COMMIT in one round trip."""

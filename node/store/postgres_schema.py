@@ -357,3 +357,38 @@ SET_META = """INSERT INTO node_meta (node, name, value) VALUES (%s, %s, %s)
 # -- LISTEN -------------------------------------------------------------------------
 
 LISTEN = f"LISTEN {CHANNEL}"
+
+# -- python -m node migrate (node/migrate.py) -------------------------------------------
+
+SCHEDULE_EXISTS = "SELECT to_regclass('schedule') IS NOT NULL"
+ANY_ROW = "SELECT EXISTS (SELECT 1 FROM schedule)"
+META_NAMES_OF_NODE = "SELECT name FROM node_meta WHERE node = %s ORDER BY name"
+# All-or-nothing and one view: rows another session commits meanwhile are not
+# seen, so "ours" below is exactly what this transaction wrote.
+REPEATABLE_READ = "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"
+# The highest seq taken so far (0 on a new sequence). Read as the first
+# statement of the transaction: every row it can see has a version at or
+# below it, so the rows with a higher one are the ones it inserts.
+SEQ_TAKEN = "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM changes_seq"
+# The rows as the source holds them, ten arrays of one chunk (sent binary:
+# psycopg escapes a text array's every element with a regex, which took 40 %
+# of a run); the triggers
+# give each its version and log its 'I' as for any insert. A key the target
+# holds already is left alone (and counted missing: the run is refused).
+MIGRATE_INSERT = (
+    "INSERT INTO schedule (key, route, cadence_s, sitemap, due_at, payload, job,"
+    " last_result_id, last_finished_at, last_error)"
+    " SELECT * FROM unnest(%b::text[], %b::text[], %b::bigint[], %b::smallint[],"
+    " %b::float8[], %b::text[], %b::text[], %b::bigint[], %b::float8[], %b::text[])"
+    " ON CONFLICT (key) DO NOTHING"
+)
+# Which of a chunk's keys the target held before this transaction.
+KEYS_HELD_BEFORE = (
+    "SELECT key FROM schedule WHERE key = ANY(%s) AND version <= %s ORDER BY key LIMIT 1"
+)
+# What this transaction inserted, read back for the checksum (payload left
+# out: it would be the whole table over the wire a second time).
+MIGRATED_ROWS = (
+    "SELECT key, route, cadence_s, sitemap, due_at, job, last_result_id, last_finished_at,"
+    " last_error FROM schedule WHERE version > %s ORDER BY key"
+)

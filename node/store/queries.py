@@ -286,3 +286,41 @@ CLAIM_ROWS_SQL = (
     "SELECT j.key, s.route, s.cadence_s, s.sitemap, s.due_at, s.payload, s.job, s.version"
     " FROM json_each(?1) AS j CROSS JOIN schedule AS s ON s.key = j.value"
 )
+
+# -- python -m node migrate (node/migrate.py): the file read as it is ------------------
+
+# Whether a row's values are of the types the target's columns take as they
+# are (the usual case: the columns' affinities make them so); the others are
+# converted, or refused, one by one.
+_PG_READY = (
+    "typeof(key) = 'text' AND instr(key, char(0)) = 0"
+    " AND typeof(route) = 'text' AND instr(route, char(0)) = 0"
+    " AND typeof(cadence_s) IN ('integer', 'null')"
+    " AND typeof(sitemap) = 'integer' AND sitemap BETWEEN -32768 AND 32767"
+    " AND typeof(due_at) = 'real'"
+    " AND typeof(payload) IN ('text', 'null') AND COALESCE(instr(payload, char(0)), 0) = 0"
+    " AND typeof(job) = 'text' AND instr(job, char(0)) = 0"
+    " AND typeof(last_result_id) IN ('integer', 'null')"
+    " AND typeof(last_finished_at) IN ('real', 'null')"
+    " AND typeof(last_error) IN ('text', 'null')"
+    " AND COALESCE(instr(last_error, char(0)), 0) = 0"
+)
+_MIGRATE_COLUMNS = (
+    "key, route, cadence_s, sitemap, due_at, payload, job,"
+    " last_result_id, last_finished_at, last_error"
+)
+# Every column but version (the target's triggers assign their own), then
+# _PG_READY, in key order: the order of PostgreSQL's COLLATE "C", so the two
+# sides' checksums are taken over the rows in one order.
+MIGRATE_ROWS = f"SELECT {_MIGRATE_COLUMNS}, {_PG_READY} FROM schedule ORDER BY key"
+# The others alone, checked before anything is written to the target.
+MIGRATE_ROWS_NOT_READY = (
+    f"SELECT {_MIGRATE_COLUMNS} FROM schedule WHERE NOT ({_PG_READY}) ORDER BY key"
+)
+ALL_META = "SELECT name, value FROM meta ORDER BY name"
+# Changes with a number since another connection last committed: whether
+# anyone wrote the file while it was being copied.
+DATA_VERSION = "PRAGMA data_version"
+# A producer's changes after the keeper's last save of its counts (every
+# change but the node's own write-backs).
+CHANGES_NOT_WRITEBACK_AFTER = "SELECT count(*) FROM changes WHERE seq > ? AND origin <> 'writeback'"
