@@ -353,9 +353,12 @@ def _run(plan: Plan, source: Source, say: Callable[[str], None], started: float)
                 summary.checksum = _verify(conn, before, source.count, expected)
                 top = _scalar(conn, pq.SEQ_TAKEN)
                 for name, value in source.meta:
+                    owner = plan.name
                     if name == RECEIVED_META:
                         value, summary.uncounted_changes = _received(source, value, top)
-                    conn.execute(pq.SET_META, (plan.name, name, value))
+                    elif name in pq.FLEET_META:
+                        owner, value = pq.FLEET_SCOPE, _fleet_union(conn, name, value)
+                    conn.execute(pq.SET_META, (owner, name, value))
                     summary.meta.append(name)
                 if source.written_since_open():
                     raise ConfigError(
@@ -368,6 +371,17 @@ def _run(plan: Plan, source: Source, say: Callable[[str], None], started: float)
     summary.leases_outstanding = leases_outstanding(plan.data_dir)
     summary.seconds = time.monotonic() - started
     return summary
+
+
+def _fleet_union(conn: Any, name: str, value: str) -> str:
+    """A fleet-wide entry (the paused routes) joined with what the fleet has:
+    a route the node had paused stays paused, now on every node (the
+    conservative reading: nothing the operator stopped starts running)."""
+    from node.store import postgres_schema as pq
+
+    found = conn.execute(pq.GET_META, (pq.FLEET_SCOPE, name)).fetchone()
+    routes = set(json.loads(value) or []) | set(json.loads(found[0]) if found else [])
+    return json.dumps(sorted(routes), separators=(",", ":"))
 
 
 def leases_outstanding(data_dir: Path) -> int | None:

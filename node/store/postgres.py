@@ -191,13 +191,6 @@ def migrate(conn: Any, shown_url: str) -> None:
             conn.execute(q.RECORD_MIGRATION, (version, name, time.time()))
 
 
-# Meta by intent: a route paused is paused for the whole fleet (every node
-# reads the one entry, under FLEET_SCOPE, a name no node can have); the rest
-# (a node paused, its lifetime counters) is each node's own.
-FLEET_META = frozenset({"paused_routes"})
-FLEET_SCOPE = ""
-
-
 class PostgresStore(Store):
     """The schedule in a PostgreSQL database (created and migrated on open)."""
 
@@ -545,7 +538,7 @@ class PostgresStore(Store):
     # -- meta: this node's, or the fleet's -----------------------------------------
 
     def _meta_owner(self, name: str) -> str:
-        return FLEET_SCOPE if name in FLEET_META else self.node_name
+        return q.FLEET_SCOPE if name in q.FLEET_META else self.node_name
 
     def get_meta(self, name: str, default: Any = None) -> Any:
         with self._conn("get_meta") as conn:

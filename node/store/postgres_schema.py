@@ -349,6 +349,12 @@ DUE_HISTORY = """SELECT seq, op, key, origin, due_at, old_due_at, at FROM change
 
 # -- meta ---------------------------------------------------------------------------
 
+# Meta by intent: a route paused is paused for the whole fleet (every node
+# reads the one entry, under FLEET_SCOPE, a name no node can have); the rest
+# (a node paused, its lifetime counters) is each node's own.
+FLEET_META = frozenset({"paused_routes"})
+FLEET_SCOPE = ""
+
 GET_META = "SELECT value FROM node_meta WHERE node = %s AND name = %s"
 META_OF_EVERY_NODE = "SELECT node, value FROM node_meta WHERE name = %s AND node <> ''"
 SET_META = """INSERT INTO node_meta (node, name, value) VALUES (%s, %s, %s)

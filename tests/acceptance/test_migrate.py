@@ -172,8 +172,12 @@ def test_a_stopped_nodes_schedule_moves_row_for_row_and_a_node_on_postgresql_hol
                 "SELECT name, value FROM node_meta WHERE node = %s", (node_name,)
             ).fetchall())  # fmt: skip
             top = conn.execute("SELECT MAX(seq) FROM changes").fetchone()[0]
-        assert set(moved) == set(meta) >= {"paused_routes", "received", "keeper_counts"}
-        assert json.loads(moved["paused_routes"]) == [PAUSED_ROUTE]
+            fleet = dict(conn.execute(
+                "SELECT name, value FROM node_meta WHERE node = ''"
+            ).fetchall())  # fmt: skip
+        # The paused routes are the fleet's (docs/fleet.md, "Pausing").
+        assert set(moved) | set(fleet) == set(meta) >= {"paused_routes", "received"}
+        assert json.loads(fleet["paused_routes"]) == [PAUSED_ROUTE]
         assert moved["keeper_counts"] == meta["keeper_counts"]
         received = json.loads(meta["received"])
         assert json.loads(moved["received"]) == {**received, "seq": top}
