@@ -243,8 +243,13 @@ class Supervisor:
         path = self.run_dir / "config.json"
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        doc = self.config.to_json()
+        if self.http and not self.http.startswith("unix:"):
+            # The address bound (port 0 becomes the port the system chose):
+            # what a fleet's node list records as where this node serves.
+            doc["http"] = self.http
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(self.config.to_json(), f)
+            json.dump(doc, f)
         os.replace(tmp, path)
         self.config_path = path
 

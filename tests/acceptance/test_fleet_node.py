@@ -67,6 +67,11 @@ def test_a_postgresql_node_joins_heartbeats_grants_and_leaves_at_once_on_sigterm
     node.start()
     number, left, age_s, live = wait_for(lambda: _row(pg_url, node.name), 10, "joined")
     assert number == 1 and not left and live and age_s < 1.0
+    # The address listed is the one bound (the node was given port 0).
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        (address,) = conn.execute("SELECT address FROM fleet_nodes WHERE name = %s",
+                                  (node.name,)).fetchone()  # fmt: skip
+    assert address == node.node_json()["http"] and not address.endswith(":0"), address
     # The heartbeat goes on: the row's age stays under a few heartbeats.
     first = _row(pg_url, node.name)
     wait_for(lambda: (r := _row(pg_url, node.name)) and r[2] < first[2] or None, 10,
