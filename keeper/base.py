@@ -210,6 +210,7 @@ class KeeperBase:
         self.next_trim = 0.0
         self.next_verify = 0.0
         self._published_at = 0.0
+        self._published_waiting = False  # the last publish was empty, waiting for peers
 
     if TYPE_CHECKING:
         # What one concern calls on another (the combined class has them).

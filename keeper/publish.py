@@ -54,6 +54,9 @@ class Publish(KeeperBase):
         # writer reads keys and versions by slot (no Python object a row).
         # Nothing while paused, or while a fleet node waits for its peers.
         waiting = self.fleet is not None and self.fleet.waiting_for_peers
+        if waiting != self._published_waiting:  # readiness reads it in the state
+            self._published_waiting = waiting
+            self.next_state = 0.0
         k = 0 if self.paused_node or waiting else self.config.ready_size
         picked = self.buckets.best_gathered(now, k, paused_routes=self.paused_routes)
         keys = self.ready.publish_gathered(*picked[:7], now, ahead=ahead)

@@ -120,6 +120,8 @@ def test_a_stalled_keeper_stops_granting_before_it_drops_from_the_live_list(node
                 return False
 
             wait_for(refused, 10, "a LocalClaimer refused")
+            status, body = node.request("GET", "/readyz")
+            assert status == 503 and body["reason"].startswith("not_granting"), body
             # At that moment the database still counts the node live: the
             # deadline lapsed first.
             assert _row(pg_url, node.name)[3], "dropped from the list before it stopped granting"

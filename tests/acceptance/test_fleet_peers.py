@@ -62,6 +62,8 @@ def test_a_node_with_peers_waits_for_one_before_it_publishes_and_one_alone_does_
             assert _leases(waiting) == []
             time.sleep(0.1)  # a sampling interval, not a synchronisation
         assert _peers(waiting)["state"] == "waiting"
+        status, body = waiting.request("GET", "/readyz")
+        assert status == 503 and "waiting for its fleet peers" in body["reason"], body
 
         # The peer comes (alone in its configuration: it does not wait).
         peer.start()
@@ -69,6 +71,7 @@ def test_a_node_with_peers_waits_for_one_before_it_publishes_and_one_alone_does_
         wait_for(lambda: _peers(waiting).get("state") == "seen", 30, "the peer seen")
         assert 0 < _peers(waiting)["waited_s"] < 120
         wait_for(lambda: _leases(waiting), 30, "a grant once the peer is seen")
+        wait_for(lambda: waiting.request("GET", "/readyz")[0] == 200, 10, "ready")
         assert "fleet_peer_seen" in waiting.log_path.read_text()
     finally:
         finish([waiting, peer], a_name)

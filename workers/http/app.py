@@ -47,6 +47,7 @@ from node.core.errors import ValidationError
 from node.core.rows import ORIGIN_NODE, RowWrite, check_key, parse_row
 from node.ipc import IpcError, RemoteError
 from node.store.base import BadRow, Store
+from shm.ready.take import not_granting
 from workers.classes import ClassId, check_class_limit, needs_stored, write_classes
 from workers.http import openapi
 from workers.http.errors import (
@@ -321,6 +322,16 @@ def readiness(ctx: WorkerContext) -> tuple[bool, str]:
         return False, "the keeper has not published yet"
     if first < ctx.started_at:
         return False, "the keeper has not published since the node started"
+    doc = state.get("doc") or {}
+    member = (doc.get("trust") or {}).get("membership") or {}
+    if (member.get("peers") or {}).get("state") == "waiting":
+        # It published an empty set: nothing to claim until a peer shows.
+        return False, "waiting for its fleet peers (docs/fleet.md)"
+    if ctx.work is not None:
+        until = ctx.work.claimer.ready.grant_until_ns
+        now_ns = time.monotonic_ns()
+        if until and now_ns >= until:
+            return False, f"not_granting: {not_granting(until, now_ns)}"
     return True, "the keeper has published"
 
 
