@@ -25,6 +25,7 @@ A membership change (``reown``, from the heartbeat's live list):
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from keeper.base import KeeperBase
@@ -55,8 +56,11 @@ class Owned(KeeperBase):
         if new == self.ownership:
             return False
         first = self.ownership is None and self.feed_seq == 0 and not self.buckets
+        entering = self.ownership is None or self.config.name not in self.ownership.nodes
         self.ownership = new
         log("keeper_ownership", nodes=list(new.nodes), first=first)
+        if entering and len(new.nodes) > 1:
+            self._hold_handover("joined")
         if first:
             return True  # before the load: it walks with it
         dropped = self._drop_unowned(now)
@@ -64,6 +68,35 @@ class Owned(KeeperBase):
         self._doubt_copy(MEMBERSHIP, now)  # the next tick walks, for the new split
         log("keeper_reowned", dropped=dropped, nodes=len(new.nodes))
         return True
+
+    def _hold_handover(self, why: str) -> None:
+        """This node came into a list with other live nodes (it joined, or
+        came back after its membership lapsed): the rows it gains are theirs
+        until each has read a list with it, and one may go on granting them
+        until then. Each node's grants stop by themselves at its deadline,
+        ``membership_timeout_s x 0.8`` after a heartbeat (node/fleet/), and
+        the list it reads after a heartbeat sent after this node's entry
+        holds this node. So this node publishes nothing for a whole
+        ``membership_timeout_s`` from now (after its entry): no other node
+        grants a row it gains by then (docs/delivery.md, "Two nodes, one key")."""
+        hold_s = self.config.membership_timeout_s
+        self._handover_until = time.monotonic() + hold_s
+        self.next_publish = 0.0  # the set it offers now is empty
+        log("keeper_handover_hold", why=why, hold_s=hold_s)
+
+    def handover_left_s(self) -> float:
+        """How long this node still holds its gained rows back (0: none)."""
+        return max(0.0, self._handover_until - time.monotonic())
+
+    def fleet_tick(self, now: float) -> None:
+        """A fleet keeper's own work each tick: the pauses (``follow_pauses``)
+        and the end of a handover hold, published at once."""
+        if self.fleet is None:
+            return
+        if self._handover_until and not self.handover_left_s():
+            self._handover_until = 0.0
+            self.next_publish = 0.0
+        self.follow_pauses(now)
 
     def follow_pauses(self, now: float) -> None:
         """A fleet keeper's read of the pauses, every PAUSE_READ_S: a route
@@ -84,6 +117,8 @@ class Owned(KeeperBase):
         gap. Past its position (or not known): a gap, as keeper/outage.py
         handles one. The feed goes on from the trim, and the walk brings
         every row written up to it."""
+        if self.ownership is not None and len(self.ownership.nodes) > 1:
+            self._hold_handover("rejoined")  # its rows were another node's meanwhile
         if trimmed_through is not None and trimmed_through <= self.feed_seq:
             return  # nothing unread was trimmed: the feed goes on as it was
         log("keeper_lapsed_gap", feed_seq=self.feed_seq, trimmed_through=trimmed_through)

@@ -98,7 +98,7 @@ class Keeper(Feed, Publish, Verify, Report, Outage, Owned):
         if now >= self._next_store_check:
             self._check_store(now)
         self.drain_feed(now)
-        self.follow_pauses(now)
+        self.fleet_tick(now)
         if self._loading:
             self._load_step(now)
         self._sample_flow(now)

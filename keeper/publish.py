@@ -53,7 +53,9 @@ class Publish(KeeperBase):
         # merge gives C arrays of slots, minutes, classes and ranks, and the
         # writer reads keys and versions by slot (no Python object a row).
         # Nothing while paused, or while a fleet node waits for its peers.
-        waiting = self.fleet is not None and self.fleet.waiting_for_peers
+        waiting = self.fleet is not None and (
+            self.fleet.waiting_for_peers or self.handover_left_s() > 0
+        )
         if waiting != self._published_waiting:  # readiness reads it in the state
             self._published_waiting = waiting
             self.next_state = 0.0

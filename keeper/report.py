@@ -110,7 +110,10 @@ class Report(KeeperBase):
                 "feed_seq": self.feed_seq,
                 "store": self.stats.store,  # keeper/outage.py
                 # A fleet node's membership (keeper/fleet.py); null without one.
-                "membership": None if self.fleet is None else self.fleet.doc(),
+                "membership": (
+                    None if self.fleet is None
+                    else {**self.fleet.doc(), "handover_left_s": round(self.handover_left_s(), 3)}
+                ),
             },
         }
 

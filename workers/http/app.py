@@ -327,6 +327,9 @@ def readiness(ctx: WorkerContext) -> tuple[bool, str]:
     if (member.get("peers") or {}).get("state") == "waiting":
         # It published an empty set: nothing to claim until a peer shows.
         return False, "waiting for its fleet peers (docs/fleet.md)"
+    if member.get("handover_left_s"):
+        # Joined: it offers nothing until no other node can grant its rows.
+        return False, f"joining the fleet: grants in {member['handover_left_s']} s (docs/fleet.md)"
     if ctx.work is not None:
         until = ctx.work.claimer.ready.grant_until_ns
         now_ns = time.monotonic_ns()
