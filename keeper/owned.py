@@ -133,8 +133,21 @@ class Owned(KeeperBase):
         rows no lease holds) leaves them out of the in-flight count it
         subtracts. A key whose lease ended leaves the set."""
         if self.fenced:
-            self.fenced = {key for key in self.fenced if self._leased(key)}
+            ended = [key for key in self.fenced if not self._leased(key)]
+            for key in ended:
+                self.fenced.discard(key)
+                if self._missed(key):
+                    # Ended without a result: a requeue (``requeued`` counts
+                    # it) of a key no longer held here, so never waiting
+                    # here again: it went to its owner, withdrawn here.
+                    self.withdrawn += 1
         return len(self.fenced)
+
+    def _missed(self, key: str) -> bool:
+        """Whether ``key``'s lease ended without a result (its slot holds a
+        miss: held or parked); a completed lease leaves none."""
+        found = self.leases.lookup(key) if self.leases is not None else None
+        return found is not None and found[0] in ("held", "parked")
 
     def _drop_unowned(self, now: float) -> int:
         keys = [item[0] for item in self.buckets.items()]
