@@ -57,7 +57,9 @@ class Feed(KeeperBase):
             if not batch:
                 self._caught_up = True
                 break
-            if batch[0].seq != self.feed_seq + 1:
+            if batch[0].seq != self.feed_seq + 1 and self.store.skip_is_loss(
+                self.feed_seq, batch[0].seq
+            ):
                 self._feed_gap(batch[0].seq, now)  # changes trimmed before they were read
             flow = self._flow_minute(now)
             self._record_lag(batch)

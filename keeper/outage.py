@@ -183,8 +183,12 @@ class Outage(KeeperBase):
         last = store.last_seq()
         if last < self.feed_seq:
             return "backwards", last
-        if last > self.feed_seq and store.first_seq_after(self.feed_seq) != self.feed_seq + 1:
-            return "gap", last
+        if last > self.feed_seq:
+            first = store.first_seq_after(self.feed_seq)
+            if first is None or (
+                first != self.feed_seq + 1 and store.skip_is_loss(self.feed_seq, first)
+            ):
+                return "gap", last
         if store.identity() != outage.identity:
             return "replaced", last
         return "intact", last

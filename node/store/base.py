@@ -240,6 +240,14 @@ class Store(abc.ABC):
         the store kept it). What a keeper replays at its start to count the
         input side of the books its predecessor had not saved."""
 
+    def skip_is_loss(self, after_seq: int, first_seq: int) -> bool:
+        """Whether a read after ``after_seq`` that began at ``first_seq``
+        (not ``after_seq + 1``) may have lost changes (a trim took them before
+        they were read), rather than passed seqs no change will ever carry.
+        Here every skip is a loss: seqs are gapless (SQLite's AUTOINCREMENT
+        under one writer, a rollback taking its seq back)."""
+        return True
+
     def first_seq_after(self, after_seq: int) -> int | None:
         """The lowest seq above ``after_seq`` still in the change log, or
         None: with ``last_seq``, whether the log still holds every change

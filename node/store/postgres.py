@@ -216,6 +216,7 @@ class PostgresStore(Store):
         self._closed = False
         self._listener: Listener | None = None
         self._horizon = Horizon()
+        self._trimmed_at_read = 0  # the trim watermark as of the last ``changes`` read
         self._open()
 
     # -- lifecycle -------------------------------------------------------------
@@ -296,6 +297,7 @@ class PostgresStore(Store):
         # only in the process that opened it).
         self._listener = None
         self._horizon = Horizon()
+        self._trimmed_at_read = 0  # the trim watermark as of the last ``changes`` read
         self._open()
 
     def schema_version(self) -> int:
@@ -464,6 +466,7 @@ class PostgresStore(Store):
                 return []
             with self._lock:
                 horizon = self._horizon
+                self._trimmed_at_read = found[0][10]
                 horizon.settle(found[0][9])
                 n = horizon.passable(after_seq, [r[0] for r in found], found[0][10])
                 if n < len(found):
@@ -499,9 +502,20 @@ class PostgresStore(Store):
             self._horizon.settled_through = max(self._horizon.settled_through, top)
         return top
 
+    def skip_is_loss(self, after_seq: int, first_seq: int) -> bool:
+        """Seqs commit out of order and a rolled-back (or crash-lost) one
+        leaves a hole no change will fill; ``changes`` hands out past a hole
+        only once it is settled. So a skip is a loss only when the log was
+        trimmed past ``after_seq`` as of the read that skipped (the trim
+        watermark comes with the rows, from the same snapshot)."""
+        return self._trimmed_at_read > after_seq
+
     def first_seq_after(self, after_seq: int) -> int | None:
         with self._conn("first_seq_after") as conn:
-            return conn.execute(q.FIRST_SEQ_AFTER, (after_seq,)).fetchone()[0]
+            first, trimmed = conn.execute(q.FIRST_SEQ_AFTER, (after_seq,)).fetchone()
+        with self._lock:
+            self._trimmed_at_read = trimmed
+        return first
 
     def trim_changes(self, through_seq: int) -> int:
         with self._write("trim_changes", None) as conn:

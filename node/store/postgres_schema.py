@@ -339,7 +339,8 @@ TOP_AND_XID = """SELECT set_config('synchronous_commit', 'off', true),
                  (SELECT through FROM changes_trimmed)),
         pg_current_xact_id()::text::bigint"""
 SNAPSHOT_XMIN = "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
-FIRST_SEQ_AFTER = "SELECT MIN(seq) FROM changes WHERE seq > %s"
+FIRST_SEQ_AFTER = """SELECT (SELECT MIN(seq) FROM changes WHERE seq > %s),
+        (SELECT through FROM changes_trimmed)"""
 TRIM_CHANGES = """WITH gone AS (DELETE FROM changes WHERE seq <= %s RETURNING seq)
         UPDATE changes_trimmed
         SET through = GREATEST(through, COALESCE((SELECT MAX(seq) FROM gone), 0))

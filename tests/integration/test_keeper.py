@@ -691,3 +691,42 @@ def test_the_publish_follows_the_leases_while_claimers_drain_it(
         leases.close()
         LeaseTable.unlink(node_name)
         store.close()
+
+
+def test_a_postgresql_keeper_passes_a_rolled_back_seq_without_a_gap_and_counts_a_trim(
+    segments, node_name, tmp_path, pg_url
+):
+    """Seqs commit out of order in PostgreSQL and a rolled-back one is a hole
+    no change fills: the feed passes it once settled, and that is no gap (a
+    gap starts a walk of the whole table). A trim past the keeper's position
+    is one."""
+    import psycopg
+
+    from node.store.postgres import PostgresStore
+    from tests import pg
+
+    PostgresStore(pg_url).close()
+    pg.reset(pg_url)
+    store = PostgresStore(pg_url, node_name=node_name)
+    try:
+        store.upsert([RowWrite("first", "pages", due_at=NOW - 60)], now=NOW)
+        keeper = Keeper(_config(node_name, tmp_path), store, *segments)
+        keeper.start(NOW)
+        _run_until_live(keeper, NOW)
+        with psycopg.connect(pg_url) as conn:  # takes the next seq, then rolls back
+            conn.execute("INSERT INTO schedule (key, route, due_at) VALUES ('gone', 'pages', 1)")
+            conn.rollback()
+        store.upsert([RowWrite("after", "pages", due_at=NOW - 60)], now=NOW)
+        deadline = time.monotonic() + 10
+        while keeper.buckets.get("after") is None and time.monotonic() < deadline:
+            keeper.drain_feed(NOW)  # the hole settles once the server's horizon passes it
+        assert keeper.buckets.get("after") is not None
+        assert keeper.stats.store["gaps"] == 0 and keeper._doubt is None
+
+        # A trim of changes the keeper has not read: a gap.
+        store.upsert([RowWrite(f"unread{i}", "pages", due_at=NOW - 60) for i in range(3)], now=NOW)
+        store.trim_changes(store.last_seq() - 1)
+        keeper.drain_feed(NOW)
+        assert keeper.stats.store["gaps"] == 1 and keeper._doubt == "gap"
+    finally:
+        store.close()
