@@ -31,8 +31,8 @@ import posix_ipc
 
 from node.core.errors import NameTaken, NodeNotRunning
 from node.core.names import ask_queue_name, reply_queue_prefix
-from shm.wake import Wake
 from shm.segment import check_owner
+from shm.wake import Wake
 
 MAX_MESSAGES = 4
 # A reply queue holds one answer.
@@ -58,9 +58,11 @@ def check_queue(name: str) -> None:
     except posix_ipc.ExistentialError:
         return
     except posix_ipc.PermissionsError:
-        raise NameTaken(f"{name} exists and this user cannot even open it: it is "
-                        "another user's; remove it as its owner or root, or pick "
-                        "another --name") from None
+        raise NameTaken(
+            f"{name} exists and this user cannot even open it: it is "
+            "another user's; remove it as its owner or root, or pick "
+            "another --name"
+        ) from None
     try:
         check_owner(name, _queue_owner(mq))
     finally:

@@ -40,9 +40,7 @@ ENV = {
 # timed tick (a loaded machine applies in milliseconds).
 APPLIED_WITHIN_S = TIMED_TICK_S / 10
 
-_LAG = re.compile(
-    r'^queue_node_keeper_lag_seconds_(count|sum)\{origin="outside"\} (\S+)$', re.M
-)
+_LAG = re.compile(r'^queue_node_keeper_lag_seconds_(count|sum)\{origin="outside"\} (\S+)$', re.M)
 
 
 @pytest.fixture
