@@ -58,11 +58,9 @@ def check_queue(name: str) -> None:
     except posix_ipc.ExistentialError:
         return
     except posix_ipc.PermissionsError:
-        raise NameTaken(
-            f"{name} exists and this user cannot even open it: it is "
-            "another user's; remove it as its owner or root, or pick "
-            "another --name"
-        ) from None
+        raise NameTaken(f"{name} exists and this user cannot even open it: it is "
+                        "another user's; remove it as its owner or root, or pick "
+                        "another --name") from None
     try:
         check_owner(name, _queue_owner(mq))
     finally:

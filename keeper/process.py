@@ -54,14 +54,8 @@ OUTSIDE_POLL_S = 0.02
 
 # With Keeper, the names other code imports from here (where they were
 # before the split into feed, publish, verify and report).
-__all__ = [
-    "FLOW_FIELDS",
-    "LATENESS_EDGES",
-    "LOAD_CHUNK",
-    "LOW_WATER_MIN_S",
-    "OUTSIDE_POLL_S",
-    "Keeper",
-]
+__all__ = ["FLOW_FIELDS", "LATENESS_EDGES", "LOAD_CHUNK", "LOW_WATER_MIN_S", "OUTSIDE_POLL_S",
+           "Keeper"]
 
 
 class Keeper(Feed, Publish, Verify, Report, Outage, Owned):
@@ -166,17 +160,10 @@ class Keeper(Feed, Publish, Verify, Report, Outage, Owned):
             self.start_verify(now)
             return {"ok": True, "status": self.status}
         if op == "stats":
-            return {
-                "status": self.status,
-                "exact": self.exact,
-                "rows": len(self.buckets),
-                "feed_seq": self.feed_seq,
-                "verify": self.stats.verify,
-                "load": self.stats.load,
-                "apply": self.stats.apply,
-                "lag": self.stats.lag_figures(),
-                "store": self.stats.store,
-            }
+            return {"status": self.status, "exact": self.exact, "rows": len(self.buckets),
+                    "feed_seq": self.feed_seq, "verify": self.stats.verify,
+                    "load": self.stats.load, "apply": self.stats.apply,
+                    "lag": self.stats.lag_figures(), "store": self.stats.store}
         if op == "dump":
             # Always the one file in the node's own run directory, never a
             # path the request names: the ask queue is the node's, but the
@@ -214,13 +201,8 @@ class Keeper(Feed, Publish, Verify, Report, Outage, Owned):
             "exact": self.exact,
             "due_minute": minute,
             "version": version,
-            "class": {
-                "route": info.route,
-                "cadence_s": info.cadence_s,
-                "source": info.source,
-                "sitemap": info.sitemap,
-                "boost": info.boost,
-            },
+            "class": {"route": info.route, "cadence_s": info.cadence_s,
+                      "source": info.source, "sitemap": info.sitemap, "boost": info.boost},
             "due": due,
             "rank": rank,
             "paused": self.paused_node or info.route in self.paused_routes,

@@ -58,7 +58,8 @@ try:
     import psycopg_pool
 except ImportError as exc:  # pragma: no cover - the extra is installed in tests
     raise StoreUnavailable(
-        "the PostgreSQL store needs psycopg 3 and psycopg_pool: pip install 'queue-node[fleet]'"
+        "the PostgreSQL store needs psycopg 3 and psycopg_pool: "
+        "pip install 'queue-node[fleet]'"
     ) from exc
 
 # Connections per store object. Each object is used by one thread in the
@@ -79,7 +80,6 @@ SETTLE_WAIT_S = 30.0
 # within a millisecond, a long one is not asked about 1,000 times a second.
 SETTLE_POLL_FIRST_S = 0.0002
 SETTLE_POLL_MAX_S = 0.01
-
 
 def _wrap(exc: BaseException, action: str) -> StoreError:
     """A driver failure as the store's error: StoreUnavailable when the server
@@ -294,8 +294,6 @@ class PostgresStore(Store):
         # only in the process that opened it).
         self._listener = None
         self._horizon = Horizon()
-        # The last seq ``changes`` handed out (or read after): the pending
-        # settlements above it are what holds the feed back.
         self._fed_through = 0
         self._open()
 
