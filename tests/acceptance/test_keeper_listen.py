@@ -102,6 +102,28 @@ def test_an_outside_write_wakes_the_keeper_before_any_timed_tick(node, pg_url):
     assert max(lags) < APPLIED_WITHIN_S, lags
 
 
+def test_a_write_held_back_by_one_that_rolls_back_is_applied_without_a_notification(node, pg_url):
+    # A transaction takes a seq and stays open; a later write commits (its
+    # NOTIFY wakes the keeper, whose feed stops at the open seq: it may
+    # still commit). The open one rolls back, which notifies nobody: the
+    # keeper polls while its feed waits on a hole (``holes_pending``), or
+    # the later write would wait for the next timed tick.
+    node.start()
+    wait_for(lambda: _listener_pids(pg_url, node.name), 10, "the keeper's LISTEN session")
+    count, _total = _outside_lag(node)
+    held = psycopg.connect(pg_url)
+    try:
+        held.execute(
+            "INSERT INTO schedule (key, route, cadence_s, due_at) VALUES ('held', 'r', 3600, %s)",
+            (time.time() + 3600,),
+        )
+        _write_outside(pg_url, "behind")
+        held.rollback()
+    finally:
+        held.close()
+    wait_for(lambda: _outside_lag(node)[0] > count, APPLIED_WITHIN_S, "the write behind the hole")
+
+
 def test_a_dropped_listen_session_is_reconnected_and_wakes_again(node, pg_url):
     node.start()
     first = wait_for(lambda: _listener_pids(pg_url, node.name), 10, "the LISTEN session")
