@@ -29,9 +29,10 @@ from typing import Any
 import msgpack
 import posix_ipc
 
-from node.core.errors import NameTaken
+from node.core.errors import NameTaken, NodeNotRunning
 from node.core.names import ask_queue_name, reply_queue_prefix
 from shm.segment import check_owner
+from shm.wake import Wake
 
 MAX_MESSAGES = 4
 # A reply queue holds one answer.
@@ -170,6 +171,7 @@ def ask(node: str, request: dict[str, Any], timeout_s: float = 1.0) -> dict[str,
             return None
         finally:
             mq.close()
+        _wake_keeper(node)
         try:
             raw, _prio = reply_mq.receive(timeout=timeout_s)
         except posix_ipc.BusyError:
@@ -182,6 +184,21 @@ def ask(node: str, request: dict[str, Any], timeout_s: float = 1.0) -> dict[str,
             reply_mq.unlink()
         except posix_ipc.ExistentialError:
             pass
+
+
+def _wake_keeper(node: str) -> None:
+    """Post the keeper's wake semaphore: it answers between ticks, and a
+    keeper that NOTIFY wakes (PostgreSQL) may otherwise wait longer than
+    the asker's timeout. No semaphore (a keeper run without a node): it
+    polls the queue anyway."""
+    try:
+        wake = Wake.attach(node)
+    except (NodeNotRunning, NameTaken, OSError):
+        return
+    try:
+        wake.post()
+    finally:
+        wake.close()
 
 
 def unlink_all(node: str) -> None:

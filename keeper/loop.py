@@ -2,6 +2,18 @@
 It feeds ``Keeper.tick`` (keeper/process.py) the wall clock, waits on the
 wake semaphore between ticks, and answers workers' questions between them.
 
+Who posts the wake semaphore: the node's own writers, claimers that drained
+the ready set, askers (keeper/ask.py) and, on PostgreSQL, the keeper's own
+LISTEN thread (``ListenThread``, node/store/postgres_feed.py) on every
+commit to the schedule, whoever made it. With that thread listening, the
+poll for writes is a fallback, ``LISTEN_POLL_S`` apart; while it is not
+(connecting, reconnecting after an error) or while the feed waits on a seq
+whose writer may roll back (``Store.holes_pending``: a rollback notifies
+nobody) the keeper polls every ``OUTSIDE_POLL_S`` as on SQLite.
+Environment: ``QUEUE_NODE_KEEPER_LISTEN=0`` turns the thread off (polling
+only), ``QUEUE_NODE_KEEPER_POLL_S`` sets the fallback (a bench compares the
+two; docs/postgres.md).
+
 Signal handlers only set flags; the loop acts on them between ticks. They
 are set before the keeper's modules are imported.
 """
@@ -18,6 +30,18 @@ from node.core.config import load_run_config
 from node.core.proc import RET_ERROR, RET_OK, child_signals, die_with_parent, set_title
 
 _flags = {"stop": False, "reload": False, "leave": False}
+
+# The fallback poll of a keeper that a LISTEN thread wakes: a notification
+# lost without its connection failing (none is known) still reaches the
+# keeper within this, and so does anything the loop waits for that posts
+# nothing. Bounds for QUEUE_NODE_KEEPER_POLL_S.
+LISTEN_POLL_S = 0.5
+POLL_S_RANGE = (0.02, 600.0)
+ENV_LISTEN = "QUEUE_NODE_KEEPER_LISTEN"
+ENV_POLL_S = "QUEUE_NODE_KEEPER_POLL_S"
+# The least time between two wakes the thread passes on (a bench compares).
+ENV_MIN_GAP_S = "QUEUE_NODE_KEEPER_LISTEN_GAP_S"
+GAP_S_RANGE = (0.0, 0.1)
 
 
 def _on_term(signum: int, frame: object) -> None:
@@ -49,6 +73,44 @@ def _fleet_tick(fleet: Any, keeper: Any, leave: bool = False) -> None:
         keeper.rejoined(fleet.trimmed_through(), time.time())
 
 
+def _env_seconds(name: str, default: float, bounds: tuple[float, float]) -> float:
+    """A duration from the environment; out of ``bounds`` or not a number:
+    a warning, and ``default``."""
+    text = os.environ.get(name, "")
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not bounds[0] <= value <= bounds[1]:  # NaN fails too
+        log.warn("keeper_env_ignored", name=name, value=text, range=list(bounds), using=default)
+        return default
+    return value
+
+
+def _start_listening(config: Any, keeper: Any, wake: Any) -> Any:
+    """A fleet store's LISTEN thread, posting ``wake`` (None on SQLite, or
+    when the environment turns it off: the keeper then polls)."""
+    from node.store import is_fleet_url
+
+    if not is_fleet_url(config.store_url):
+        return None
+    if os.environ.get(ENV_LISTEN, "1") == "0":
+        keeper.stats.store["listen"] = {"state": "off"}
+        return None
+    from node.store.postgres_feed import LISTEN_MIN_GAP_S, ListenThread
+
+    listener = ListenThread(
+        config.store_url, wake.post, application_name=f"queue-node listen {config.name}",
+        log=log.warn, min_gap_s=_env_seconds(ENV_MIN_GAP_S, LISTEN_MIN_GAP_S, GAP_S_RANGE),
+    ).start()  # fmt: skip
+    keeper.outside_poll_s = _env_seconds(ENV_POLL_S, LISTEN_POLL_S, POLL_S_RANGE)
+    keeper.stats.store["listen"] = listener.figures  # trust.store.listen
+    listener.figures["poll_s"] = keeper.outside_poll_s
+    return listener
+
+
 def main() -> int:
     die_with_parent()
     child_signals()
@@ -62,7 +124,7 @@ def main() -> int:
     from keeper.ask import AskServer
     from keeper.fleet import FleetMember
     from keeper.outage import KeeperReload, open_when_there
-    from keeper.process import Keeper
+    from keeper.process import OUTSIDE_POLL_S, Keeper
     from node.core import metrics
     from shm.leases import LeaseTable
     from shm.ready import ReadySet
@@ -95,6 +157,9 @@ def main() -> int:
     fleet = keeper.fleet = FleetMember.for_store(config, ready)
     _fleet_tick(fleet, keeper)
     metrics.start()  # made now, not on the first observation inside the hot loop
+    # Started before the load: the keeper polls until LISTEN is in place,
+    # and the thread posts the wake once it is.
+    listener = _start_listening(config, keeper, wake)
     keeper.start(time.time())
     log.log("keeper_start", feed_seq=keeper.feed_seq)
     was_loading = True
@@ -105,6 +170,8 @@ def main() -> int:
             wait_s = keeper.tick(now)
         except KeeperReload as exc:  # another, older file: a fresh keeper loads it
             log.error("keeper_reload", reason=str(exc))
+            if listener is not None:
+                listener.stop()
             return RET_ERROR
         if was_loading and keeper.status != "loading":
             was_loading = False
@@ -121,9 +188,13 @@ def main() -> int:
             continue
         if fleet is not None:
             wait_s = min(wait_s, fleet.wait_s())
+        if listener is not None and (not listener.listening or keeper.store.holes_pending()):
+            wait_s = min(wait_s, OUTSIDE_POLL_S)  # nothing would tell the keeper: poll
         if wait_s > 0:
             wake.wait(wait_s)
     _fleet_tick(fleet, keeper, leave=True)  # stop granting, then out of the list at once
+    if listener is not None:
+        listener.stop()
     state.heartbeat(time.time(), "stopped", False, "stopped")
     log.log(
         "keeper_stop",

@@ -45,7 +45,10 @@ from node.core.errors import StoreError
 # What ``dump`` writes, in <data-dir>/run (tests compare it with the table).
 DUMP_FILE = "keeper-dump.msgpack"
 # Writes made by other programs do not post the wake semaphore; polling the
-# feed this often sees them within the contract's 50 ms.
+# feed this often sees them within the contract's 50 ms. On PostgreSQL a
+# LISTEN thread wakes the keeper instead (keeper/loop.py), and the poll is a
+# fallback ``Keeper.outside_poll_s`` long, kept at this pace while a walk
+# steps or a backlog drains.
 OUTSIDE_POLL_S = 0.02
 
 
@@ -57,6 +60,10 @@ __all__ = ["FLOW_FIELDS", "LATENESS_EDGES", "LOAD_CHUNK", "LOW_WATER_MIN_S", "OU
 
 class Keeper(Feed, Publish, Verify, Report, Outage, Owned):
     """Worker 0: the state of keeper/base.py with the methods of each concern."""
+
+    # How long the loop may wait for a write it is not told of. The loop of a
+    # keeper that a LISTEN thread wakes sets it longer (keeper/loop.py).
+    outside_poll_s = OUTSIDE_POLL_S
 
     # -- start -----------------------------------------------------------
 
@@ -119,7 +126,13 @@ class Keeper(Feed, Publish, Verify, Report, Outage, Owned):
             self._trim(now)
         if self._loading or self._doubt is not None:
             return 0.0  # loading, or walking what a store error may have missed
-        wait_s = min(self.next_publish - now, OUTSIDE_POLL_S)
+        if self.outside_poll_s <= OUTSIDE_POLL_S or self._verify is not None or not self._caught_up:
+            # Polling (SQLite), or a walk that steps or a backlog that drains
+            # a batch a tick: the old pace.
+            wait_s = min(self.next_publish - now, OUTSIDE_POLL_S)
+        else:
+            # Woken by NOTIFY: until the next timed duty, or the fallback poll.
+            wait_s = min(self.next_publish, self.next_state, now + self.outside_poll_s) - now
         if self.ready.low_water:
             # A request that came within _low_water_min_s of the last publish
             # stays pending (its claimer posted the wake once): honour it as

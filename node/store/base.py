@@ -255,6 +255,14 @@ class Store(abc.ABC):
         found = self.changes(after_seq, 1)
         return found[0].seq if found else None
 
+    def holes_pending(self) -> bool:
+        """True while ``changes`` may hand out more than it did at its last
+        read without a new commit: it stopped at a seq whose transaction
+        may still roll back, which no notification announces (PostgreSQL,
+        node/store/postgres_feed.py). A keeper woken by NOTIFY polls while
+        this holds. False on a store that hands out whatever is visible."""
+        return False
+
     # -- node metadata (paused routes, lifetime counters, …) ------------------
 
     @abc.abstractmethod

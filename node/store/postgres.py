@@ -217,6 +217,9 @@ class PostgresStore(Store):
         self._listener: Listener | None = None
         self._horizon = Horizon()
         self._trimmed_at_read = 0  # the trim watermark as of the last ``changes`` read
+        # The last seq ``changes`` handed out (or read after): the pending
+        # settlements above it are what holds the feed back.
+        self._fed_through = 0
         self._open()
 
     # -- lifecycle -------------------------------------------------------------
@@ -298,6 +301,7 @@ class PostgresStore(Store):
         self._listener = None
         self._horizon = Horizon()
         self._trimmed_at_read = 0  # the trim watermark as of the last ``changes`` read
+        self._fed_through = 0
         self._open()
 
     def schema_version(self) -> int:
@@ -463,6 +467,7 @@ class PostgresStore(Store):
         with self._conn("changes") as conn:
             found = conn.execute(q.CHANGES_AFTER, (after_seq, limit)).fetchall()
             if not found:
+                self._fed_through = after_seq
                 return []
             with self._lock:
                 horizon = self._horizon
@@ -474,6 +479,7 @@ class PostgresStore(Store):
                     if horizon.needs_settling(hole):
                         _top, xid = _top_and_xid(conn)
                         horizon.wait_on(found[-1][0], xid)
+            self._fed_through = found[n - 1][0] if n else after_seq
         valid = stored_row_is_valid
         return [
             Change(seq, op, key, origin, route, cadence_s, sitemap == 1, due_at, at)
@@ -528,6 +534,12 @@ class PostgresStore(Store):
             DueChange(seq, op, key, origin, due_or_none(due_at), due_or_none(old), float(at))
             for seq, op, key, origin, due_at, old, at in found
         ]
+
+    def holes_pending(self) -> bool:
+        """Whether the last reads stopped at a hole not yet settled (its
+        writer may roll back, and a rollback notifies nobody)."""
+        horizon = self._horizon
+        return any(through > self._fed_through for through, _xid in horizon.pending)
 
     def wait_for_changes(self, timeout_s: float) -> bool:
         """Block until a write to the schedule commits (a NOTIFY from its

@@ -100,6 +100,25 @@ def test_a_rolled_back_seq_is_passed_once_settled(db, pg_url, outside):
     assert db.get("c") is None
 
 
+def test_holes_pending_while_the_feed_waits_on_a_seq_that_may_roll_back(db, pg_url, outside):
+    # What makes a keeper woken by NOTIFY poll (keeper/loop.py): a rollback
+    # notifies nobody, and only a later read settles its hole.
+    db.upsert([RowWrite("first", "r")], now=NOW)
+    assert _seqs(db) == [1] and not db.holes_pending()
+    c = psycopg.connect(pg_url)
+    try:
+        c.execute("INSERT INTO schedule (key, route, due_at) VALUES ('c', 'r', 1)")  # seq 2
+        outside.execute("INSERT INTO schedule (key, route, due_at) VALUES ('d', 'r', 1)")  # 3
+        assert _seqs(db, after=1) == [] and db.holes_pending()
+        c.rollback()
+    finally:
+        c.close()
+    assert db.holes_pending()  # nothing read since
+    assert _eventually(lambda: _seqs(db, after=1), [3]) == [3]
+    assert not db.holes_pending()
+    assert _seqs(db, after=3) == [] and not db.holes_pending()
+
+
 def test_last_seq_waits_for_the_writers_below_the_top(db, pg_url, outside):
     db.upsert([RowWrite("first", "r")], now=NOW)
     a = psycopg.connect(pg_url)
