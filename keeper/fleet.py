@@ -96,14 +96,14 @@ class FleetMember:
         if self.number is None:
             try:
                 # the deadline in the past, then the first beat
-                member = self.heart.join(applied_seq)
+                member = self.heart.join(applied_seq, grant=False)
             except StoreError as exc:
                 self.join_failures += 1
                 warn("fleet_join_failed", node=self.name, error=str(exc))
                 return False
             self.number = member.number
             log("fleet_joined", node=self.name, number=member.number)
-        elif (beat := self.heart.beat(applied_seq)) is None:
+        elif (beat := self.heart.beat(applied_seq, grant=False)) is None:
             if isinstance(self.heart.last_error, NotAMember):
                 self.number = None  # forgotten, or left by another hand: join again
             return False
@@ -113,8 +113,18 @@ class FleetMember:
             self.live = self.membership.live()
         except StoreError as exc:
             warn("fleet_live_list_failed", node=self.name, error=str(exc))
+            self.heart.drop_pending()  # no list read after the beat: no deadline from it
             return False
         return True
+
+    def grant(self) -> None:
+        """Write the grant deadline the last heartbeat earned. The keeper's
+        loop calls it after the tick that follows the heartbeat: by then the
+        set it offers holds only what the live list read after that heartbeat
+        makes this node's (a key another node gained was dropped and the set
+        republished), so no deadline extends a set that offers another
+        node's key (docs/delivery.md, "Two nodes, one key")."""
+        self.heart.grant()
 
     @property
     def waiting_for_peers(self) -> bool:
@@ -181,7 +191,8 @@ class FleetMember:
         now_ns = time.monotonic_ns()
         last = self.heart.last
         age = None if last is None else round((now_ns - last.sent_ns) / 1e9, 3)
-        until = self.ready.grant_until_ns
+        # A deadline earned and kept back is written at the end of this tick.
+        until = self.heart.pending_until or self.ready.grant_until_ns
         return {
             "name": self.name,
             "number": self.number,

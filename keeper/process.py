@@ -100,6 +100,11 @@ class Keeper(Feed, Publish, Verify, Report, Outage, Owned):
         except StoreError as exc:
             self._store_failed(exc, now)
             return 0.0
+        finally:
+            if self.fleet is not None:
+                # The deadline a heartbeat earned, once this tick has
+                # republished for the list read after it (keeper/fleet.py).
+                self.fleet.grant()
 
     def _tick(self, now: float) -> float:
         if now >= self._next_store_check:

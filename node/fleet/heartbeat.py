@@ -41,17 +41,22 @@ class Heartbeat:
         self.failures = 0
         self.last: Beat | None = None
         self.last_error: StoreError | None = None  # the last failed beat's, until one succeeds
+        self.pending_until = 0  # a deadline earned and kept back (``beat(grant=False)``)
 
-    def join(self, applied_seq: int | None = None) -> Member:
+    def join(self, applied_seq: int | None = None, grant: bool = True) -> Member:
         self.ready.set_grant_until(PAST)
         member = self.membership.join()
-        self.beat(applied_seq)
+        self.beat(applied_seq, grant)
         return member
 
-    def beat(self, applied_seq: int | None = None) -> Beat | None:
+    def beat(self, applied_seq: int | None = None, grant: bool = True) -> Beat | None:
         """One heartbeat and the deadline it earns; None when it failed (the
         deadline then stays, and lapses unless a later beat succeeds).
-        ``applied_seq`` rides along (``Membership.heartbeat``)."""
+        ``applied_seq`` rides along (``Membership.heartbeat``). ``grant``
+        False: the deadline is kept back until ``grant()`` (a keeper writes it
+        once its set offers only what the live list read after this beat
+        makes its own: docs/delivery.md, "Two nodes, one key")."""
+        self.pending_until = 0
         try:
             beat = self.membership.heartbeat(applied_seq)
         except StoreError as exc:
@@ -59,13 +64,26 @@ class Heartbeat:
             self.last_error = exc
             warn("fleet_heartbeat_failed", node=self.membership.name, error=str(exc))
             return None
-        self.ready.set_grant_until(beat.grant_until_ns)
+        if grant:
+            self.ready.set_grant_until(beat.grant_until_ns)
+        else:
+            self.pending_until = beat.grant_until_ns
         self.beats += 1
         self.last = beat
         self.last_error = None
         if beat.lapsed:
             log("fleet_rejoined", node=self.membership.name, note="heartbeat older than timeout")
         return beat
+
+    def grant(self) -> None:
+        """Write the deadline the last beat earned and kept back (none: nothing)."""
+        if self.pending_until:
+            self.ready.set_grant_until(self.pending_until)
+            self.pending_until = 0
+
+    def drop_pending(self) -> None:
+        """Forget a deadline kept back (the live list after it was not read)."""
+        self.pending_until = 0
 
     def run(self, stop: threading.Event) -> None:
         """Beat every ``heartbeat_s`` until ``stop`` is set."""
