@@ -134,6 +134,12 @@ class LocalClaimer:
     ``ClientError(503, "node_restarted")`` and tries again at the next call.
     After a kill -9 the restarted node reattaches the same segments, which
     are not sealed: an attached claimer goes on as it was.
+
+    On a node whose store is PostgreSQL the claimer reads its rows through
+    the node's row service (``workers/rows``): this process holds no
+    PostgreSQL connection. A claim whose rows cannot be read (the service
+    restarting, the server away) grants nothing and raises
+    ``ClientError(503, "store_unavailable")``; the next claim tries again.
     """
 
     def __init__(

@@ -157,7 +157,8 @@ class Claimer:
     Two paths, the same steps: on the SQLite store a whole claim is one call
     into C (``shm._claim.ClaimPath``: the take, the row reads and the grants),
     with its own connection to the schedule file; elsewhere (the memory store,
-    a build without the extension) the Python path below. ``close()`` closes
+    a build without the extension, PostgreSQL, whose rows a node's claimers
+    read through its row service: ``workers/rows``) the Python path below. ``close()`` closes
     the C path; closing the ready set or the lease table does as well.
     """
 
