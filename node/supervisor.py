@@ -366,9 +366,7 @@ class Supervisor:
         fd = self._sock.fileno()
         self.children.append(Child("keeper", 0, python_argv("keeper")))
         self.children.append(Child("ledger", 0, python_argv("workers.ledger")))
-        if self.fleet:
-            # The claim path's reads through the node's pool (workers/rows):
-            # no claiming process holds a PostgreSQL connection of its own.
+        if self.fleet:  # claims read rows through its pool, not their own (workers/rows)
             self.children.append(Child("rows", 0, python_argv("workers.rows")))
         for i in range(1, self.config.workers + 1):
             argv = python_argv("workers.http", "--index", str(i), "--listen-fd", str(fd))
