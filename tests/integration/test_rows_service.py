@@ -88,7 +88,9 @@ def test_the_rows_read_through_it_are_the_stores(store, serve, pg_url):
     )
     with psycopg.connect(pg_url, autocommit=True) as conn:
         # A row another program wrote that the keeper cannot schedule; an outcome.
-        conn.execute("INSERT INTO schedule (key, route, cadence_s, due_at) VALUES ('bad', 'r', 5, 1)")
+        conn.execute(
+            "INSERT INTO schedule (key, route, cadence_s, due_at) VALUES ('bad', 'r', 5, 1)"
+        )
         conn.execute("UPDATE schedule SET last_error = 'boom' WHERE key = 'a'")
     client = serve(store)
     keys = ["a", "b", "c\u00e9", "bad", "missing"]
