@@ -106,6 +106,20 @@ async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any] | None:
     return unpack(body)
 
 
+def recv_frame(sock: socket.socket) -> dict[str, Any] | None:
+    """The next frame on a blocking socket (a server thread's: the row
+    service's), or None at a clean end of stream, between frames."""
+    head = sock.recv(_LEN.size, socket.MSG_WAITALL)
+    if not head:
+        return None
+    if len(head) < _LEN.size:  # a signal cut the wait short
+        head += _recv_exactly(sock, _LEN.size - len(head), "the client")
+    (length,) = _LEN.unpack(head)
+    if length > MAX_FRAME:
+        raise IpcError(f"frame of {length} bytes is over the {MAX_FRAME} limit")
+    return unpack(_recv_exactly(sock, length, "the client"))
+
+
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
@@ -157,11 +171,13 @@ async def serve(path: str, handler: Handler) -> asyncio.AbstractServer:
 class IpcClient:
     """A blocking client, one request at a time per thread (inference
     processes, LocalClaimer, the CLI). Reconnects on the next call after a
-    failure; a failed call raises IpcError and is never retried silently."""
+    failure; a failed call raises IpcError and is never retried silently.
+    ``peer`` names the server in errors (the row service uses this client too)."""
 
-    def __init__(self, path: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, path: str, timeout_s: float = 30.0, peer: str = "ledger") -> None:
         self.path = path
         self.timeout_s = timeout_s
+        self.peer = peer
         self._sock: socket.socket | None = None
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -176,7 +192,9 @@ class IpcClient:
                 check_peer(sock, self.path)
             except OSError as exc:
                 sock.close()
-                raise IpcError(f"ledger not reachable at {self.path}: {exc.strerror}") from None
+                raise IpcError(
+                    f"{self.peer} not reachable at {self.path}: {exc.strerror}"
+                ) from None
             except IpcError:
                 sock.close()
                 raise
@@ -197,19 +215,18 @@ class IpcClient:
                         break
             except (OSError, IpcError) as exc:
                 self.close()
-                raise IpcError(f"ledger call {op} failed: {exc}") from None
+                raise IpcError(f"{self.peer} call {op} failed: {exc}") from None
         error = reply.get("error")
         if error:
             raise RemoteError(error.get("code", "error"), error.get("message", ""))
         return reply
 
-    @staticmethod
-    def _read(sock: socket.socket) -> dict[str, Any]:
-        head = _recv_exactly(sock, _LEN.size)
+    def _read(self, sock: socket.socket) -> dict[str, Any]:
+        head = _recv_exactly(sock, _LEN.size, self.peer)
         (length,) = _LEN.unpack(head)
         if length > MAX_FRAME:
             raise IpcError(f"frame of {length} bytes is over the limit")
-        return unpack(_recv_exactly(sock, length))
+        return unpack(_recv_exactly(sock, length, self.peer))
 
     def close(self) -> None:
         if self._sock is not None:
@@ -219,12 +236,12 @@ class IpcClient:
                 self._sock = None
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+def _recv_exactly(sock: socket.socket, n: int, peer: str = "ledger") -> bytes:
     chunks = []
     while n:
         chunk = sock.recv(n)
         if not chunk:
-            raise IpcError("ledger closed the connection")
+            raise IpcError(f"{peer} closed the connection")
         chunks.append(chunk)
         n -= len(chunk)
     return b"".join(chunks)

@@ -34,6 +34,7 @@ from node.core.errors import (
     NodeRestarted,
     NotGranting,
     NotReady,
+    StoreError,
     ValidationError,
     WorkRefused,
 )
@@ -50,6 +51,7 @@ from workers.claim import (
     ledger_error,
     refuse,
 )
+from workers.rows import RowsClient
 
 if TYPE_CHECKING:
     from shm.leases import Outcome
@@ -132,6 +134,12 @@ class LocalClaimer:
     ``ClientError(503, "node_restarted")`` and tries again at the next call.
     After a kill -9 the restarted node reattaches the same segments, which
     are not sealed: an attached claimer goes on as it was.
+
+    On a node whose store is PostgreSQL the claimer reads its rows through
+    the node's row service (``workers/rows``): this process holds no
+    PostgreSQL connection. A claim whose rows cannot be read (the service
+    restarting, the server away) grants nothing and raises
+    ``ClientError(503, "store_unavailable")``; the next claim tries again.
     """
 
     def __init__(
@@ -154,7 +162,7 @@ class LocalClaimer:
         boot these belong to. Raises NodeNotRunning (or NameTaken for names
         that are not this user's node's)."""
         from node.core.identity import data_dir_id
-        from node.store import open_store
+        from node.store import is_fleet_url, open_store
         from shm.leases import LeaseTable
         from shm.ready import ReadySet
         from shm.state import StateBuffer, boot_id
@@ -169,7 +177,12 @@ class LocalClaimer:
             self.leases = self._open(LeaseTable.attach(self.name))
             self.wake = self._open(Wake.attach(self.name))
             # The running node's store: never made here (node/store/made.py).
-            self.store = self._open(open_store(self.config.store_url, create=False))
+            # On PostgreSQL its rows come through the node's row service
+            # (workers/rows): this process holds no connection of its own.
+            if is_fleet_url(self.config.store_url):
+                self.store = self._open(RowsClient(self.name))
+            else:
+                self.store = self._open(open_store(self.config.store_url, create=False))
         except BaseException:
             self._detach()
             raise
@@ -262,6 +275,11 @@ class LocalClaimer:
                 raise refusal(exc) from None
             except NotGranting as exc:  # a fleet's node that could not renew its membership
                 raise refusal(exc) from None
+            except StoreError as exc:
+                # The rows could not be read (on PostgreSQL: the server, or
+                # the node's row service, cannot be reached): nothing was
+                # granted; the HTTP answer's 503, retry.
+                raise ClientError(503, "store_unavailable", str(exc)) from None
             except (NodeRestarted, SlotTakenOver):
                 # SlotTakenOver: a stop of the node took back a slot this
                 # process held past the seal's deadline (stopped meanwhile).

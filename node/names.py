@@ -10,6 +10,7 @@ A node named N owns, on its host:
 | ``/queue-node.N.wake`` | semaphore (``/dev/shm/sem.…``) | supervisor |
 | ``/queue-node.N.ask``, ``.reply.*`` | message queues | keeper, askers |
 | ``\\0queue-node.N.ledger`` | abstract UNIX socket | ledger |
+| ``\\0queue-node.N.rows`` | abstract UNIX socket (a node on PostgreSQL) | row service |
 
 The supervisor checks every one before it creates anything (``check_all``):
 a name another user holds, or a segment without this data directory's
@@ -33,6 +34,7 @@ from node.core.names import (
     ledger_address,
     owner_name,
     reply_queue_prefix,
+    rows_address,
     shm_segment_name,
     wake_name,
 )
@@ -60,18 +62,21 @@ def check_all(node: str, data_dir_id: bytes, layouts: dict[str, int]) -> None:
     check_semaphore(wake, semaphore_owner(wake), absent_ok=True)
     check_queue(ask_queue_name(node))
     check_ledger_name(node)
+    check_ledger_name(node, rows_address(node), "row service")
 
 
-def check_ledger_name(node: str) -> None:
-    """NameTaken when another user's process listens on the ledger's name.
+def check_ledger_name(node: str, address: str | None = None, what: str = "ledger") -> None:
+    """NameTaken when another user's process listens on the ledger's name
+    (or on ``address``, the row service's, whose ``what`` it names).
 
     One of this uid's is a ledger left running (the second-node check
     refuses a live node before this) and is let be: it exits with its
     supervisor."""
+    address = address or ledger_address(node)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(2.0)
     try:
-        sock.connect(ledger_address(node))
+        sock.connect(address)
     except OSError:
         return  # nobody listens: the ledger will bind it
     try:
@@ -82,7 +87,7 @@ def check_ledger_name(node: str) -> None:
         sock.close()
     if uid != os.getuid():
         raise NameTaken(
-            f"the ledger socket @{ledger_address(node)[1:]} is bound by pid {pid} of "
+            f"the {what} socket @{address[1:]} is bound by pid {pid} of "
             f"{owner_name(uid)}, not this node's user ({owner_name(os.getuid())}): refusing "
             "to start; stop that process or pick another --name"
         )

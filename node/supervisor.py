@@ -68,7 +68,7 @@ LEDGER_FIRST_TIMEOUT_S = 120.0
 
 @dataclass
 class Child:
-    role: str  # "keeper", "ledger", "worker" or "inference"
+    role: str  # "keeper", "ledger", "rows" (on PostgreSQL), "worker" or "inference"
     index: int
     argv: list[str]
     pass_fds: tuple[int, ...] = ()
@@ -371,6 +371,8 @@ class Supervisor:
         fd = self._sock.fileno()
         self.children.append(Child("keeper", 0, python_argv("keeper")))
         self.children.append(Child("ledger", 0, python_argv("workers.ledger")))
+        if self.fleet:  # claims read rows through its pool, not their own (workers/rows)
+            self.children.append(Child("rows", 0, python_argv("workers.rows")))
         for i in range(1, self.config.workers + 1):
             argv = python_argv("workers.http", "--index", str(i), "--listen-fd", str(fd))
             self.children.append(Child("worker", i, argv, pass_fds=(fd,)))
@@ -500,6 +502,7 @@ class Supervisor:
                 "keeper": next((c.pid for c in self.children if c.role == "keeper"), None),
                 "workers": [c.pid for c in self.children if c.role == "worker"],
                 "ledger": next((c.pid for c in self.children if c.role == "ledger"), None),
+                "rows": next((c.pid for c in self.children if c.role == "rows"), None),
                 "inference": [c.pid for c in self.children if c.role == "inference"],
             },
         }
@@ -582,6 +585,7 @@ class Supervisor:
            running batches finish (or hand their leases back) and send their
            last results to the ledger;
         2. the ledger: it makes every accepted result durable and exits;
+           with it the row service (nothing claims any more);
         3. the keeper.
 
         Then the live leases are saved and the segments removed. A second
@@ -591,7 +595,7 @@ class Supervisor:
         deadline = time.monotonic() + self.config.drain_timeout_s
         log.log("node_draining", deadline_s=self.config.drain_timeout_s)
         granting = [c for c in self.children if c.role in ("inference", "worker")]
-        ledgers = [c for c in self.children if c.role == "ledger"]
+        ledgers = [c for c in self.children if c.role in ("ledger", "rows")]
         keepers = [c for c in self.children if c.role == "keeper"]
         killed = False
         self._leave_fleet(keepers)

@@ -193,11 +193,12 @@ class NodeProcess:
         return self.info["pids"]
 
     def pids_by_role(self) -> dict[str, int]:
-        """role -> pid: supervisor, keeper, ledger, worker-N, inference-N."""
+        """role -> pid: supervisor, keeper, ledger, rows (on PostgreSQL),
+        worker-N, inference-N."""
         self._node_json_ok()
         pids = self.info.get("pids") or {}
         out = {"supervisor": self.info.get("pid")}
-        for role in ("keeper", "ledger"):
+        for role in ("keeper", "ledger", "rows"):
             out[role] = pids.get(role)
         for role in ("workers", "inference"):
             for i, pid in enumerate(pids.get(role) or []):

@@ -9,7 +9,8 @@ Pure strings: nothing here opens, maps or checks a name (that is
 - ``/queue-node.N.wake``: a semaphore (``/dev/shm/sem.…``), ``wake_name``;
 - ``/queue-node.N.ask``: the keeper's message queue, ``ask_queue_name``;
 - ``/queue-node.N.reply.*``: an asker's reply queue, ``reply_queue_prefix``;
-- ``\\0queue-node.N.ledger``: an abstract UNIX socket, ``ledger_address``.
+- ``\\0queue-node.N.ledger``: an abstract UNIX socket, ``ledger_address``;
+- ``\\0queue-node.N.rows``: the row service's (a PostgreSQL node), ``rows_address``.
 
 ``shm_segment_name`` is not the completion log's ``segment_name(number)``
 (a file in the data directory): a shared-memory segment is host-wide, a log
@@ -75,6 +76,12 @@ def reply_queue_prefix(node: str) -> str:
 def ledger_address(node: str) -> str:
     """The ledger's abstract socket name (a leading NUL: no file, no mode)."""
     return f"\0{PREFIX}.{node}.ledger"
+
+
+def rows_address(node: str) -> str:
+    """The row service's abstract socket name (a node on PostgreSQL:
+    ``workers/rows``)."""
+    return f"\0{PREFIX}.{node}.rows"
 
 
 def owner_name(uid: int) -> str:

@@ -401,6 +401,15 @@ class PostgresStore(Store):
             found = conn.execute(q.GET_MANY, (wanted,)).fetchall()
         return {stored[0]: stored_row(stored) for stored in found}
 
+    def claim_rows(self, keys: list[str]) -> list[tuple]:
+        """The claim path's columns of ``keys``' rows as stored (``CLAIM_ROWS``:
+        ``stored_row``'s first eight), in one statement: what the node's row
+        service (``workers/rows``) hands to claimers, which decode them."""
+        if not keys:
+            return []
+        with self._conn("claim_rows") as conn:
+            return conn.execute(q.CLAIM_ROWS, (keys,)).fetchall()
+
     def jobs_of(self, keys: Iterable[str]) -> dict[str, tuple[str, float | None, str]]:
         wanted = list(dict.fromkeys(keys))
         if not wanted:

@@ -284,6 +284,12 @@ WRITE_LAST_ERROR = (
 )
 GET_ROW = f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key = %s"
 GET_MANY = f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key = ANY(%s)"
+# The claim path's read (the row service, workers/rows): the columns a grant
+# checks and hands out, without the outcome columns (an error text can be long).
+CLAIM_ROWS = (
+    "SELECT key, route, cadence_s, sitemap, due_at, payload, job, version"
+    " FROM schedule WHERE key = ANY(%s)"
+)
 JOBS_OF = (
     "SELECT key, job, cadence_s, route, sitemap, due_at FROM schedule WHERE key = ANY(%s)"
 )

@@ -34,13 +34,13 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from node.core.config import Config
-from node.core.errors import NodeRestarted, NotGranting, NotReady
+from node.core.errors import NodeRestarted, NotGranting, NotReady, StoreError
 from node.core.log import warn
-from node.core.rows import MAX_CADENCE_S, MAX_DUE_AT, MIN_CADENCE_S, MIN_DUE_AT, Grant
-from node.store.base import BadRow, ClaimSource, Store
+from node.core.rows import MAX_CADENCE_S, MAX_DUE_AT, MIN_CADENCE_S, MIN_DUE_AT, Grant, Row
+from node.store.base import BadRow, ClaimSource
 from shm.leases import (
     C_STOP,
     CONSUMER_BYTES,
@@ -70,6 +70,17 @@ except ImportError:  # every claim takes the Python path
 # 0.12-0.29 s). Under a light load it costs one publish a second nobody may
 # take from: the timer's fresh set replaces it.
 LOW_WATER_FRACTION = 1.0
+
+
+class ClaimRows(Protocol):
+    """What a claim reads its rows through: a store (``node.store``), or on a
+    PostgreSQL node the node's row service (``workers.rows.RowsClient``)."""
+
+    def claim_source(self) -> ClaimSource | None: ...
+
+    def get(self, key: str) -> Row | BadRow | None: ...
+
+    def get_many(self, keys: list[str]) -> dict[str, Row | BadRow]: ...
 
 
 @dataclass
@@ -146,14 +157,15 @@ class Claimer:
     Two paths, the same steps: on the SQLite store a whole claim is one call
     into C (``shm._claim.ClaimPath``: the take, the row reads and the grants),
     with its own connection to the schedule file; elsewhere (the memory store,
-    a build without the extension) the Python path below. ``close()`` closes
+    a build without the extension, PostgreSQL, whose rows a node's claimers
+    read through its row service: ``workers/rows``) the Python path below. ``close()`` closes
     the C path; closing the ready set or the lease table does as well.
     """
 
     def __init__(
         self,
         config: Config,
-        store: Store,
+        store: ClaimRows,
         ready: Any,
         leases: LeaseTable,
         wake: Callable[[], None] | None = None,
@@ -279,7 +291,12 @@ class Claimer:
                 stats.drained += 1
                 break
             stats.taken += len(entries)
-            self._grant_entries(entries, lease_s, consumer, now, grants)
+            try:
+                self._grant_entries(entries, lease_s, consumer, now, grants)
+            except StoreError:
+                if not grants:
+                    raise
+                break  # the leases granted before the failed read are live: hand them out
             # Fewer than asked: the set ran out under us. Take again: the
             # next set may be pending (the take switches to it), or the take
             # finds nothing and the claim ends.

@@ -144,7 +144,8 @@ class _WorkSide:
     """The work path's objects for this worker: the ready set and lease table
     (shared memory); two Claimers, one for small claims on the event loop and
     one for big claims on the claim thread, each with a store connection of
-    its own (a claim never queues behind a write of POST /rows); and the
+    its own (a claim never queues behind a write of POST /rows; on
+    PostgreSQL each reads through the node's row service instead); and the
     ledger's socket. Missing segments are not fatal: the work routes answer
     503 not_ready and the rest of the API still serves."""
 
@@ -159,12 +160,13 @@ class _WorkSide:
     async def start(self, ctx: Any, config: Config, wake: Any) -> Any:
         from node.core.names import ledger_address
         from node.ipc import AsyncIpcClient
-        from node.store import open_store
+        from node.store import is_fleet_url, open_store
         from shm.leases import LeaseTable
         from shm.ready import ReadySet
         from workers.claim import Claimer
         from workers.http.app import readiness
         from workers.http.work import WorkPath
+        from workers.rows import RowsClient
 
         try:
             self.ready = ReadySet.attach(self.name)
@@ -173,8 +175,16 @@ class _WorkSide:
             log.warn("work_attach_failed", error=str(exc))
             return None
         loop = asyncio.get_running_loop()
-        self.stores.append(open_store(config.store_url))
-        self.stores.append(await loop.run_in_executor(self.thread, open_store, config.store_url))
+        if is_fleet_url(config.store_url):
+            # On PostgreSQL the claims read through the node's row service
+            # (workers/rows): a worker holds no connection for them.
+            self.stores.append(RowsClient(self.name))
+            self.stores.append(RowsClient(self.name))
+        else:
+            self.stores.append(open_store(config.store_url))
+            self.stores.append(
+                await loop.run_in_executor(self.thread, open_store, config.store_url)
+            )
 
         def claimer(store: Any) -> Claimer:
             return Claimer(

@@ -1,0 +1,5 @@
+import sys
+
+from workers.rows.service import main
+
+sys.exit(main())
