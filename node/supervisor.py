@@ -48,6 +48,7 @@ from node.core.identity import data_dir_id, new_boot_id
 from node.core.proc import ENV_CONFIG, ENV_STARTED_AT, ENV_SUPERVISOR, drain_pipe, python_argv
 from node.core.proc import unblock_all as unblock_signals
 from node.core.urls import redact_url
+from node.listen import bind_http, listening_address
 from node.store import is_fleet_url
 
 BACKOFF_MIN_S = 0.1
@@ -132,8 +133,8 @@ class Supervisor:
         # created: a refusal leaves nothing behind (docs/reliability.md).
         self.identity = (data_dir_id(self.data_dir, create=True), new_boot_id())
         self._check_names()
-        self._sock = self._bind()
-        self.http = self._listening_address(self._sock)
+        self._sock = bind_http(self.config)
+        self.http = listening_address(self._sock)
         self._write_config()
         self._create_segments()
 
@@ -160,84 +161,6 @@ class Supervisor:
         layouts = {"ready": ready.LAYOUT_VERSION, "leases": leases.LAYOUT_VERSION,
                    "state": state.LAYOUT_VERSION, "classes": classes.LAYOUT_VERSION}  # fmt: skip
         check_all(self.name, self.identity[0], layouts)
-
-    def _bind(self) -> socket.socket:
-        if self.config.http_unix is not None:
-            return self._bind_unix(self.config.http_unix)
-        family = socket.AF_INET6 if ":" in self.config.http_host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((self.config.http_host, self.config.http_port))
-        except OSError as exc:
-            sock.close()
-            raise ConfigError(f"cannot listen on {self.config.http}: {exc.strerror}") from None
-        sock.listen(1024)
-        sock.set_inheritable(True)
-        return sock
-
-    @staticmethod
-    def _bind_unix(path: Path) -> socket.socket:
-        """``--http unix:PATH``: a socket file only its owner can connect to.
-
-        The file is created mode 0600 (the umask is narrowed around ``bind``, so
-        no other user can connect in between) in a directory this user owns:
-        in a directory others may write to, another user could put their own
-        socket there first. A socket file left by a crashed node (nothing
-        accepts on it) is replaced; one something still serves on, or a path
-        that is not a socket, is refused."""
-        import stat
-
-        where = f"cannot listen on unix:{path}"
-        try:
-            parent = os.stat(path.parent)
-        except OSError as exc:
-            raise ConfigError(f"{where}: its directory: {exc.strerror}") from None
-        if parent.st_uid != os.geteuid():
-            raise ConfigError(f"{where}: its directory {path.parent} is not owned by this user")
-        try:
-            existing = os.lstat(path)
-        except FileNotFoundError:
-            existing = None
-        except OSError as exc:
-            raise ConfigError(f"{where}: {exc.strerror}") from None
-        if existing is not None:
-            if not stat.S_ISSOCK(existing.st_mode):
-                raise ConfigError(f"{where}: the path exists and is not a socket")
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            probe.settimeout(1.0)
-            try:
-                probe.connect(str(path))
-            except (ConnectionRefusedError, FileNotFoundError):
-                pass  # stale: nothing accepts on it
-            except OSError as exc:
-                raise ConfigError(f"{where}: {exc.strerror or exc}") from None
-            else:
-                raise ConfigError(f"{where}: another process serves on this socket")
-            finally:
-                probe.close()
-            path.unlink(missing_ok=True)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        umask = os.umask(0o177)
-        try:
-            sock.bind(str(path))
-            os.chmod(path, 0o600)
-        except OSError as exc:
-            sock.close()
-            raise ConfigError(f"{where}: {exc.strerror or exc}") from None
-        finally:
-            os.umask(umask)
-        sock.listen(1024)
-        sock.set_inheritable(True)
-        return sock
-
-    @staticmethod
-    def _listening_address(sock: socket.socket) -> str:
-        """node.json's ``http``: ``host:port``, or ``unix:PATH``."""
-        if sock.family == socket.AF_UNIX:
-            return "unix:" + sock.getsockname()
-        host, port = sock.getsockname()[:2]
-        return f"{host}:{port}"
 
     def _write_config(self) -> None:
         path = self.run_dir / "config.json"
