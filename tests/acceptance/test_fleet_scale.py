@@ -8,9 +8,8 @@ own data directory:
   count over the table;
 - a sustained write load from several connections straight into the
   schedule table (an outside program: inserts, updates, deletes) and through
-  ``POST /rows``, while each node grants and completes: afterwards every
-  keeper exact and equal to its share (the rate is reported, not asserted:
-  ``bench/bench_fleet_moves.py`` measures);
+  ``POST /rows``: afterwards every keeper exact and equal to its share (the
+  rate is printed, not asserted);
 - kill -9 of one node holding leases, half of them completed: the others
   hold its rows, exact; its leased rows are due again there (nothing leased
   is lost), and its completed results wait in its own log;
@@ -21,8 +20,9 @@ own data directory:
 - two nodes starting at once on a database with no schema.
 
 After each step both ledger laws balance on every live node. The default
-run is small (20,000 rows, 8 s of writes); ``--run-slow`` adds the issue's
-size (300,000 rows, a minute of writes)."""
+run is small (20,000 rows, 5 s of writes); ``--run-slow`` adds the issue's
+size (300,000 rows, a minute of writes), and claims completed on every node
+at once (an expected failure now: docs/fleet.md, "At scale")."""
 
 from __future__ import annotations
 
@@ -384,7 +384,7 @@ def test_three_nodes_hold_every_row_once_under_load_through_a_kill_a_join_and_a_
 
         # A sustained write load, then every keeper exact and equal to its share.
         with Load(nodes, pg_url, size.rows * 5 // 4, writers=3, claims=False) as load:
-            time.sleep(size.load_s)  # the load's duration; its end is joined below
+            load.stopping.wait(size.load_s)  # the load's length (a failing thread ends it)
             ran_s = load.stop()
         writes = sum(load.writes)
         moves["after_writes"] = _settle(nodes, pg_url, size.settle_s, "after the write load")
@@ -450,7 +450,7 @@ def test_claims_completed_on_three_nodes_leave_both_laws_balanced(tmp_path, pg_u
         _start_at_once(nodes)
         _settle(nodes, pg_url, size.settle_s, "three nodes")
         with Load(nodes, pg_url, size.rows, writers=0, claims=True) as load:
-            time.sleep(size.claim_s)
+            load.stopping.wait(size.claim_s)  # the load's length (a failing thread ends it)
             load.stop()
         assert all(load.completed), load.completed
         _settle(nodes, pg_url, size.settle_s, "after the claims")
