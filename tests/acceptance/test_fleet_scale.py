@@ -141,15 +141,33 @@ def _laws(nodes: list[NodeProcess], since: float) -> bool:
     """Both laws on every node: the input law on counts taken after
     ``since``, and /accounting balanced (input, output, finished)."""
     for node in nodes:
-        counters = read_state(node.name).get("counters") or {}
+        state = read_state(node.name)
+        counters = state.get("counters") or {}
         status, doc = node.request("GET", "/accounting")
         assert status == 200, doc
-        _LAST[node.name] = {"counters": counters, "accounting": doc}
-        if not counters.get("at", 0) > since or counters.get("input_gap") != 0:
+        # the repairs too: a row the feed missed, put back by a self check,
+        # is received and never withdrawn (docs/accounting.md)
+        trust = state.get("trust") or {}
+        gaps = (trust.get("store") or {}).get("gaps", 0)
+        _LAST[node.name] = {"counters": counters, "accounting": doc,
+                            "repairs": trust.get("repairs"), "gaps": gaps}  # fmt: skip
+        if not counters.get("at", 0) > since:
             return False
-        if not doc["balanced"] or doc["gaps"]["output"] or doc["gaps"]["finished"]:
+        if doc["gaps"]["output"] or doc["gaps"]["finished"]:
+            return False
+        if gaps:
+            # Its keeper stalled past the membership timeout under the load,
+            # and the others trimmed the shared log past its position: the
+            # changes it never read took their occurrences with them, the
+            # one way the input law may stay off (docs/fleet.md, "The shared
+            # change log"; docs/accounting.md). Its copy is walked exact.
+            _GAPPED.add(node.name)
+        elif counters.get("input_gap") != 0 or not doc["balanced"]:
             return False
     return True
+
+
+_GAPPED: set[str] = set()  # nodes whose input law a trimmed gap excuses: printed
 
 
 _LAST: dict[str, dict] = {}  # each node's last counts _laws saw: a failure shows them
@@ -420,6 +438,8 @@ def test_three_nodes_hold_every_row_once_under_load_through_a_kill_a_join_and_a_
         rest = [first, killed]
         moves["leave"] = _settle(rest, pg_url, size.settle_s, "after the clean leave")
         print("moves (s): " + ", ".join(f"{k} {v:.1f}" for k, v in moves.items()))
+        if _GAPPED:
+            print(f"input law excused by a trimmed gap (a keeper lapsed): {sorted(_GAPPED)}")
     finally:
         for node in nodes:
             finish([node], node.name)
