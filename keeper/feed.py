@@ -74,10 +74,10 @@ class Feed(KeeperBase):
                 # another node's lease ending (granted before a membership
                 # change moved the key here): a write like any other.
                 own_write_back = ch.origin == ORIGIN_WRITEBACK and (
-                    owned is None or ch.key in exclude
+                    owned is None or ch.key in exclude or self._written_back_here(ch.key)
                 )
                 before = None if loading or own_write_back else get(ch.key)
-                leased = before is not None and ch.key in exclude and self._leased(ch.key)
+                leased = before is not None and self._leased_now(ch.key, before, exclude)
                 if leased:
                     # A write to a row while it is leased: the lease's end
                     # may not follow it (docs/accounting.md, the edges).

@@ -127,6 +127,26 @@ class Owned(KeeperBase):
             self.feed_seq = trimmed_through
         self._doubt_copy("gap", now)  # the next tick starts the walk (keeper/process.py)
 
+    def _written_back_here(self, key: str) -> bool:
+        """Whether a write-back of held ``key`` ends a lease this node
+        granted, which the excluded keys may not show: they are followed at
+        each publish only, a key granted and completed between two (the
+        common case under claims) never was among them, and the ledger ends
+        a lease just after its write-back commits. The lease table says: it
+        has a record of the key granted on the version held here or a later
+        one (the write-back's guard held: the row had not changed since the
+        grant; a later grant is this node's too, read by a keeper behind its
+        feed). Another node's lease ending is unknown here, or its record is
+        older than the row (the row was written back since). What it cannot
+        see: a key whose idle slot was given to another key before the feed
+        brought the write-back (counted withdrawn then: the input law one
+        short, docs/fleet.md)."""
+        if self.leases is None:
+            return False
+        found = self.leases.lookup(key)
+        held = self.buckets.get(key)
+        return found is not None and held is not None and found[1].version >= held[2]
+
     def fenced_in_flight(self) -> int:
         """Leases still live on keys a membership change dropped: in
         flight here and not held here, so the input law's ``waiting`` (due
@@ -161,6 +181,11 @@ class Owned(KeeperBase):
             self._follow_leases(now)
         exclude = self.exclude if self.leases is not None else ()
         get, remove = self.buckets.get, self.buckets.remove
+        # A load counts received at its end, from the rows it then holds
+        # (keeper/report.py, ``_start_received``): a row dropped before that
+        # was never received here, so it is not withdrawn either (the feed
+        # counts no withdrawal while loading, for the same reason).
+        counting = not self._loading
         dropped = 0
         for key in keys:
             if key in owned:
@@ -170,7 +195,7 @@ class Owned(KeeperBase):
             dropped += 1
             if key in exclude and self._leased(key):
                 self.fenced.add(key)  # in flight: its lease's end decides
-            elif before is not None:
+            elif before is not None and counting:
                 self._withdraw(before, None)
         if self.refused_due:  # received here, held nowhere, another node's now: it leaves
             kept = self._owned(list(self.refused_due)) or set()

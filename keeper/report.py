@@ -330,6 +330,17 @@ class Report(KeeperBase):
         found = self.leases.lookup(key)
         return found is not None and found[0] in LEASED_NAMES
 
+    def _leased_now(self, key: str, before: tuple[int, int, int], exclude: Any) -> bool:
+        """Whether a lease holds held ``key`` now, for a write the feed
+        applies: a key among the excluded ones, or a due one granted since
+        the last publish (the excluded keys are followed at each publish
+        only; a write that takes a due row out while it is leased is an
+        edge of the input law, not a withdrawal: docs/accounting.md)."""
+        if self.leases is None or (key not in exclude and before[0] > self.buckets.due_through):
+            return False
+        found = self.leases.lookup(key)
+        return found is not None and found[0] in LEASED_NAMES
+
     def received(self) -> int:
         """Occurrences that came due, lifetime (counted once the load is done)."""
         if self._loading:
