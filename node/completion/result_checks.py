@@ -58,10 +58,13 @@ _plain_c: Any = None
 
 def _bind_plain() -> Any:
     global _plain_c  # noqa: PLW0603 - bound once
+    c: Any
     try:
-        from node.completion.segments._records import plain_results as c
+        from node.completion.segments import _records
     except ImportError:  # pragma: no cover - a build without the extension
         c = False
+    else:
+        c = _records.plain_results
     _plain_c = c
     return c
 

@@ -347,7 +347,7 @@ class Delivery:
         if q is None:
             return False
         offers = self._offers
-        lives = list(map(offers.get, rids))
+        lives: list = list(map(offers.get, rids))
         if not lives or None in lives or set(map(_first, lives)) != {q}:
             return False
         deque(map(offers.__delitem__, rids), 0)
