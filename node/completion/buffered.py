@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future
 from itertools import chain, compress, repeat
-from operator import attrgetter, itemgetter
+from operator import attrgetter, itemgetter, rshift
 
 from node.completion.base import (
     FSYNC_ALWAYS,
@@ -456,12 +456,14 @@ class BufferedLog(CompletionStore):
     def _retire(self, kind: str, ids: Iterable[int], reason: str, now: float | None) -> int:
         self._check()
         at = time.time() if now is None else float(now)
-        wanted = [int(rid) for rid in ids]
+        wanted = list(map(int, ids))
         locs = self._index.remove_many(wanted)
         done = list(compress(wanted, locs))
         by_segment: dict[int, int] = {}
         if done:
-            for number, n in Counter(loc >> LOC_OFFSET_BITS for loc in locs if loc).items():
+            # Each retired result's segment (loc >> LOC_OFFSET_BITS), counted in C.
+            segments = map(rshift, filter(None, locs), repeat(LOC_OFFSET_BITS))
+            for number, n in Counter(segments).items():
                 by_segment[number] = n
                 self._segments[number].live -= n
             self._forget_recent(done)

@@ -5,6 +5,7 @@ later flush of the buffer it would sit in (``buffered.py`` calls these)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from node.completion.base import ENCODINGS, MAX_RECORD_BYTES, Result
 from node.core.errors import ValidationError
@@ -39,8 +40,37 @@ def plain_results(results: Sequence[Result]) -> bool:
     """The usual batch, told in one lean pass: every field of the exact type
     ``check_result`` wants and the record small. False sends the batch to
     ``check_result``, which says what is wrong (or passes it: an int
-    finished_at, a str lease id, a subclass)."""
-    limit = MAX_RECORD_BYTES - 256
+    finished_at, a str lease id, a subclass). In C when the extension is
+    built (``_records.c``; ``_plain_results_py`` is its reference)."""
+    c = _plain_c if _plain_c is not None else _bind_plain()
+    if c is False:
+        return _plain_results_py(results)
+    return c(Result, results, _PLAIN_LIMIT)
+
+
+# The record's room left for the data, the key and the job (as check_result).
+_PLAIN_LIMIT = MAX_RECORD_BYTES - 256
+# The C pass, bound at the first call: importing the segments package when
+# this module is imported would be circular (it imports the log, which
+# imports this). False: not built.
+_plain_c: Any = None
+
+
+def _bind_plain() -> Any:
+    global _plain_c  # noqa: PLW0603 - bound once
+    c: Any
+    try:
+        from node.completion.segments import _records
+    except ImportError:  # pragma: no cover - a build without the extension
+        c = False
+    else:
+        c = _records.plain_results
+    _plain_c = c
+    return c
+
+
+def _plain_results_py(results: Sequence[Result]) -> bool:
+    limit = _PLAIN_LIMIT
     for r in results:
         if not (
             r.key.__class__ is str

@@ -310,3 +310,20 @@ TestDeliveryModel.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+def test_an_ack_of_every_offer_leaves_no_dead_entry_for_the_next_poll():
+    """The usual cycle: a poll offers 1,000, their ack retires them all. The
+    job's heap entries of those offers go with the ack (each paid for by
+    it), so the next poll of the job touches what it returns, not 1,000 dead
+    entries more (issue 16: they were popped one at a time there)."""
+    d = Delivery(30)
+    d.add_many(list(range(1, 2001)), "a")
+    got = d.poll("a", 1000, T0)
+    d.touched = 0
+    assert d.ack("a", got, T0) == 1000
+    assert d.touched == 1000  # the ids it was given
+    d.touched = 0
+    assert d.poll("a", 10, T0 + 1) == list(range(1001, 1011))
+    assert d.touched == 10
+    assert d.offered("a") == 10 and d.pending("a") == 1000

@@ -26,10 +26,12 @@ import os
 import signal
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from operator import attrgetter, itemgetter
+from functools import partial
+from itertools import repeat
+from operator import add, attrgetter, itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +97,40 @@ STOP_GRACE_S = 5.0
 
 _DATA, _KEY = attrgetter("data"), attrgetter("key")
 _FIRST, _SECOND, _THIRD, _KEY_LEASE = itemgetter(0), itemgetter(1), itemgetter(2), itemgetter(0, 1)
+# An intake item's job, version and cadence (workers/ledger/intake.py, Item).
+_JOB, _VERSION, _CADENCE = itemgetter(4), itemgetter(5), itemgetter(6)
+_new_tuple = tuple.__new__
+
+
+def _make_results_py(items: list[_Item], now: float) -> list[Any]:
+    """The Python reference of ``_records.c``'s ``make_results``: each
+    accepted item's Result, finished at ``now``."""
+    from node.completion.base import make_result
+
+    return [
+        make_result(key, job, lease_id, version, now, cadence_s, data, encoding)
+        for key, lease_id, data, encoding, job, version, cadence_s in items
+    ]
+
+
+def _offer_dicts_py(ids: list[int], results: list[Any]) -> list[dict]:
+    """The Python reference of ``_records.c``'s ``offer_dicts``."""
+    return [{"id": rid, "key": r.key, "job": r.job, "result": r.data,
+             "encoding": r.encoding, "finished_at": r.finished_at}
+            for rid, r in zip(ids, results, strict=True)]  # fmt: skip
+
+
+_make_results: Any
+_offer_dicts: Any
+try:  # built by setup.py, optional: the references above do the same
+    from node.completion.base import Result as _Result
+    from node.completion.segments._records import make_results as _make_results_c
+    from node.completion.segments._records import offer_dicts as _offer_dicts
+
+    _make_results = partial(_make_results_c, _Result)
+except ImportError:  # pragma: no cover - a build without the extension
+    _make_results = _make_results_py
+    _offer_dicts = _offer_dicts_py
 # A lease to end once its result's write-back is written: key, lease id,
 # result id, job.
 _End = tuple[str, int, int, str]
@@ -309,12 +345,8 @@ class Ledger:
         given): (ids, the flush's handle, when it began), or None when the
         log refused it (the caller answers every item)."""
         from node.completion import LogUnavailable
-        from node.completion.base import make_result
 
-        results = [
-            make_result(key, job, lease_id, version, now, cadence_s, data, encoding)
-            for key, lease_id, data, encoding, job, version, cadence_s in items
-        ]
+        results = _make_results(items, now)
         t0 = time.perf_counter()
         try:
             ids = self.log.append_results(results)
@@ -345,13 +377,18 @@ class Ledger:
         self.stats.group_items_max = max(self.stats.group_items_max, len(items))
         self.stats.flush_s += flush_s
         self.stats.flush_s_max = max(self.stats.flush_s_max, flush_s)
+
+        keys, lease_ids = list(map(_FIRST, items)), list(map(_SECOND, items))
         # Durable: a repeat gets these ids from now on.
-        self.repeats.add_many(list(map(_SECOND, items)), list(map(_FIRST, items)), ids)
-        group: list[tuple[Any, _End | None]] = [
-            (WriteBack(key, now + cadence_s, version, rid, now), (key, lease_id, rid, job))
-            for (key, lease_id, _, _, job, version, cadence_s), rid in zip(items, ids, strict=True)
-        ]
-        self._write_backs(group, now, fresh=True)
+        self.repeats.add_many(lease_ids, keys, ids)
+        # WriteBack (a NamedTuple) made by tuple.__new__, its own __new__ being
+        # Python: (key, due_at, if_version, result_id, finished_at) each. Not
+        # strict: repeat(now) is endless, the other columns all len(items).
+        dues = map(add, repeat(now), map(_CADENCE, items))
+        rows = zip(keys, dues, map(_VERSION, items), ids, repeat(now))  # noqa: B905
+        wbs = map(_new_tuple, repeat(WriteBack), rows)
+        ends = zip(keys, lease_ids, ids, map(_JOB, items), strict=True)
+        self._write_backs(list(zip(wbs, ends, strict=True)), now, fresh=True)
         return True
 
     def _settle(self, batches: list[_Batch], status: str, ids: list[int] | None) -> None:
@@ -360,8 +397,7 @@ class Ledger:
         pop, at = self._inflight.pop, 0
         for b in batches:
             n = len(b.items)
-            for it in b.items:
-                pop((it[0], it[1]), None)
+            deque(map(pop, map(_KEY_LEASE, b.items), repeat(None)), 0)
             if not b.done.done():
                 b.done.set_result((status, None if ids is None else ids[at : at + n]))
             at += n
@@ -469,6 +505,16 @@ class Ledger:
     async def complete(self, request: dict) -> dict:
         items = _check_items(request.get("items"))
         outcomes, accepted, batch, dups = self.check(items)
+        if len(accepted) == len(items):
+            # The usual request: every item taken. Its answer in one pass.
+            self._queue.append(batch)
+            self._kick.set()
+            status, ids = await batch.done
+            statuses = self.stats.statuses
+            statuses[status] = statuses.get(status, 0) + len(items)
+            if ids is None:
+                return {"outcomes": [{"status": status} for _ in items]}
+            return {"outcomes": [{"status": status, "id": rid} for rid in ids]}
         if accepted:
             self._queue.append(batch)
             self._kick.set()
@@ -567,9 +613,7 @@ class Ledger:
             map(len, map(_KEY, recent))) + 64 * len(recent) < REPLY_BYTES:  # fmt: skip
             # All in memory and the reply under its size: one pass, no checks.
             self.stats.offered += len(ids)
-            return [{"id": rid, "key": r.key, "job": r.job, "result": r.data,
-                     "encoding": r.encoding, "finished_at": r.finished_at}
-                    for rid, r in zip(ids, recent, strict=True)]  # fmt: skip
+            return _offer_dicts(ids, recent)
         out: list[dict] = []
         size = 0
         for n, (rid, r) in enumerate(zip(ids, recent, strict=True)):

@@ -17,6 +17,15 @@ MAX_WAIT_S = 60.0
 ENCODINGS = ("json", "bytes")
 # A key of at most this many characters is at most 1,024 bytes in UTF-8.
 _SHORT_KEY = 1024 // 4
+# The lean pass's bound on a result and its key together (the record's head
+# and meta fit in the rest).
+_LIMIT = MAX_RECORD_BYTES - 512
+
+_plain_items_c: Any
+try:  # built by setup.py, optional: _plain_items_py is the same pass
+    from node.completion.segments._records import plain_items as _plain_items_c
+except ImportError:  # pragma: no cover - a build without the extension
+    _plain_items_c = None
 
 
 def bad(message: str) -> RemoteError:
@@ -30,7 +39,14 @@ def check_items(items: Any) -> list[dict]:
     the field-by-field pass (``_refuse``)."""
     if not isinstance(items, list) or not 1 <= len(items) <= MAX_ITEMS:
         raise bad(f"items must be a list of 1 to {MAX_ITEMS} completions")
-    limit = MAX_RECORD_BYTES - 512
+    if _plain_items_c is not None:
+        return items if _plain_items_c(items, _SHORT_KEY, _LIMIT) else _refuse(items)
+    return _plain_items_py(items)
+
+
+def _plain_items_py(items: list) -> list[dict]:
+    """The lean pass in Python: the reference of ``_records.c``'s ``plain_items``."""
+    limit = _LIMIT
     for item in items:
         if item.__class__ is not dict:
             return _refuse(items)

@@ -1,6 +1,14 @@
-/* node.completion.segments._records: a group commit's RESULT records in C.
+/* node.completion.segments._records: a group commit's results in C.
  *
  * encode_results(results) -> (bytes, sizes) | None
+ * make_results(cls, items, finished_at) -> [cls]
+ * plain_results(cls, results, limit) -> bool
+ * plain_items(items, short_key, limit) -> bool
+ * offer_dicts(ids, results) -> [dict]
+ *
+ * The last four take a step an item out of the ledger's Python (each has a
+ * Python reference beside its caller, and tests/unit/test_records_c.py
+ * holds the two together); encode_results:
  *
  * ``results`` is a list of (id, Result). The answer is the records' frames
  * back to back, byte for byte what segments/format.py's
@@ -15,6 +23,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
 #include <zlib.h>
@@ -260,9 +269,223 @@ fail:
     return NULL;
 }
 
+
+/* -- the ledger's group steps ------------------------------------------------------ */
+
+/* Result's fields in the order of its slots' offsets below. */
+#define N_FIELDS 9
+static PyObject *s_id, *s_result;
+
+/* The offsets of cls's slots for Result's nine fields (a dataclass with
+ * slots: each a member descriptor of an object field). -1 and an error set
+ * when cls is not of that shape. */
+static int field_offsets(PyObject *cls, Py_ssize_t off[N_FIELDS]) {
+    PyObject *names[N_FIELDS] = {s_key,       s_job,  s_lease_id, s_version, s_finished_at,
+                                 s_cadence_s, s_data, s_encoding, s_id};
+    if (!PyType_Check(cls)) {
+        PyErr_SetString(PyExc_TypeError, "a class with slots is needed");
+        return -1;
+    }
+    for (int i = 0; i < N_FIELDS; i++) {
+        PyObject *d = PyObject_GetAttr(cls, names[i]);
+        if (d == NULL)
+            return -1;
+        int ok = Py_IS_TYPE(d, &PyMemberDescr_Type) &&
+                 ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX;
+        if (ok)
+            off[i] = ((PyMemberDescrObject *)d)->d_member->offset;
+        Py_DECREF(d);
+        if (!ok) {
+            PyErr_Format(PyExc_TypeError, "%R is not a slot of %R", names[i], cls);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+#define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
+
+/* base.make_result for each (key, lease_id, data, encoding, job, version,
+ * cadence_s) of items, all finished at finished_at, id 0: the slots set as
+ * their descriptors set them (the values are taken as they are, as there). */
+static PyObject *make_results(PyObject *self, PyObject *args) {
+    PyObject *cls, *items, *finished_at;
+    if (!PyArg_ParseTuple(args, "OO!O", &cls, &PyList_Type, &items, &finished_at))
+        return NULL;
+    Py_ssize_t off[N_FIELDS];
+    if (field_offsets(cls, off) < 0)
+        return NULL;
+    PyTypeObject *type = (PyTypeObject *)cls;
+    Py_ssize_t n = PyList_GET_SIZE(items);
+    PyObject *zero = PyLong_FromLong(0);
+    PyObject *out = PyList_New(n);
+    if (out == NULL || zero == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *it = PyList_GET_ITEM(items, i);
+        if (!PyTuple_CheckExact(it) || PyTuple_GET_SIZE(it) != 7) {
+            PyErr_SetString(PyExc_TypeError,
+                            "an item is (key, lease_id, data, encoding, job, version, cadence_s)");
+            goto fail;
+        }
+        PyObject *r = type->tp_alloc(type, 0);
+        if (r == NULL)
+            goto fail;
+        /* item order -> field: key 0, lease_id 2, data 6, encoding 7, job 1,
+         * version 3, cadence_s 5; then finished_at 4 and id 8. */
+        static const int field_of[7] = {0, 2, 6, 7, 1, 3, 5};
+        for (int k = 0; k < 7; k++) {
+            PyObject *v = PyTuple_GET_ITEM(it, k);
+            Py_INCREF(v);
+            SLOT(r, off[field_of[k]]) = v;
+        }
+        Py_INCREF(finished_at);
+        SLOT(r, off[4]) = finished_at;
+        Py_INCREF(zero);
+        SLOT(r, off[8]) = zero;
+        PyList_SET_ITEM(out, i, r);
+    }
+    Py_DECREF(zero);
+    return out;
+fail:
+    Py_XDECREF(zero);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+/* result_checks.plain_results: every result of exactly cls, every field of
+ * the exact type check_result wants, and the record small. False is never
+ * wrong (the caller then checks each result in full). */
+static PyObject *plain_results(PyObject *self, PyObject *args) {
+    PyObject *cls, *results;
+    Py_ssize_t limit;
+    if (!PyArg_ParseTuple(args, "OOn", &cls, &results, &limit))
+        return NULL;
+    if (!PyList_Check(results) && !PyTuple_Check(results))
+        Py_RETURN_FALSE;
+    Py_ssize_t off[N_FIELDS];
+    if (field_offsets(cls, off) < 0)
+        return NULL;
+    PyObject *seq = results;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **rs = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *r = rs[i];
+        if ((PyObject *)Py_TYPE(r) != cls)
+            Py_RETURN_FALSE;
+        PyObject *key = SLOT(r, off[0]), *job = SLOT(r, off[1]), *lease_id = SLOT(r, off[2]);
+        PyObject *version = SLOT(r, off[3]), *finished_at = SLOT(r, off[4]);
+        PyObject *cadence_s = SLOT(r, off[5]), *data = SLOT(r, off[6]), *enc = SLOT(r, off[7]);
+        if (key == NULL || job == NULL || lease_id == NULL || version == NULL ||
+            finished_at == NULL || cadence_s == NULL || data == NULL || enc == NULL)
+            Py_RETURN_FALSE;
+        if (!PyUnicode_CheckExact(key) || !PyUnicode_CheckExact(job) ||
+            !PyLong_CheckExact(lease_id) || !PyLong_CheckExact(version) ||
+            !PyFloat_CheckExact(finished_at) || !PyFloat_CheckExact(cadence_s) ||
+            !PyBytes_CheckExact(data) || !PyUnicode_CheckExact(enc))
+            Py_RETURN_FALSE;
+        if (PyUnicode_Compare(enc, s_bytes) != 0 && PyUnicode_Compare(enc, s_json) != 0)
+            Py_RETURN_FALSE;
+        if (PyBytes_GET_SIZE(data) + PyUnicode_GET_LENGTH(key) + PyUnicode_GET_LENGTH(job) > limit)
+            Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
+/* requests.check_items' lean pass: every item a dict with a str key of 1 to
+ * short_key characters, an int lease id above 0, bytes result, key and result
+ * together at most limit, and an encoding "json" or "bytes". False is never
+ * wrong (the caller then checks each item field by field). */
+static PyObject *plain_items(PyObject *self, PyObject *args) {
+    PyObject *items;
+    Py_ssize_t short_key, limit;
+    if (!PyArg_ParseTuple(args, "O!nn", &PyList_Type, &items, &short_key, &limit))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(items);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *it = PyList_GET_ITEM(items, i);
+        if (!PyDict_CheckExact(it))
+            Py_RETURN_FALSE;
+        /* Borrowed; NULL when absent. The keys are exact str: no Python runs. */
+        PyObject *key = PyDict_GetItemWithError(it, s_key);
+        PyObject *lease_id = PyDict_GetItemWithError(it, s_lease_id);
+        PyObject *result = PyDict_GetItemWithError(it, s_result);
+        PyObject *enc = PyDict_GetItemWithError(it, s_encoding);
+        if (PyErr_Occurred())
+            return NULL;
+        if (key == NULL || lease_id == NULL || result == NULL || enc == NULL)
+            Py_RETURN_FALSE;
+        if (!PyUnicode_CheckExact(key) || !PyLong_CheckExact(lease_id) ||
+            !PyBytes_CheckExact(result) || !PyUnicode_CheckExact(enc))
+            Py_RETURN_FALSE;
+        Py_ssize_t klen = PyUnicode_GET_LENGTH(key);
+        if (klen <= 0 || klen > short_key)
+            Py_RETURN_FALSE;
+        int overflow = 0;
+        long long id = PyLong_AsLongLongAndOverflow(lease_id, &overflow);
+        if (id == -1 && PyErr_Occurred())
+            return NULL;
+        if (overflow < 0 || (overflow == 0 && id <= 0))
+            Py_RETURN_FALSE;
+        if (PyBytes_GET_SIZE(result) + klen > limit)
+            Py_RETURN_FALSE;
+        if (PyUnicode_Compare(enc, s_json) != 0 && PyUnicode_Compare(enc, s_bytes) != 0)
+            Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
+/* The ledger's offer: {id, key, job, result, encoding, finished_at} for each
+ * id and its result (the result's own id is not read: the log's recent
+ * results carry 0). */
+static PyObject *offer_dicts(PyObject *self, PyObject *args) {
+    PyObject *ids, *results;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &ids, &PyList_Type, &results))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(ids);
+    if (PyList_GET_SIZE(results) != n) {
+        PyErr_SetString(PyExc_ValueError, "offer_dicts: as many results as ids");
+        return NULL;
+    }
+    PyObject *out = PyList_New(n);
+    if (out == NULL)
+        return NULL;
+    PyObject *from[5] = {s_key, s_job, s_data, s_encoding, s_finished_at};
+    PyObject *to[5] = {s_key, s_job, s_result, s_encoding, s_finished_at};
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *r = PyList_GET_ITEM(results, i);
+        PyObject *d = _PyDict_NewPresized(6);
+        if (d == NULL)
+            goto fail;
+        PyList_SET_ITEM(out, i, d);
+        if (PyDict_SetItem(d, s_id, PyList_GET_ITEM(ids, i)) < 0)
+            goto fail;
+        for (int k = 0; k < 5; k++) {
+            PyObject *v = PyObject_GetAttr(r, from[k]);
+            if (v == NULL)
+                goto fail;
+            int bad = PyDict_SetItem(d, to[k], v);
+            Py_DECREF(v);
+            if (bad < 0)
+                goto fail;
+        }
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"encode_results", encode_results, METH_O,
      "A group's RESULT frames back to back and each one's size; None: encode it in Python."},
+    {"make_results", make_results, METH_VARARGS,
+     "make_result(key, job, lease_id, version, finished_at, cadence_s, data, encoding) of "
+     "each (key, lease_id, data, encoding, job, version, cadence_s)."},
+    {"plain_results", plain_results, METH_VARARGS,
+     "result_checks.plain_results, for results of exactly cls."},
+    {"plain_items", plain_items, METH_VARARGS, "requests.check_items' lean pass."},
+    {"offer_dicts", offer_dicts, METH_VARARGS, "The ledger's offer of each id and its result."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -271,11 +494,13 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__records(void) {
-    const char *names[] = {"key",       "job",  "lease_id", "version", "finished_at",
-                           "cadence_s", "data", "encoding", "bytes",   "json"};
-    PyObject **slots[] = {&s_key,       &s_job,  &s_lease_id, &s_version, &s_finished_at,
-                          &s_cadence_s, &s_data, &s_encoding, &s_bytes,   &s_json};
-    for (int i = 0; i < 10; i++) {
+    const char *names[] = {"key",   "job",  "lease_id", "version", "finished_at",
+                           "cadence_s", "data", "encoding", "bytes", "json",
+                           "id",    "result"};
+    PyObject **slots[] = {&s_key,   &s_job,  &s_lease_id, &s_version, &s_finished_at,
+                          &s_cadence_s, &s_data, &s_encoding, &s_bytes, &s_json,
+                          &s_id,    &s_result};
+    for (int i = 0; i < 12; i++) {
         *slots[i] = PyUnicode_InternFromString(names[i]);
         if (*slots[i] == NULL)
             return NULL;
