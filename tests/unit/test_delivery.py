@@ -327,3 +327,19 @@ def test_an_ack_of_every_offer_leaves_no_dead_entry_for_the_next_poll():
     assert d.poll("a", 10, T0 + 1) == list(range(1001, 1011))
     assert d.touched == 10
     assert d.offered("a") == 10 and d.pending("a") == 1000
+
+
+def test_a_discard_of_a_jobs_last_ready_id_leaves_its_due_offers_offerable():
+    """Found by the state machine above: discarding the last ready id of a
+    job took the job out of the polls' ring while offers of its that came due
+    again waited there, their wake-up spent by a poll that served another
+    job first: never offered again."""
+    d = Delivery(offer_timeout_s=5.0)
+    d.add(1, "b")
+    assert d.poll("b", 1, now=0.0) == [1]  # due again at 5
+    d.add(2, "b")  # ready
+    d.add(3, "a")
+    assert d.poll("a", 1, now=1.0) == [3]  # due again at 6
+    assert d.poll(None, 1, now=10.0) == [3]  # both wake-ups spent; a served first
+    assert d.remove([2]) == 1
+    assert d.poll(None, 1, now=10.0) == [1]

@@ -384,9 +384,10 @@ class Delivery:
             for q in jobs if job is not None else list(self._jobs.values()):
                 i = q.find_ready(rid)
                 if i >= 0:
+                    # It stays in the ring: offers of its that came due again
+                    # may be waiting there (their wake-up already spent); a
+                    # poll that finds nothing to take drops it (``_take``).
                     q.drop_ready(i)
-                    if not q.n_ready:
-                        self._ring.pop(q.name, None)
                     self._forget_if_empty(q)
                     n += 1
                     break
