@@ -70,12 +70,10 @@ class Feed(KeeperBase):
             for ch in mine:
                 # The input side (docs/accounting.md): whether a write other
                 # than the node's own write-back takes a due row out. In a
-                # fleet, a write-back of a key this node holds no lease on is
-                # another node's lease ending (granted before a membership
-                # change moved the key here): a write like any other.
-                own_write_back = ch.origin == ORIGIN_WRITEBACK and (
-                    owned is None or ch.key in exclude or self._written_back_here(ch.key)
-                )
+                # fleet the log names the node of a write-back; another
+                # node's (its lease, granted before a membership change
+                # moved the key here, ending) reads as an outside write.
+                own_write_back = ch.origin == ORIGIN_WRITEBACK
                 before = None if loading or own_write_back else get(ch.key)
                 leased = before is not None and self._leased_now(ch.key, before, exclude)
                 if leased:

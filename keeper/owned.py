@@ -127,26 +127,6 @@ class Owned(KeeperBase):
             self.feed_seq = trimmed_through
         self._doubt_copy("gap", now)  # the next tick starts the walk (keeper/process.py)
 
-    def _written_back_here(self, key: str) -> bool:
-        """Whether a write-back of held ``key`` ends a lease this node
-        granted, which the excluded keys may not show: they are followed at
-        each publish only, a key granted and completed between two (the
-        common case under claims) never was among them, and the ledger ends
-        a lease just after its write-back commits. The lease table says: it
-        has a record of the key granted on the version held here or a later
-        one (the write-back's guard held: the row had not changed since the
-        grant; a later grant is this node's too, read by a keeper behind its
-        feed). Another node's lease ending is unknown here, or its record is
-        older than the row (the row was written back since). What it cannot
-        see: a key whose idle slot was given to another key before the feed
-        brought the write-back (counted withdrawn then: the input law one
-        short, docs/fleet.md)."""
-        if self.leases is None:
-            return False
-        found = self.leases.lookup(key)
-        held = self.buckets.get(key)
-        return found is not None and held is not None and found[1].version >= held[2]
-
     def fenced_in_flight(self) -> int:
         """Leases still live on keys a membership change dropped: in
         flight here and not held here, so the input law's ``waiting`` (due

@@ -39,6 +39,7 @@ from node.core.names import host_node_name
 from node.core.rows import (
     DEFAULT_JOB,
     MISSING,
+    ORIGIN_EXTERNAL,
     ORIGIN_NODE,
     ORIGIN_WRITEBACK,
     ORIGINS,
@@ -212,6 +213,11 @@ class PostgresStore(Store):
         self.durable = durable
         self.url = redact_url(url)
         self.node_name = node_name or host_node_name()
+        # A write-back is logged with the node that wrote it: read back, this
+        # node's is ``writeback`` and another node's is, for this node, a
+        # write like any outside program's (a lease of that node ending on a
+        # key a membership change moved here: docs/fleet.md).
+        self._writeback_origin = f"{ORIGIN_WRITEBACK}@{self.node_name}"
         self._pool_max = pool_max
         self._closed = False
         self._listener: Listener | None = None
@@ -359,7 +365,7 @@ class PostgresStore(Store):
 
     def write_next_due(self, key: str, due_at: float, *, if_version: int) -> int | None:
         due = _due(due_at, "write_next_due")
-        with self._write("write_next_due", ORIGIN_WRITEBACK) as conn:
+        with self._write("write_next_due", self._writeback_origin) as conn:
             found = conn.execute(q.WRITE_NEXT_DUE, (due, key, if_version)).fetchone()
         return None if found is None else found[0]
 
@@ -374,7 +380,7 @@ class PostgresStore(Store):
             [it.key for it in items], dues, [it.if_version for it in items],
             [it.result_id for it in items], [it.finished_at for it in items],
         )  # fmt: skip
-        with self._write("write_back_many", ORIGIN_WRITEBACK) as conn:
+        with self._write("write_back_many", self._writeback_origin) as conn:
             found = conn.execute(q.WRITE_BACK_MANY, params).fetchone()[0]
         return list(found)
 
@@ -490,12 +496,22 @@ class PostgresStore(Store):
                         horizon.wait_on(found[-1][0], xid)
             self._fed_through = found[n - 1][0] if n else after_seq
         valid = stored_row_is_valid
+        origin_of = self._origin_of
         return [
-            Change(seq, op, key, origin, route, cadence_s, sitemap == 1, due_at, at)
+            Change(seq, op, key, origin_of(origin), route, cadence_s, sitemap == 1, due_at, at)
             if op == "D" or valid(route, cadence_s, sitemap, due_at)
-            else Change(seq, op, key, origin, None, None, False, None, at, False)
+            else Change(seq, op, key, origin_of(origin), None, None, False, None, at, False)
             for seq, op, key, origin, route, cadence_s, sitemap, due_at, at, _x, _t in found[:n]
         ]
+
+    def _origin_of(self, stored: str) -> str:
+        """A logged origin as this node reads it: ``writeback@NAME`` is
+        ``writeback`` when NAME is this store's node, else ``external``; a
+        plain ``writeback`` (logged before write-backs named their node) is
+        taken as this node's."""
+        if stored in ORIGINS:
+            return stored
+        return ORIGIN_WRITEBACK if stored == self._writeback_origin else ORIGIN_EXTERNAL
 
     def last_seq(self) -> int:
         """The top of the log (0 when none; it stays put after a trim), once
@@ -540,7 +556,10 @@ class PostgresStore(Store):
         with self._conn("due_history") as conn:
             found = conn.execute(q.DUE_HISTORY, (after_seq, through_seq, limit)).fetchall()
         return [
-            DueChange(seq, op, key, origin, due_or_none(due_at), due_or_none(old), float(at))
+            DueChange(
+                seq, op, key, self._origin_of(origin), due_or_none(due_at), due_or_none(old),
+                float(at),
+            )  # fmt: skip
             for seq, op, key, origin, due_at, old, at in found
         ]
 

@@ -22,7 +22,7 @@ own data directory:
 After each step both ledger laws balance on every live node. The default
 run is small (20,000 rows, 5 s of writes); ``--run-slow`` adds the issue's
 size (300,000 rows, a minute of writes), and claims completed on every node
-at once (an expected failure now: docs/fleet.md, "At scale")."""
+at once."""
 
 from __future__ import annotations
 
@@ -454,12 +454,7 @@ def _offered(node: NodeProcess, keys: set[str]) -> list[str]:
     return got if set(got) == keys else []
 
 
-@pytest.mark.slow  # with --run-slow: it is known to fail now and then (below)
-@pytest.mark.xfail(
-    strict=False,
-    reason="a fleet keeper can count its own write-back withdrawn when the lease table no"
-    " longer has the key's record as the feed applies it (docs/fleet.md, 'At scale')",
-)
+@pytest.mark.slow  # with --run-slow
 @pytest.mark.parametrize("size", SIZES)
 def test_claims_completed_on_three_nodes_leave_both_laws_balanced(tmp_path, pg_url, size: Size):
     PostgresStore(pg_url).close()

@@ -557,22 +557,29 @@ def test_a_membership_change_while_loading_counts_no_withdrawal(segments, node_n
         store.close()
 
 
-def test_a_fleet_nodes_own_write_back_is_no_withdrawal_whenever_the_keeper_follows_the_lease(
-    segments, node_name, tmp_path
+def test_a_fleet_nodes_own_write_back_is_no_withdrawal_and_another_nodes_is(
+    segments, node_name, tmp_path, pg_url
 ):
     """A fleet keeper tells its own lease's write-back (routed here: it
     counts nothing) from another node's (a lease granted there before a
-    membership change: a write like any other, withdrawn). A key granted
-    and completed here between two publishes was never in the excluded
-    keys the keeper follows at each publish, so the lease table must say
-    it. (The scale test, claims completed at once under load, caught each
-    such write-back counted withdrawn: an input gap of minus the grants.)"""
+    membership change: a write like any other, withdrawn) by the node the
+    change log names. A key granted and completed here between two
+    publishes was never in the excluded keys the keeper follows at each
+    publish, and its slot may be another key's by the time the feed brings
+    the write-back: only the log can say whose it was. (The scale test,
+    claims completed at once under load, caught such write-backs counted
+    withdrawn.)"""
     from keeper.owners import Ownership
-    from node.core.rows import ORIGIN_WRITEBACK
+    from node.core.rows import ORIGIN_EXTERNAL, ORIGIN_WRITEBACK
     from node.store.base import WriteBack
+    from node.store.postgres import PostgresStore
     from shm.leases import LeaseTable
+    from tests import pg
 
-    store = open_store("memory://")
+    PostgresStore(pg_url).close()
+    pg.reset(pg_url)
+    store = PostgresStore(pg_url, node_name=node_name)
+    other = PostgresStore(pg_url, node_name="other-node")
     store.upsert([RowWrite(f"k{i}", "pages", due_at=NOW - 3600) for i in range(400)], now=NOW)
     leases = LeaseTable.create(node_name, capacity=4096, max_misses=3)
     try:
@@ -591,19 +598,25 @@ def test_a_fleet_nodes_own_write_back_is_no_withdrawal_whenever_the_keeper_follo
         wb = WriteBack(key, NOW + 3600, version, 1, NOW)
         assert store.write_back_many([wb]) != [None]
         assert store.changes(keeper.feed_seq, 10)[-1].origin == ORIGIN_WRITEBACK
-        keeper.tick(NOW)
+        deadline = time.monotonic() + 10
+        while keeper.buckets.get(key)[0] <= int(NOW // 60) and time.monotonic() < deadline:
+            keeper.tick(NOW)
         assert keeper.buckets.get(key)[0] > int(NOW // 60)  # applied: due no more
         assert keeper.withdrawn_total() == 0  # routed when granted, not withdrawn too
         # Another node's write-back of a key this node holds (its lease was
-        # granted there): withdrawn here.
-        other = mine[1]
-        wb = WriteBack(other, NOW + 3600, keeper.buckets.get(other)[2], 2, NOW)
-        assert store.write_back_many([wb]) != [None]
-        keeper.tick(NOW)
+        # granted there): a write like any other here, withdrawn.
+        moved = mine[1]
+        wb = WriteBack(moved, NOW + 3600, keeper.buckets.get(moved)[2], 2, NOW)
+        assert other.write_back_many([wb]) != [None]
+        assert store.changes(keeper.feed_seq, 10)[-1].origin == ORIGIN_EXTERNAL
+        assert other.changes(keeper.feed_seq, 10)[-1].origin == ORIGIN_WRITEBACK
+        while keeper.buckets.get(moved)[0] <= int(NOW // 60) and time.monotonic() < deadline:
+            keeper.tick(NOW)
         assert keeper.withdrawn_total() == 1
     finally:
         leases.close()
         LeaseTable.unlink(node_name)
+        other.close()
         store.close()
 
 
