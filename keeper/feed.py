@@ -17,6 +17,7 @@ from keeper.base import KeeperBase
 from node.core import metrics
 from node.core.errors import StoreError, TooManyClasses
 from node.core.rows import OP_DELETE, OP_INSERT, ORIGIN_EXTERNAL, ORIGIN_WRITEBACK
+from node.store.postgres_schema import TRIM_CHUNK
 
 # Rows per load step: large enough that a step's own costs stay small per
 # row, small enough that a step (the walk and load_rows, ~2.5 µs a row) stays
@@ -31,6 +32,9 @@ FEED_BATCH = 5_000
 FEED_BATCHES_PER_TICK = 40
 # The change log is trimmed this often (cheap, but not on every tick).
 TRIM_INTERVAL_S = 5.0
+# A trim that deleted as many rows as PostgreSQL's bound a trim may have
+# stopped short: the next one comes after TRIM_SOON_S.
+TRIM_SOON_S = 0.5
 
 
 class Feed(KeeperBase):
@@ -217,6 +221,7 @@ class Feed(KeeperBase):
             through = 0 if self.fleet is None else min(through, self.fleet.trim_through())
         if through:
             try:
-                self.store.trim_changes(through)
+                if self.store.trim_changes(through) >= TRIM_CHUNK:
+                    self.next_trim = now + TRIM_SOON_S  # stopped short, most likely
             except StoreError as exc:  # locked by another writer: the next trim catches up
                 self._write_failed("trim_changes", exc, now)

@@ -549,8 +549,13 @@ class PostgresStore(Store):
         return first
 
     def trim_changes(self, through_seq: int) -> int:
+        """At most ``TRIM_CHUNK`` rows a call (the oldest first), and none
+        while another node trims (a tried advisory lock): the keeper calls
+        again soon while the log holds more below its position."""
         with self._write("trim_changes", None) as conn:
-            return conn.execute(q.TRIM_CHANGES, (through_seq,)).fetchone()[0]
+            if not conn.execute(q.TRY_TRIM_LOCK, (q.TRIM_LOCK,)).fetchone()[0]:
+                return 0  # another node trims now
+            return conn.execute(q.TRIM_CHANGES, (through_seq, q.TRIM_CHUNK)).fetchone()[0]
 
     def due_history(self, after_seq: int, through_seq: int, limit: int) -> list[DueChange]:
         with self._conn("due_history") as conn:

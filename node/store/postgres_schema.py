@@ -40,6 +40,14 @@ MIGRATION_LOCK = 0x71_6E_6F_64_65  # "qnode"
 # result ids; 0 is a node outside any fleet). keeper/owners.py holds at most
 # 255 nodes in one list. node/fleet/ uses the table.
 FLEET_MAX_NUMBER = 255
+# The advisory lock a trim of the shared change log runs under, tried, not
+# waited for: one node trims at a time, and the others skip (each would
+# delete the same rows, and wait on the first's row locks to find them gone).
+TRIM_LOCK = 0x71_6E_74_72_6D  # "qntrm"
+# The most change-log rows one trim deletes: a trim runs in the keeper's
+# loop, between its heartbeats, so it is bounded; the keeper trims again
+# soon while a trim stops short (keeper/feed.py).
+TRIM_CHUNK = 50_000
 
 _ORIGIN_SQL = "COALESCE(NULLIF(current_setting('queue_node.origin', true), ''), 'external')"
 _NOW_SQL = "extract(epoch FROM clock_timestamp())::float8"
@@ -347,7 +355,9 @@ TOP_AND_XID = """SELECT set_config('synchronous_commit', 'off', true),
 SNAPSHOT_XMIN = "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
 FIRST_SEQ_AFTER = """SELECT (SELECT MIN(seq) FROM changes WHERE seq > %s),
         (SELECT through FROM changes_trimmed)"""
-TRIM_CHANGES = """WITH gone AS (DELETE FROM changes WHERE seq <= %s RETURNING seq)
+TRY_TRIM_LOCK = "SELECT pg_try_advisory_xact_lock(%s)"
+TRIM_CHANGES = """WITH gone AS (DELETE FROM changes WHERE seq <= LEAST(%s,
+            (SELECT MIN(seq) FROM changes) + %s - 1) RETURNING seq)
         UPDATE changes_trimmed
         SET through = GREATEST(through, COALESCE((SELECT MAX(seq) FROM gone), 0))
         RETURNING (SELECT count(*) FROM gone)"""

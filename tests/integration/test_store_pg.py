@@ -303,6 +303,21 @@ def test_meta_is_the_nodes_own(db, pg_url):
     assert db.get_meta("paused") == ["pages"]
 
 
+def test_a_trim_is_bounded_and_one_node_trims_at_a_time(db, pg_url, outside, monkeypatch):
+    """A trim runs in a keeper's loop between its heartbeats: it deletes at
+    most TRIM_CHUNK rows, the oldest first, and skips while another node
+    holds the trim lock (it would wait on that node's row locks)."""
+    monkeypatch.setattr(schema, "TRIM_CHUNK", 3)
+    db.upsert([RowWrite(f"k{i}", "r") for i in range(10)], now=NOW)  # seqs 1..10
+    assert db.trim_changes(8) == 3
+    assert db.first_seq_after(0) == 4 and not db.skip_is_loss(3, 4)
+    with psycopg.connect(pg_url) as other:  # another node trimming
+        other.execute("SELECT pg_advisory_xact_lock(%s)", (schema.TRIM_LOCK,))
+        assert db.trim_changes(8) == 0
+    assert db.trim_changes(8) == 3 and db.trim_changes(8) == 2 and db.trim_changes(8) == 0
+    assert db.first_seq_after(0) == 9
+
+
 def test_a_paused_route_is_the_fleets_and_every_nodes_pause_is_seen(db, pg_url):
     db.set_meta("paused_routes", ["docs"])
     db.set_meta("paused_node", True)
