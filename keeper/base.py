@@ -180,6 +180,10 @@ class KeeperBase:
         self._load_after: str | None = None
         self._loading = True
         self._tombstones: dict[str, int] = {}
+        # A self check's read in progress (keeper/verify.py): the feed keeps
+        # the deletes it applies as tombstones, as during the load, so a row
+        # read before its delete was applied is not put back.
+        self._reading = False
         self._verify: VerifyWalk | None = None
         self._top_checked: dict[str, float] = {}
         self._top_check_due = 0.0

@@ -93,7 +93,7 @@ class Feed(KeeperBase):
                     remove(ch.key)
                     if before is not None and not leased:
                         self._withdraw(before, None)
-                    if loading:
+                    if loading or self._reading:
                         tombstones[ch.key] = ch.seq
                     if ch.op == OP_DELETE:
                         flow["removed"] += 1

@@ -92,12 +92,26 @@ class Verify(KeeperBase):
             self._top_trim_due = now + TOP_TRIM_S
             cutoff = now - TOP_CHECK_EVERY_S
             self._top_checked = {k: t for k, t in checked.items() if t > cutoff}
-        snap_seq = self.store.last_seq()
-        rows = self.store.get_many(keys)
-        self.drain_feed(now)
-        repaired = sum(self._reconcile(key, rows.get(key), snap_seq) for key in keys)
+        snap_seq = self._begin_read()
+        try:
+            rows = self.store.get_many(keys)
+            self.drain_feed(now)
+            repaired = sum(self._reconcile(key, rows.get(key), snap_seq) for key in keys)
+        finally:
+            self._end_read()
         self.stats.verify["top_checked"] += len(keys)
         self.stats.verify["top_repairs"] += repaired
+
+    def _begin_read(self) -> int:
+        """Start a self check's read: the seq it is read after, and the feed
+        keeps its deletes as tombstones until ``_end_read``."""
+        self._tombstones = {}
+        self._reading = True
+        return self.store.last_seq()
+
+    def _end_read(self) -> None:
+        self._reading = False
+        self._tombstones = {}
 
     def _reconcile(self, key: str, row: Any, snap_seq: int, gained: bool = False) -> bool:
         """Make the buckets agree with ``row`` (read after ``snap_seq`` was
@@ -116,6 +130,8 @@ class Verify(KeeperBase):
             return False  # the feed will bring it
         if held is not None and held[2] > row.version:
             return False
+        if held is None and self._tombstones.get(key, 0) > row.version:
+            return False  # deleted after the read, by a change the feed applied since
         try:
             cid = self.classes.class_of(row.route, row.cadence_s, row.sitemap)
         except TooManyClasses:
@@ -159,14 +175,17 @@ class Verify(KeeperBase):
         if walk.held is not None:
             self._repair_step(walk, now)
             return
-        snap_seq = self.store.last_seq()
         if not walk.table_done:
-            rows = self.store.walk(walk.after, VERIFY_CHUNK)
-            self.drain_feed(now)
-            mine = self._owned([row.key for row in rows])  # a fleet node's own rows only
-            for row in rows if mine is None else [r for r in rows if r.key in mine]:
-                if self._reconcile(row.key, row, snap_seq):
-                    walk.repairs += 1
+            snap_seq = self._begin_read()
+            try:
+                rows = self.store.walk(walk.after, VERIFY_CHUNK)
+                self.drain_feed(now)
+                mine = self._owned([row.key for row in rows])  # a fleet node's own rows only
+                for row in rows if mine is None else [r for r in rows if r.key in mine]:
+                    if self._reconcile(row.key, row, snap_seq):
+                        walk.repairs += 1
+            finally:
+                self._end_read()
             walk.compared += len(rows)
             if rows:
                 walk.after = rows[-1].key
@@ -177,6 +196,7 @@ class Verify(KeeperBase):
         assert walk.own_keys is not None
         keys = walk.own_keys[walk.own_pos : walk.own_pos + VERIFY_CHUNK]
         walk.own_pos += len(keys)
+        snap_seq = self.store.last_seq()
         found = self.store.get_many(keys)
         self.drain_feed(now)
         for key in keys:
@@ -222,9 +242,27 @@ class Verify(KeeperBase):
             if len(held) - before < HELD_CHUNK:
                 walk.filling = None
             return
-        snap_seq = self.store.last_seq()
-        rows, bad, after = self.store.walk_schedule(walk.after, REPAIR_CHUNK)
-        self.drain_feed(now)
+        snap_seq = self._begin_read()
+        try:
+            rows, bad, after = self.store.walk_schedule(walk.after, REPAIR_CHUNK)
+            self.drain_feed(now)
+            repairs = self._repair_rows(walk, rows, bad, snap_seq)
+        finally:
+            self._end_read()
+        walk.after = after
+        if after is None:
+            repairs += self._repair_gone(walk, now)
+        walk.repairs += repairs
+        if after is None:
+            self._finish_verify(now)
+
+    def _repair_rows(
+        self, walk: VerifyWalk, rows: list[Any], bad: list[Any], snap_seq: int
+    ) -> int:
+        """A repair step's chunk reconciled: the rows that differ from what
+        the copy held at the walk's start. Returns the repairs."""
+        held = walk.held
+        assert held is not None
         mine = self._owned([row[0] for row in rows] + [b.key for b in bad])
         if mine is not None:  # a fleet node's own rows only
             rows = [row for row in rows if row[0] in mine]
@@ -242,19 +280,21 @@ class Verify(KeeperBase):
             pop(bad_row.key, None)
             repairs += reconcile(bad_row.key, bad_row, snap_seq)
         walk.compared += len(rows) + len(bad)
-        walk.after = after
-        if after is None:
-            # Held at the start, not met by the walk: gone from the table, or
-            # written again after the walk passed it. Read now, as the
-            # verification walk reads its own keys (few, unless rows went).
-            left = list(held)
-            walk.held = {}
-            for start in range(0, len(left), VERIFY_CHUNK):
-                keys = left[start : start + VERIFY_CHUNK]
-                snap_seq = self.store.last_seq()
-                found = self.store.get_many(keys)
-                self.drain_feed(now)
-                repairs += sum(reconcile(key, None, snap_seq) for key in keys if key not in found)
-        walk.repairs += repairs
-        if after is None:
-            self._finish_verify(now)
+        return repairs
+
+    def _repair_gone(self, walk: VerifyWalk, now: float) -> int:
+        """The end of a repair walk: the keys held at its start that it did
+        not meet, gone from the table or written again after the walk passed
+        them. Read now, as the verification walk reads its own keys (few,
+        unless rows went). Returns the repairs."""
+        assert walk.held is not None
+        left = list(walk.held)
+        walk.held = {}
+        repairs = 0
+        for start in range(0, len(left), VERIFY_CHUNK):
+            keys = left[start : start + VERIFY_CHUNK]
+            snap_seq = self.store.last_seq()
+            found = self.store.get_many(keys)
+            self.drain_feed(now)
+            repairs += sum(self._reconcile(key, None, snap_seq) for key in keys if key not in found)
+        return repairs
