@@ -182,7 +182,9 @@ class LocalClaimer:
             if is_fleet_url(self.config.store_url):
                 self.store = self._open(RowsClient(self.name))
             else:
-                self.store = self._open(open_store(self.config.store_url, create=False))
+                self.store = self._open(
+                    open_store(self.config.store_url, create=False, node_name=self.config.name)
+                )
         except BaseException:
             self._detach()
             raise

@@ -214,7 +214,7 @@ class Supervisor:
         self.classes = SharedClasses.create(
             self.name, self.config.max_classes, identity=self.identity
         )
-        with open_store(self.config.store_url) as store:
+        with open_store(self.config.store_url, node_name=self.name) as store:
             found = [t for t in store.classes_in_use() if fits(t)]
         taken = self.classes.reserve(found[: self.config.max_classes])
         if len(found) > taken:

@@ -183,7 +183,7 @@ def _run(args: argparse.Namespace) -> int:
     # A store this data directory's node made and that is gone is not
     # made anew by an import (node/store/made.py).
     refuse_if_gone(config.store_url, Path(config.data_dir))
-    with open_store(config.store_url) as store, _closing(table):
+    with open_store(config.store_url, node_name=config.name) as store, _closing(table):
         report = import_file(
             path,
             store,

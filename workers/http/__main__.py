@@ -157,6 +157,10 @@ class _WorkSide:
         self.ledger: Any = None
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="claim")
 
+    def grant_until_ns(self) -> int:
+        """The ready set's grant deadline (0 before it is attached: none)."""
+        return 0 if self.ready is None else int(self.ready.grant_until_ns)
+
     async def start(self, ctx: Any, config: Config, wake: Any) -> Any:
         from node.core.names import ledger_address
         from node.ipc import AsyncIpcClient
@@ -181,9 +185,12 @@ class _WorkSide:
             self.stores.append(RowsClient(self.name))
             self.stores.append(RowsClient(self.name))
         else:
-            self.stores.append(open_store(config.store_url))
+            self.stores.append(open_store(config.store_url, node_name=config.name))
             self.stores.append(
-                await loop.run_in_executor(self.thread, open_store, config.store_url)
+                await loop.run_in_executor(
+                    self.thread,
+                    functools.partial(open_store, config.store_url, node_name=config.name),
+                )
             )
 
         def claimer(store: Any) -> Claimer:
@@ -467,6 +474,7 @@ async def serve(
             store_executor=store_thread,
         )
         ctx.work = await work_side.start(ctx, config, keeper.wake)
+        ctx.grant_until_ns = work_side.grant_until_ns
         app = make_app(
             ctx, extra_routes=[*work_routes, *state_routes, *metrics_routes, *console_routes]
         )

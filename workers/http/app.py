@@ -118,6 +118,9 @@ class WorkerContext:
     # None: those routes answer 503 not_ready, and GET /rows has no lease.
     work: Any = None
     clock: Callable[[], float] = field(default=time.time)
+    # The ready set's grant deadline (CLOCK_MONOTONIC ns; 0: none, a node
+    # outside a fleet): what /readyz reads of a fleet node's membership.
+    grant_until_ns: Callable[[], int] = field(default=lambda: 0)
 
 
 CTX = web.AppKey("ctx", WorkerContext)
@@ -330,11 +333,10 @@ def readiness(ctx: WorkerContext) -> tuple[bool, str]:
     if member.get("handover_left_s"):
         # Joined: it offers nothing until no other node can grant its rows.
         return False, f"joining the fleet: grants in {member['handover_left_s']} s (docs/fleet.md)"
-    if ctx.work is not None:
-        until = ctx.work.claimer.ready.grant_until_ns
-        now_ns = time.monotonic_ns()
-        if until and now_ns >= until:
-            return False, f"not_granting: {not_granting(until, now_ns)}"
+    until = _safely("grant deadline", ctx.grant_until_ns) or 0
+    now_ns = time.monotonic_ns()
+    if until and now_ns >= until:
+        return False, f"not_granting: {not_granting(until, now_ns)}"
     return True, "the keeper has published"
 
 

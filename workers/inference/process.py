@@ -507,7 +507,7 @@ def _store_routes(config: Config) -> Callable[[list[str]], dict[str, str]]:
         if store is None:
             from node.store import open_store
 
-            store = open_store(config.store_url)
+            store = open_store(config.store_url, node_name=config.name)
         rows = store.get_many(keys)
         return {k: r.route for k, r in rows.items() if getattr(r, "route", None)}
 

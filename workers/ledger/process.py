@@ -1076,7 +1076,9 @@ def open_ledger(config: Config) -> Ledger:
     # holds the evidence to write a result back again (docs/delivery.md).
     # Nor does a commit of its run the WAL's checkpoint: the sweep has one
     # run on a thread of its own (Ledger.sweep).
-    store = open_store(config.store_url, durable=False, autocheckpoint=False)
+    store = open_store(
+        config.store_url, durable=False, autocheckpoint=False, node_name=config.name
+    )
     log_dir = Path(config.data_dir).resolve() / LOG_DIR
     log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     file_ops = None
