@@ -30,6 +30,10 @@ FEED_BATCH = 5_000
 # The most feed batches applied in one tick before the keeper publishes and
 # checks in again; a flood of writes must not starve the publish.
 FEED_BATCHES_PER_TICK = 40
+# And at most this long: a fleet keeper heartbeats between ticks, so a tick
+# that drains a flood (on a loaded host a batch can take tenths of a second)
+# must not hold the heartbeat past the membership timeout.
+FEED_TICK_BUDGET_S = 0.2
 # The change log is trimmed this often (cheap, but not on every tick).
 TRIM_INTERVAL_S = 5.0
 # A trim that deleted as many rows as PostgreSQL's bound a trim may have
@@ -135,6 +139,9 @@ class Feed(KeeperBase):
             applied += len(batch)
             if len(batch) < FEED_BATCH:
                 self._caught_up = True
+                break
+            if time.perf_counter() - t0 >= FEED_TICK_BUDGET_S:
+                self._caught_up = False  # the rest at the next tick (a backlog: polled)
                 break
         else:
             self._caught_up = False

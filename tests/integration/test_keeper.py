@@ -853,3 +853,24 @@ def test_a_row_a_walk_read_and_a_delete_the_feed_applied_after_stays_deleted(
         assert keeper.stats.verify["last_repairs"] == 0
     finally:
         store.close()
+
+
+def test_a_tick_drains_the_feed_for_a_bounded_time(segments, node_name, tmp_path, monkeypatch):
+    """A fleet keeper heartbeats between ticks: a flood of changes is drained
+    over several ticks, each stopping after FEED_TICK_BUDGET_S, not in one
+    tick of up to 40 batches."""
+    from keeper import feed
+
+    store = open_store("memory://")
+    try:
+        keeper = Keeper(_config(node_name, tmp_path), store, *segments)
+        keeper.start(NOW)
+        _run_until_live(keeper, NOW)
+        store.upsert([RowWrite(f"k{i}", "pages", due_at=NOW - 60) for i in range(12_000)], now=NOW)
+        monkeypatch.setattr(feed, "FEED_TICK_BUDGET_S", 0.0)
+        assert keeper.drain_feed(NOW) == feed.FEED_BATCH  # one batch, then the budget
+        assert not keeper._caught_up
+        assert keeper.drain_feed(NOW) == feed.FEED_BATCH
+        assert keeper.drain_feed(NOW) == 2_000 and keeper._caught_up
+    finally:
+        store.close()
