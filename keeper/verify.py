@@ -96,7 +96,10 @@ class Verify(KeeperBase):
         try:
             rows = self.store.get_many(keys)
             self.drain_feed(now)
-            repaired = sum(self._reconcile(key, rows.get(key), snap_seq) for key in keys)
+            gone_ok = self._fed_through_reads()
+            repaired = sum(
+                self._reconcile(key, rows.get(key), snap_seq, gone_ok=gone_ok) for key in keys
+            )
         finally:
             self._end_read()
         self.stats.verify["top_checked"] += len(keys)
@@ -113,13 +116,28 @@ class Verify(KeeperBase):
         self._reading = False
         self._tombstones = {}
 
-    def _reconcile(self, key: str, row: Any, snap_seq: int, gained: bool = False) -> bool:
+    def _fed_through_reads(self) -> bool:
+        """Whether the feed, drained after a check's read, has applied every
+        change the read could see: it reached the end of the log (a drain
+        stops after its time budget, keeper/feed.py) and no seq it stopped
+        at may still commit (PostgreSQL). Otherwise a row the read missed
+        may be a delete the feed has still to apply, and count."""
+        return self._caught_up and not self.store.holes_pending()
+
+    def _reconcile(
+        self, key: str, row: Any, snap_seq: int, gained: bool = False, gone_ok: bool = True
+    ) -> bool:
         """Make the buckets agree with ``row`` (read after ``snap_seq`` was
         taken, and before the feed was drained). Returns True on a repair.
 
         Versions decide: a held version newer than the row means an event
-        arrived after the read, and the event wins."""
+        arrived after the read, and the event wins. ``gone_ok`` False: a
+        row the read did not find is left to the feed (its delete may be
+        behind the feed's position: the feed applies it, and counts it as
+        the input law's withdrawal, which a repair would not)."""
         held = self.buckets.get(key)
+        if row is None and not gone_ok:
+            return False
         if row is None or isinstance(row, BadRow):
             dead_version = snap_seq if row is None else row.version
             if held is not None and held[2] <= dead_version:
@@ -199,8 +217,9 @@ class Verify(KeeperBase):
         snap_seq = self.store.last_seq()
         found = self.store.get_many(keys)
         self.drain_feed(now)
+        gone_ok = self._fed_through_reads()
         for key in keys:
-            if key not in found and self._reconcile(key, None, snap_seq):
+            if key not in found and self._reconcile(key, None, snap_seq, gone_ok=gone_ok):
                 walk.repairs += 1
         walk.compared += len(keys)
         if walk.own_pos >= len(walk.own_keys):
