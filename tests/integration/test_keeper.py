@@ -93,6 +93,14 @@ def _run_until_live(keeper: Keeper, now: float, limit: int = 1000) -> None:
     raise AssertionError(f"keeper not live after {limit} ticks: {keeper.status} {keeper.exact}")
 
 
+def _live_keeper(store, segments, node_name: str, tmp_path, **kw) -> Keeper:
+    """A keeper over ``store``, started at NOW and run until live."""
+    keeper = Keeper(_config(node_name, tmp_path), store, *segments, **kw)
+    keeper.start(NOW)
+    _run_until_live(keeper, NOW)
+    return keeper
+
+
 def test_load_equals_table_and_counts_match(store, segments, node_name, tmp_path):
     store.upsert(_rows(3000), now=NOW)
     keeper = Keeper(_config(node_name, tmp_path), store, *segments)
@@ -802,9 +810,7 @@ def test_a_postgresql_keeper_passes_a_rolled_back_seq_without_a_gap_and_counts_a
     store = PostgresStore(pg_url, node_name=node_name)
     try:
         store.upsert([RowWrite("first", "pages", due_at=NOW - 60)], now=NOW)
-        keeper = Keeper(_config(node_name, tmp_path), store, *segments)
-        keeper.start(NOW)
-        _run_until_live(keeper, NOW)
+        keeper = _live_keeper(store, segments, node_name, tmp_path)
         with psycopg.connect(pg_url) as conn:  # takes the next seq, then rolls back
             conn.execute("INSERT INTO schedule (key, route, due_at) VALUES ('gone', 'pages', 1)")
             conn.rollback()
@@ -834,9 +840,7 @@ def test_a_row_a_walk_read_and_a_delete_the_feed_applied_after_stays_deleted(
     store = open_store("memory://")
     store.upsert([RowWrite(f"k{i}", "pages", due_at=NOW - 60) for i in range(10)], now=NOW)
     try:
-        keeper = Keeper(_config(node_name, tmp_path), store, *segments)
-        keeper.start(NOW)
-        _run_until_live(keeper, NOW)
+        keeper = _live_keeper(store, segments, node_name, tmp_path)
         real_walk = store.walk
 
         def walk_then_delete(after, limit):
@@ -863,9 +867,7 @@ def test_a_tick_drains_the_feed_for_a_bounded_time(segments, node_name, tmp_path
 
     store = open_store("memory://")
     try:
-        keeper = Keeper(_config(node_name, tmp_path), store, *segments)
-        keeper.start(NOW)
-        _run_until_live(keeper, NOW)
+        keeper = _live_keeper(store, segments, node_name, tmp_path)
         store.upsert([RowWrite(f"k{i}", "pages", due_at=NOW - 60) for i in range(12_000)], now=NOW)
         monkeypatch.setattr(feed, "FEED_TICK_BUDGET_S", 0.0)
         assert keeper.drain_feed(NOW) == feed.FEED_BATCH  # one batch, then the budget
@@ -890,9 +892,7 @@ def test_a_check_leaves_a_row_gone_from_its_read_to_a_feed_that_is_behind(
     store = open_store("memory://")
     store.upsert([RowWrite(f"k{i}", "pages", due_at=NOW - 60) for i in range(10)], now=NOW)
     try:
-        keeper = Keeper(_config(node_name, tmp_path), store, *segments)
-        keeper.start(NOW)
-        _run_until_live(keeper, NOW)
+        keeper = _live_keeper(store, segments, node_name, tmp_path)
         monkeypatch.setattr(feed, "FEED_TICK_BUDGET_S", 0.0)  # one batch a drain
         store.upsert([RowWrite(f"n{i}", "pages", due_at=NOW + 3600) for i in range(6_000)],
                      now=NOW)  # fmt: skip
