@@ -449,11 +449,12 @@ def keeper_publish(name: str) -> dict | None:
 # -- report ----------------------------------------------------------------------------
 
 
-def report(doc: dict[str, Any]) -> None:
+def report(doc: dict[str, Any], name: str = "claims.jsonl") -> None:
+    """Print one result and append it to ``bench/results/<name>``."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     line = json.dumps(keep({"at": time.strftime("%Y-%m-%dT%H:%M:%S"), **doc}))
     print(line, flush=True)
-    with open(RESULTS / "claims.jsonl", "a") as f:
+    with open(RESULTS / name, "a") as f:
         f.write(line + "\n")
 
 

@@ -32,7 +32,6 @@ alone moved by 2x between runs minutes apart.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -46,10 +45,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.bench_claims import LEASE_CAPACITY, Node, measure  # noqa: E402 - after the path fix
+from bench.bench_claims import LEASE_CAPACITY, Node, measure, report  # noqa: E402 - path fix first
 from bench.claims_external import (  # noqa: E402
     PG_DSN,
-    RESULTS,
     _pg_create_db,
     _pg_drop_db,
     _pg_server,
@@ -57,7 +55,7 @@ from bench.claims_external import (  # noqa: E402
     key_of,
     run_postgres_skip_locked,
 )
-from bench.common import add_json_option, keep, write_json  # noqa: E402
+from bench.common import add_json_option, write_json  # noqa: E402
 
 # The issue's target: the node's LocalClaimer over SKIP LOCKED, at batch 64.
 TARGET = {64: 2.0}
@@ -124,14 +122,6 @@ def run_node(dsn: str, rows: int, batch: int, args: Any) -> dict:
     return res
 
 
-def report(doc: dict[str, Any]) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    line = json.dumps(keep({"at": time.strftime("%Y-%m-%dT%H:%M:%S"), **doc}))
-    print(line, flush=True)
-    with open(RESULTS / "claims_pg.jsonl", "a") as f:
-        f.write(line + "\n")
-
-
 def ratios(results: list[dict]) -> None:
     """Per batch and round, the node's grants/s over the peer's (measured one
     after the other); with several rounds, the median round's ratio and the
@@ -193,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                 peer = run_postgres_skip_locked(args.rows, batch, args.procs, args.seconds)
                 for doc in (res, peer):
                     doc["round"] = round_
-                    report(doc)
+                    report(doc, "claims_pg.jsonl")
                     results.append(doc)
     finally:
         _pg_drop_db(db)
