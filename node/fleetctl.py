@@ -458,8 +458,9 @@ def _cluster_line(cluster: dict[str, Any]) -> str:
              f"vouched={_cell(trust.get('vouched'))}",
              f"due={_cell((now.get('due') or {}).get('total'))}",
              f"in_flight={_cell(now.get('in_flight'))}"]  # fmt: skip
-    if "nodes" in state:
-        parts.append(f"nodes={','.join(map(str, state['nodes']))}")
+    if isinstance(state.get("nodes"), list):  # names, or (a fan-out's) one object per node
+        names = [n.get("name") if isinstance(n, dict) else n for n in state["nodes"]]
+        parts.append(f"nodes={','.join(map(str, names))}")
     reason = trust.get("reason") or (state.get("error") or {}).get("message")
     if cluster["status"] != 200 and reason:
         parts.append(f"({reason})")
