@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 import signal
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
 import msgpack
 import psycopg
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from node.client import LocalClaimer
 from node.core.errors import ClientError
@@ -51,6 +53,17 @@ def node(tmp_path, node_name, pg_url):
 def _row(pg_url: str, name: str) -> tuple | None:
     with psycopg.connect(pg_url, autocommit=True) as conn:
         return conn.execute(ROW, (TIMEOUT_S, name)).fetchone()
+
+
+def _fleet_gauges(node: NodeProcess) -> dict[str, float]:
+    """The node's view of the node list on GET /metrics (docs/metrics.md, "A fleet")."""
+    with urllib.request.urlopen(node.base_url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {
+        f.name: f.samples[0].value
+        for f in text_string_to_metric_families(text)
+        if f.name.startswith("queue_node_fleet_")
+    }
 
 
 def _due_rows(node: NodeProcess, n: int) -> None:
@@ -89,6 +102,7 @@ def test_a_postgresql_node_joins_heartbeats_grants_and_leaves_at_once_on_sigterm
     assert 0 < member["grant_deadline_left_s"] <= TIMEOUT_S
     assert member["skew_flagged"] is False and abs(member["skew_s"]) < 1.0
     assert member["heartbeats"] >= 1
+    assert _fleet_gauges(node) == {"queue_node_fleet_member": 1, "queue_node_fleet_live_nodes": 1}
 
     # SIGTERM: out of the list by a clean leave (left_at), long before the
     # membership timeout could count the node out.
@@ -128,10 +142,15 @@ def test_a_stalled_keeper_stops_granting_before_it_drops_from_the_live_list(node
             status, body = _claim(node)
             assert status == 503 and "not_granting" in str(body), (status, body)
             wait_for(lambda: not _row(pg_url, node.name)[3], 10, "out of the live list")
+            # Its own view says so too: its last heartbeat is past the
+            # timeout, so it is no member and its list is no count.
+            out = {"queue_node_fleet_member": 0}
+            wait_for(lambda: _fleet_gauges(node) == out, 2, "metrics: not a member")
         finally:
             os.kill(keeper, signal.SIGCONT)
     # Back: its next heartbeat renews the membership and the grants.
     wait_for(lambda: _row(pg_url, node.name)[3], 10, "live again")
+    wait_for(lambda: _fleet_gauges(node)["queue_node_fleet_member"] == 1, 10, "metrics: member")
     wait_for(lambda: _claim(node)[1].get("leases"), 30, "granting again")
     assert node.stop() == 0
 
@@ -143,6 +162,7 @@ def test_a_sqlite_node_has_no_membership_and_no_deadline(tmp_path, node_name):
         status, doc = node.request("GET", "/queue-state")
         assert status == 200, doc
         assert doc["trust"]["membership"] is None
+        assert _fleet_gauges(node) == {}
         with ReadySet.attach(node.name) as ready:
             assert ready.grant_until_ns == 0
         assert node.stop() == 0
@@ -231,6 +251,8 @@ def test_two_nodes_on_one_database_each_hold_their_own_and_a_clean_stop_hands_ov
         held = [_dump(n) for n in nodes]
         assert all(held), "each node holds a share"
         assert set(held[0]).isdisjoint(held[1])
+        for node in nodes:
+            assert _fleet_gauges(node)["queue_node_fleet_live_nodes"] == 2
 
         # One stops cleanly: the other holds every row, exact.
         survivor, leaving = nodes
@@ -242,6 +264,9 @@ def test_two_nodes_on_one_database_each_hold_their_own_and_a_clean_stop_hands_ov
         # The rows gained were received here; the law still balances.
         assert state["counters"]["input_gap"] == 0, state["counters"]
         assert len(_dump(survivor)) == ROWS
+        assert _fleet_gauges(survivor) == {
+            "queue_node_fleet_member": 1, "queue_node_fleet_live_nodes": 1,
+        }  # fmt: skip
     finally:
         finish(nodes, names[0])
         finish([], names[1])

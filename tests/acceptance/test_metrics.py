@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from node.core import metrics
 from node.testing import ROOT, NodeProcess, finish, wait_for
-from workers.http.metrics import OTHER_ROUTE, oldest_ratios
+from workers.http.metrics import OTHER_ROUTE, fleet_families, oldest_ratios
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -206,6 +206,41 @@ def test_oldest_ratio_leaves_out_what_cut_lists_cannot_tell():
     classes = [{"route": "feeds", "oldest_lateness_ratio": None}]
     got = oldest_ratios(_doc(classes, oldest, True, False), {"pages", "feeds"})
     assert got == {"pages": 3.0, "feeds": 0.0, OTHER_ROUTE: 0.0}
+
+
+def _fleet_state(counts_at: float, **membership: Any) -> dict[str, Any]:
+    member = {
+        "name": "a", "state": "member", "live": ["a", "b", "c"],
+        "last_heartbeat_age_s": 0.5, "membership_timeout_s": 10.0, **membership,
+    }  # fmt: skip
+    return {"counts_at": counts_at, "doc": {"trust": {"membership": member, "store": {}}}}
+
+
+def _fleet_gauges(state: dict[str, Any] | None, now: float) -> dict[str, float]:
+    return {f.name: f.samples[0].value for f in fleet_families(state, now)}
+
+
+def test_fleet_gauges_say_whether_this_node_is_in_a_current_node_list():
+    now = 1_000_000.0
+    member, live = "queue_node_fleet_member", "queue_node_fleet_live_nodes"
+    assert _fleet_gauges(_fleet_state(now - 2), now) == {member: 1, live: 3}
+    # Out of the list it read (lapsed, forgotten): seen, and not a member.
+    assert _fleet_gauges(_fleet_state(now, live=["b", "c"]), now) == {member: 0, live: 2}
+    assert _fleet_gauges(_fleet_state(now, state="joining", live=[]), now)[member] == 0
+    # The view grows old with the document: heartbeat 0.5 s old when the
+    # document was written 9.6 s ago is past the 10 s timeout at this scrape.
+    assert _fleet_gauges(_fleet_state(now - 9.4), now) == {member: 1, live: 3}
+    assert _fleet_gauges(_fleet_state(now - 9.6), now) == {member: 0}
+    # No heartbeat yet, a node that left, a keeper waiting for its store (the
+    # document it stamps is its predecessor's): no current view.
+    assert _fleet_gauges(_fleet_state(now, last_heartbeat_age_s=None), now) == {member: 0}
+    assert _fleet_gauges(_fleet_state(now, state="left"), now) == {member: 0}
+    waiting = _fleet_state(now)
+    waiting["doc"]["trust"]["store"] = {"state": "unreachable"}
+    assert _fleet_gauges(waiting, now) == {member: 0}
+    # A node without a fleet (SQLite), or no state buffer: nothing.
+    assert _fleet_gauges({"counts_at": now, "doc": {"trust": {"membership": None}}}, now) == {}
+    assert _fleet_gauges(None, now) == {}
 
 
 # -- unit: the request counter middleware -----------------------------------------------

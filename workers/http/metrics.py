@@ -112,6 +112,7 @@ def render(ctx: WorkerContext, accounting: dict[str, Any] | None) -> bytes:
         *ledger_families(accounting),
         *lease_families(lease_counts),
         *state_families(state, ctx.config.routes, ctx.clock()),
+        *fleet_families(state, ctx.clock()),
     ]
     return metrics.exposition(_Now(families))
 
@@ -160,7 +161,8 @@ def ledger_families(accounting: dict[str, Any] | None) -> list[Metric]:
     for name, doc in LEDGER_COUNTERS.items():
         out.append(
             CounterMetricFamily(
-                f"queue_node_{name}", f"{doc} Lifetime, as GET /accounting.",
+                f"queue_node_{name}",
+                f"{doc} Lifetime, as GET /accounting.",
                 value=int(accounting.get(name) or 0),
             )
         )
@@ -204,8 +206,7 @@ def lease_families(counts: dict[str, int] | None) -> list[Metric]:
         ("queue_node_parked", "Keys parked after max_misses misses in a row.", "parked"),
     )
     return [
-        GaugeMetricFamily(name, doc, value=int(counts.get(code, 0)))
-        for name, doc, code in gauges
+        GaugeMetricFamily(name, doc, value=int(counts.get(code, 0))) for name, doc, code in gauges
     ]
 
 
@@ -254,6 +255,65 @@ def state_families(
     return out
 
 
+def fleet_families(state: dict[str, Any] | None, now: float) -> list[Metric]:
+    """A fleet node's view of the node list (``trust.membership``), for the
+    alerts on a node missing from it (deploy/prometheus/fleet.yml). Nothing
+    on a node without a fleet (SQLite).
+
+    The view is the live list the keeper read after its last heartbeat. It
+    is current while that heartbeat is younger than the membership timeout
+    at this scrape (its age in the document plus the document's own age):
+    past it, the database may have counted this node out, and another
+    node's rows may have moved, without this node having read so. A node
+    that left has no current view, nor has a keeper that says it cannot
+    reach its store (``trust.store.state``): while it waits for the store
+    at start, the document it stamps is its predecessor's."""
+    membership = _membership(state)
+    if membership is None:
+        return []
+    live = membership.get("live") or []
+    current = _view_current(state, membership, now)
+    member = GaugeMetricFamily(
+        "queue_node_fleet_member",
+        "1 while this node is in the fleet's node list as it last read it, within the "
+        "membership timeout; 0: joining, left, heartbeats failing, or not in the list.",
+        value=int(
+            current and membership.get("state") == "member" and membership.get("name") in live
+        ),
+    )
+    out: list[Metric] = [member]
+    if current:
+        out.append(
+            GaugeMetricFamily(
+                "queue_node_fleet_live_nodes",
+                "Nodes in the fleet's live list as this node last read it; left out "
+                "while that read is older than the membership timeout.",
+                value=len(live),
+            )
+        )
+    return out
+
+
+def _membership(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    doc = (state or {}).get("doc") or {}
+    return (doc.get("trust") or {}).get("membership")
+
+
+def _view_current(state: Any, membership: dict[str, Any], now: float) -> bool:
+    """Whether the node's view of the list is current now (``fleet_families``)."""
+    trust = state["doc"]["trust"]
+    hb_age = membership.get("last_heartbeat_age_s")
+    timeout_s = membership.get("membership_timeout_s")
+    if (
+        membership.get("state") == "left"
+        or (trust.get("store") or {}).get("state") == "unreachable"
+    ):
+        return False
+    if not isinstance(hb_age, int | float) or not isinstance(timeout_s, int | float):
+        return False  # no heartbeat yet
+    return hb_age + max(0.0, now - (state.get("counts_at") or 0.0)) < timeout_s
+
+
 def route_label(route: Any, configured: set[str]) -> str:
     return route if route in configured else OTHER_ROUTE
 
@@ -287,4 +347,4 @@ def oldest_ratios(doc: dict[str, Any], configured: set[str]) -> dict[str, float]
     return ratios
 
 
-__all__ = ["count_requests", "oldest_ratios", "render", "routes"]
+__all__ = ["count_requests", "fleet_families", "oldest_ratios", "render", "routes"]
