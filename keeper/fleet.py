@@ -195,6 +195,7 @@ class FleetMember:
         until = self.heart.pending_until or self.ready.grant_until_ns
         return {
             "name": self.name,
+            "address": self.membership.address,
             "number": self.number,
             "state": "left" if self.left else "member" if self.number is not None else "joining",
             "live": list(self.live.names) if self.live is not None else [],

@@ -109,9 +109,7 @@ def _migrate_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="allow a target with other nodes' rows (never the same key)",
     )
-    m.add_argument(
-        "--progress-s", dest="progress_s", type=float, help=argparse.SUPPRESS
-    )
+    m.add_argument("--progress-s", dest="progress_s", type=float, help=argparse.SUPPRESS)
     m.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -126,19 +124,34 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("state", help="print the shared state buffer as JSON")
     s.add_argument("--name")
     s.add_argument("--watch", action="store_true")
+    s.add_argument(
+        "--scope", choices=["cluster"],
+        help="cluster: every live node of the fleet summed, asked of this node over HTTP",
+    )  # fmt: skip
+    s.add_argument("--token", help="with --scope cluster: the fleet's token (QUEUE_NODE_TOKEN)")
+    s.add_argument("--url", help="with --scope cluster: the node's base URL (default: its address)")
     s.add_argument("--interval", type=float, default=WATCH_POLL_S, help=argparse.SUPPRESS)
     sub.add_parser("import", help="import rows from JSON lines, CSV or a sitemap", add_help=False)
-    c = sub.add_parser(
-        "clear", help="remove a stopped node's shared memory, semaphore and queues"
-    )
+    c = sub.add_parser("clear", help="remove a stopped node's shared memory, semaphore and queues")
     c.add_argument("name", help="the node's name")
     _migrate_parser(sub)
     return parser
 
 
 _RUN_OPTIONS = (
-    "store", "data_dir", "name", "http", "workers", "handler", "inference_procs",
-    "gpus", "lease_s", "ready_size", "token", "tls_cert", "tls_key",
+    "store",
+    "data_dir",
+    "name",
+    "http",
+    "workers",
+    "handler",
+    "inference_procs",
+    "gpus",
+    "lease_s",
+    "ready_size",
+    "token",
+    "tls_cert",
+    "tls_key",
 )
 
 
@@ -191,15 +204,46 @@ def _cmd_state(args: argparse.Namespace) -> int:
     from shm.state import read_state
 
     name = _state_name(args.name)
+    if args.scope and args.watch:
+        raise ConfigError("--watch follows this node's state buffer; it takes no --scope")
     try:
         state = read_state(name)
     except NodeNotRunning as exc:
         print(f"node state: {exc}", file=sys.stderr)
         return RET_NO_NODE
+    if args.scope:
+        cluster = _cluster_state(name, state, args.url, args.token)
+        if cluster is None:
+            return RET_NO_NODE
+        state = cluster
     if args.watch:
         return _watch_state(name, state, max(0.01, args.interval))
     print(json.dumps(state, sort_keys=True), flush=True)
     return RET_OK if state["trust"]["vouched"] else RET_NOT_VOUCHED
+
+
+def _cluster_state(name: str, state: dict, url: str | None, token: str | None) -> dict | None:
+    """``--scope cluster``: a node outside a fleet is a fleet of one (its own
+    state); a fleet node is asked over HTTP (``GET /queue-state?scope=
+    cluster``, the fan-out is the node's), at the address its keeper joined
+    the node list with. None (said on stderr): the node did not answer."""
+    from node.client import Client, ClientError
+    from node.core.config import ENV_PREFIX
+
+    membership = state["trust"].get("membership")
+    if not membership and url is None:
+        return {**state, "scope": "cluster", "nodes": [name]}
+    address = "" if membership is None else str(membership.get("address") or "")
+    base = url or (address if address.startswith("unix:") else f"http://{address}")
+    try:
+        client = Client(base, token=token or os.environ.get(ENV_PREFIX + "TOKEN"))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    try:
+        return client.queue_state(scope="cluster")
+    except ClientError as exc:
+        print(f"node state: {base} answered {exc}", file=sys.stderr)
+        return None
 
 
 def _watch_state(name: str, state: dict, poll_s: float) -> int:

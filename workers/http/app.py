@@ -125,6 +125,10 @@ class WorkerContext:
 
 CTX = web.AppKey("ctx", WorkerContext)
 ASK_POOL = web.AppKey("ask_pool", ThreadPoolExecutor)
+# What a route opens at its first use (workers/http/cluster.py's way to the
+# other nodes), by name: the app is frozen once it serves, this dict is not.
+# Each value's ``close()`` is awaited at cleanup.
+LAZY = web.AppKey("lazy", dict)
 
 routes = web.RouteTableDef()
 
@@ -144,6 +148,7 @@ def make_app(
     if ctx.config.token:
         app[TOKEN] = ctx.config.token
     app[ASK_POOL] = ThreadPoolExecutor(1, thread_name_prefix="keeper-ask")
+    app[LAZY] = {}
     app.router.add_routes(routes)
     app.router.add_routes(extra_routes)
     app.on_cleanup.append(_cleanup)
@@ -152,6 +157,8 @@ def make_app(
 
 async def _cleanup(app: web.Application) -> None:
     app[ASK_POOL].shutdown(wait=False, cancel_futures=True)
+    for opened in app[LAZY].values():
+        await opened.close()
 
 
 async def _in_store(ctx: WorkerContext, fn: Callable[..., T], *args: Any) -> T:

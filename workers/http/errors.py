@@ -80,7 +80,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "invalid_row": (400, "a row is not a JSON object"),
     "invalid_key": (400, "key is not a non-empty UTF-8 string of at most 1,024 bytes"),
     "invalid_route": (400, "route is not a non-empty string of at most 128 bytes"),
-    "invalid_scope": (400, "scope of GET /queue-state is other than cluster"),
+    "invalid_scope": (400, "scope of GET /queue-state or /accounting is other than cluster"),
     "invalid_cadence": (400, "cadence_s is not a whole number from 60 to 31,536,000"),
     "invalid_sitemap": (400, "sitemap is not true or false"),
     "invalid_due_at": (400, "due_at is not unix seconds in range"),
@@ -131,6 +131,10 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "lease_busy": (503, "another process held the key's lease slot for over 0.5 s; retry"),
     "log_unavailable": (503, "the completion log cannot take results (full disk); retry later"),
     "ledger_unavailable": (503, "the ledger process cannot be reached, or failed; retry later"),
+    "peer_unavailable": (
+        503,
+        "?scope=cluster: a live node is missing, late or does not vouch (never a partial sum)",
+    ),
     "too_many_connections": (
         503,
         "the worker has max_connections open connections; the new one is closed",

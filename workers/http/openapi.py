@@ -310,8 +310,7 @@ def _get(
     path_params: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     parameters = [
-        {"name": name, "in": "path", "required": True, "schema": _JOB}
-        for name in path_params
+        {"name": name, "in": "path", "required": True, "schema": _JOB} for name in path_params
     ] + [{"name": name, "in": "query", "schema": schema} for name, schema in params.items()]
     responses = {"200": _json(answer), "400": _BAD}
     responses.update({status: _error_response(text) for status, text in errors.items()})
@@ -455,9 +454,9 @@ def _work_paths() -> dict[str, Any]:
         ),
         "/accounting": _get(
             "lifetime counters that must balance",
-            {},
+            {"scope": {"enum": ["cluster"], "description": "absent: this node"}},
             {"type": "object"},
-            {"503": _LEDGER_DOWN},
+            {"503": _LEDGER_DOWN + "; peer_unavailable (scope=cluster): a node is missing"},
         ),
         "/admin/unhold": _post(
             "clear the hold or parking of keys",
@@ -595,7 +594,8 @@ def _queue_state_schemas() -> tuple[dict[str, Any], dict[str, Any]]:
             "now": _obj(
                 {
                     "in_flight": maybe_count,
-                    "paused": paused,
+                    # null: a cluster that could not be asked whole
+                    "paused": {"anyOf": [paused, {"type": "null"}]},
                     "status": {"type": ["string", "null"]},
                 },
                 ("in_flight", "paused", "status"),

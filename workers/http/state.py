@@ -32,8 +32,10 @@ from aiohttp import web
 
 from node.core.errors import ValidationError
 from node.core.rows import check_route
+from node.fleet.cluster import sum_queue_states
 from shm.state import queue_state as build_queue_state
 from shm.state import unreadable_state
+from workers.http import cluster
 from workers.http.app import (
     ASK_POOL,
     CTX,
@@ -43,10 +45,12 @@ from workers.http.app import (
     known_query,
     read_body,
 )
+from workers.http.cluster import in_a_fleet
 from workers.http.errors import ApiError, reply
 
-# The scopes GET /queue-state answers: this node (no scope), or the fleet.
-# Until a fleet backend exists the fleet is this node alone.
+# The scopes GET /queue-state and GET /accounting answer: this node (no
+# scope), or the fleet (workers/http/cluster.py; a node outside a fleet is a
+# fleet of one).
 CLUSTER = "cluster"
 # How long a pause waits for the keeper to confirm its republish. The keeper
 # answers between ticks (a tick is milliseconds once loaded); a loading or
@@ -62,7 +66,8 @@ routes = web.RouteTableDef()
 # -- GET /queue-state ---------------------------------------------------------------
 
 
-def _scope(request: web.Request) -> str | None:
+def parse_scope(request: web.Request) -> str | None:
+    """``?scope=``: None (this node) or ``cluster``; anything else is 400."""
     known_query(request, "scope")
     if "scope" not in request.query:
         return None
@@ -92,12 +97,26 @@ def current_state(ctx: WorkerContext) -> dict[str, Any]:
 @routes.get("/queue-state")
 async def queue_state(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
-    scope = _scope(request)
+    scope = parse_scope(request)
+    if scope == CLUSTER and in_a_fleet(ctx):
+        return await _cluster_state(request, ctx)
     doc = current_state(ctx)
     if scope == CLUSTER:
         # A fleet of one: the same numbers, and who was summed.
         doc = {**doc, "scope": CLUSTER, "nodes": [ctx.name]}
     return reply(request, doc, 200 if doc["trust"]["vouched"] else 503)
+
+
+async def _cluster_state(request: web.Request, ctx: WorkerContext) -> web.Response:
+    async def local() -> tuple[int, dict[str, Any]]:
+        doc = current_state(ctx)
+        return (200 if doc["trust"]["vouched"] else 503), doc
+
+    try:
+        live, docs = await cluster.gather(request, "/queue-state", local, queue_state=True)
+    except cluster.Refused as exc:
+        return reply(request, cluster.not_summed(exc.reason, exc.missing, exc.live), 503)
+    return reply(request, sum_queue_states(docs, {p.name: p.address for p in live}))
 
 
 # -- POST /admin/pause, /admin/resume ------------------------------------------------

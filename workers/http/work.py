@@ -40,6 +40,7 @@ from aiohttp import web
 from node.core import log, metrics
 from node.core.errors import NodeError, ValidationError, WorkRefused
 from node.core.rows import check_job, check_key
+from node.fleet.cluster import sum_accounting
 from node.ipc import IpcError, RemoteError
 from workers.claim import (
     MAX_CLAIM,
@@ -56,6 +57,7 @@ from workers.claim import (
     refuse,
     why_not_granted,
 )
+from workers.http import cluster
 from workers.http.app import CTX, known_query, read_body
 from workers.http.errors import (
     ERROR_CODES,
@@ -64,6 +66,7 @@ from workers.http.errors import (
     reply,
     wants_msgpack,
 )
+from workers.http.state import CLUSTER, parse_scope
 
 # Contract limits and defaults.
 MAX_POLL = 10_000
@@ -606,18 +609,41 @@ async def ack(request: web.Request) -> web.Response:
     # ids (SQLite rowids) stop at 2**63. No id past that was ever offered.
     beyond = [value for value in ids if value > MAX_RESULT_ID]
     if beyond:
-        raise ApiError(
-            409, "never_offered", f"job {job!r}: ids never offered: {beyond[0]}", "ids"
-        )
+        raise ApiError(409, "never_offered", f"job {job!r}: ids never offered: {beyond[0]}", "ids")
     answer = await _ledger(work, "ack", job=job, ids=ids)
     return reply(request, {"acked": answer.get("acked", 0)})
 
 
 @routes.get("/accounting")
 async def accounting(request: web.Request) -> web.Response:
-    answer = dict(await _ledger(_work(request), "accounting"))
+    scope = parse_scope(request)
+    work = _work(request)
+    ctx = request.app[CTX]
+    if scope == CLUSTER and cluster.in_a_fleet(ctx):
+        return await _cluster_accounting(request, work)
+    answer = dict(await _ledger(work, "accounting"))
     answer.pop("id", None)
+    if scope == CLUSTER:
+        answer.update(scope=CLUSTER, nodes=[ctx.name])  # a fleet of one
     return reply(request, answer)
+
+
+async def _cluster_accounting(request: web.Request, work: WorkPath) -> web.Response:
+    async def local() -> tuple[int, dict[str, Any]]:
+        try:
+            answer = dict(await _ledger(work, "accounting"))
+        except ApiError as exc:
+            return exc.status, {"error": {"code": exc.code, "message": exc.message}}
+        answer.pop("id", None)
+        return 200, answer
+
+    try:
+        _live, docs = await cluster.gather(request, "/accounting", local, queue_state=False)
+    except cluster.Refused as exc:
+        doc = cluster.not_summed(exc.reason, exc.missing, exc.live)
+        error = {"code": "peer_unavailable", "message": exc.reason, "field": None}
+        return reply(request, {"error": error, **doc}, 503)
+    return reply(request, sum_accounting(docs))
 
 
 __all__ = ["MAX_CLAIM", "WorkPath", "routes"]
