@@ -303,6 +303,12 @@ class CompletionStore(abc.ABC):
         returns (at once under ``fsync="always"``)."""
 
     @abc.abstractmethod
+    def raise_next_id(self, floor: int) -> int:
+        """Give no id below ``floor`` from now on (a fleet node's ids start
+        above its number's base: node/core/ids.py); ids only grow, so a
+        floor under the next id changes nothing. The next id, returned."""
+
+    @abc.abstractmethod
     def flush(self) -> None:
         """Write the buffer and fsync it per policy: one group commit. Raises
         ``LogUnavailable``: then every result buffered since the last flush is

@@ -305,6 +305,11 @@ class BufferedLog(CompletionStore):
         if not self._recovered:
             raise LogStateError("call recover() before using the completion store")
 
+    def raise_next_id(self, floor: int) -> int:
+        self._check()
+        self._next_id = max(self._next_id, floor)
+        return self._next_id
+
     def append_results(self, results: Sequence[Result]) -> list[int]:
         self._check()
         if not plain_results(results):

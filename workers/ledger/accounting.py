@@ -106,13 +106,19 @@ def build(
     if "input_gap" in keeper:
         base = base or {}
         requeued_base = (
-            base.get("expired", 0) - base.get("late_expired", 0)
-            + base.get("released", 0) - base.get("late_released", 0)
+            base.get("expired", 0)
+            - base.get("late_expired", 0)
+            + base.get("released", 0)
+            - base.get("late_released", 0)
         )
         input_gap = (
-            int(keeper["received"]) + int(keeper["requeued"]) + requeued_base
-            - int(keeper["routed"]) - base.get("grants", 0)
-            - int(keeper["waiting"]) - int(keeper["withdrawn"])
+            int(keeper["received"])
+            + int(keeper["requeued"])
+            + requeued_base
+            - int(keeper["routed"])
+            - base.get("grants", 0)
+            - int(keeper["waiting"])
+            - int(keeper["withdrawn"])
         )
     return {
         "received": int(keeper.get("received") or 0),

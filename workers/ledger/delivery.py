@@ -96,6 +96,10 @@ class _Job:
             self.head = 0
 
 
+def _never(_rid: int) -> bool:
+    return False
+
+
 class Delivery:
     def __init__(self, offer_timeout_s: float = 30.0) -> None:
         if not offer_timeout_s > 0:
@@ -111,6 +115,9 @@ class Delivery:
         self._max_id = 0
         self._offered_before = 0
         self.touched = 0
+        # Ids this node's log can never hold (another fleet node's, or the
+        # range skipped to its number's base: workers/ledger/fleet_number.py).
+        self.never_given: Callable[[int], bool] = _never
 
     # -- filling ------------------------------------------------------------------
 
@@ -324,7 +331,7 @@ class Delivery:
                 bad.append(rid)
             elif q is not None and q.find_ready(rid) >= 0:
                 (recovered if rid <= self._offered_before else bad).append(rid)
-            elif rid > self._max_id or rid <= 0:
+            elif rid > self._max_id or rid <= 0 or self.never_given(rid):
                 bad.append(rid)
             if owner is not None and (o := owner(rid)) is not None and o != job:
                 other.append(rid)

@@ -42,6 +42,7 @@ from node.core.names import ledger_address
 from node.core.proc import RET_ERROR, RET_OK, child_signals, die_with_parent, set_title
 from node.ipc import MAX_FRAME, IpcError, RemoteError, pack, peer_uid, read_frame
 from node.store import WriteBack
+from workers.ledger.fleet_number import FleetNumber
 from workers.ledger.intake import Batch as _Batch
 from workers.ledger.intake import Item as _Item
 from workers.ledger.intake import check as _intake_check
@@ -215,6 +216,9 @@ class Ledger:
         self._retention = {
             job: jc.retention_s for job, jc in config.jobs.items() if jc.retention_s is not None
         }
+        # A fleet node's number: the high bits of its result ids.
+        self.fleet = FleetNumber(config)
+        self.delivery.never_given = self.fleet.never_given
         self._state: Any = None  # the keeper's state buffer, attached on first use
         self._keeper_counters: dict = {}  # the last counters read from it
         self._keeper_counters_read_at = float("-inf")
@@ -236,6 +240,7 @@ class Ledger:
         from shm.leases import Outcome
 
         report = self.log.recover()
+        self.log.raise_next_id(self.fleet.first_id())
         restored = self.acct.restore(self.leases.counters(), now)
         if restored:
             log.warn("accounting_restored", added=restored, checkpoint_at=self.acct.checkpoint_at)
@@ -504,6 +509,8 @@ class Ledger:
 
     async def complete(self, request: dict) -> dict:
         items = _check_items(request.get("items"))
+        if self.fleet.missing and not self._learn_number():
+            raise RemoteError("not_joined", "this node has not joined its fleet yet: retry")
         outcomes, accepted, batch, dups = self.check(items)
         if len(accepted) == len(items):
             # The usual request: every item taken. Its answer in one pass.
@@ -689,30 +696,46 @@ class Ledger:
             self.acct.base,
         )
 
-    def keeper_counters(self) -> dict:
-        """The input side of the books as the keeper last wrote it
-        (``counters`` in the state buffer's document: received, withdrawn,
-        waiting and the lease counters of the same moment): the last one
-        read, when the buffer cannot be read now; empty before the keeper
-        first wrote it."""
+    def _learn_number(self) -> bool:
+        """Read this fleet node's number from the keeper's state; True once known."""
+        doc = self._keeper_doc()
+        membership = ((doc or {}).get("trust") or {}).get("membership")
+        if self.fleet.learn(membership, self.log.raise_next_id(0)):
+            self.log.raise_next_id(self.fleet.first_id())
+        return self.fleet.number is not None
+
+    def _keeper_doc(self) -> dict | None:
+        """The keeper's state document now; None when it cannot be read."""
         from shm.state import StateBuffer
 
-        now = time.monotonic()
-        if now - self._keeper_counters_read_at < KEEPER_COUNTERS_REREAD_S:
-            return self._keeper_counters
-        self._keeper_counters_read_at = now
         try:
             if self._state is None:
                 self._state = StateBuffer.attach(self.config.name, read_only=True)
-            counters = self._state.read()["doc"].get("counters") or {}
-        except Exception:  # noqa: BLE001 - absent, being rebuilt, unstable: keep the last
+            doc = self._state.read()["doc"]
+        except Exception:  # noqa: BLE001 - absent, being rebuilt, unstable
             if self._state is not None:
                 try:
                     self._state.close()
                 except Exception:  # noqa: BLE001
                     pass
                 self._state = None
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    def keeper_counters(self) -> dict:
+        """The input side of the books as the keeper last wrote it
+        (``counters`` in the state buffer's document: received, withdrawn,
+        waiting and the lease counters of the same moment): the last one
+        read, when the buffer cannot be read now; empty before the keeper
+        first wrote it."""
+        now = time.monotonic()
+        if now - self._keeper_counters_read_at < KEEPER_COUNTERS_REREAD_S:
             return self._keeper_counters
+        self._keeper_counters_read_at = now
+        doc = self._keeper_doc()
+        if doc is None:  # absent, being rebuilt, unstable: keep the last
+            return self._keeper_counters
+        counters = doc.get("counters") or {}
         if isinstance(counters, dict) and isinstance(counters.get("received"), int):
             self._keeper_counters = counters
         return self._keeper_counters
@@ -771,6 +794,8 @@ class Ledger:
         """Expire leases (the table counts each expiry once), retry what
         could not be done at commit, checkpoint the counters."""
         self.stats.sweeps += 1
+        if self.fleet.missing:
+            self._learn_number()
         expired = self.leases.expire(now)
         self.stats.expired += len(expired)
         if expired:
@@ -1076,9 +1101,7 @@ def open_ledger(config: Config) -> Ledger:
     # holds the evidence to write a result back again (docs/delivery.md).
     # Nor does a commit of its run the WAL's checkpoint: the sweep has one
     # run on a thread of its own (Ledger.sweep).
-    store = open_store(
-        config.store_url, durable=False, autocheckpoint=False, node_name=config.name
-    )
+    store = open_store(config.store_url, durable=False, autocheckpoint=False, node_name=config.name)
     log_dir = Path(config.data_dir).resolve() / LOG_DIR
     log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     file_ops = None

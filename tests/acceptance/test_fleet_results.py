@@ -1,0 +1,91 @@
+"""Acceptance: results from the whole fleet (issue 19, item 2; docs/fleet.md,
+"Results from the whole fleet"). A fleet node's result ids carry its number
+in their high bits (below 2**53), across a restart of the node. Two real
+nodes on one PostgreSQL database."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import psycopg
+import pytest
+
+from node.core.ids import MAX_ID, number_of
+from node.store.postgres import PostgresStore
+from node.testing import NodeProcess, finish, wait_for
+from tests import pg
+
+pytestmark = pytest.mark.timeout(180)
+
+FLEET_ENV = {"QUEUE_NODE_MEMBERSHIP_TIMEOUT_S": "4", "QUEUE_NODE_HEARTBEAT_S": "0.2"}
+ROWS = 40
+
+
+def _seed(pg_url: str, prefix: str) -> None:
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO schedule (key, route, cadence_s, due_at)"
+            " SELECT %s || i, 'r', 3600, %s FROM generate_series(1, %s) AS i",
+            (prefix, time.time() - 600, ROWS),
+        )
+
+
+def _summed(node: NodeProcess, names: list[str]) -> dict | None:
+    status, doc = node.request("GET", "/queue-state?scope=cluster")
+    return doc if status == 200 and doc.get("nodes") == names else None
+
+
+def _number(node: NodeProcess) -> int:
+    status, doc = node.request("GET", "/queue-state")
+    assert status == 200, doc
+    return int(doc["trust"]["membership"]["number"])
+
+
+def _finish_everything(node: NodeProcess) -> list[dict]:
+    """Claim what the node grants, complete it all, and poll its results."""
+    status, body = node.request("POST", "/claim", {"max": 100, "consumer": "t", "lease_s": 300})
+    assert status == 200, body
+    items = [{"lease_id": g["lease_id"], "key": g["key"], "result": {"k": g["key"]}}
+             for g in body["leases"]]  # fmt: skip
+    if items:
+        status, done = node.request("POST", "/complete", {"items": items})
+        assert status == 200 and all(i["outcome"] == "ok" for i in done["items"]), done
+    status, polled = node.request("GET", "/jobs/default/results?max=1000")
+    assert status == 200, polled
+    return polled["results"]
+
+
+def test_a_fleet_nodes_result_ids_carry_its_number_across_a_restart(tmp_path, pg_url):
+    PostgresStore(pg_url).close()
+    pg.reset(pg_url)
+    _seed(pg_url, "a")
+    names = sorted(f"r-{uuid.uuid4().hex[:10]}" for _ in range(2))
+    a, b = (NodeProcess(tmp_path / n, n, "--store", pg_url, env=FLEET_ENV) for n in names)
+    try:
+        a.start()
+        b.start()
+        wait_for(lambda: _summed(a, names), 60, "both nodes summed")
+        numbers = {n.name: _number(n) for n in (a, b)}
+        assert sorted(numbers.values()) == [1, 2]
+        offered: dict[str, list[int]] = {}
+        for node in (a, b):
+            results = _finish_everything(node)
+            assert results, f"{node.name} finished nothing"
+            ids = [r["id"] for r in results]
+            assert all(number_of(i) == numbers[node.name] and 0 < i <= MAX_ID for i in ids), ids
+            offered[node.name] = ids
+        assert sum(map(len, offered.values())) == ROWS
+
+        # Restarted, a keeps giving ids above its number's base.
+        assert a.stop() == 0
+        _seed(pg_url, "again")
+        a.start()
+        wait_for(lambda: _summed(a, names), 60, "both nodes summed again")
+        again = [r["id"] for r in wait_for(lambda: _finish_everything(a), 30, "a finishes")]
+        fresh = [i for i in again if i not in offered[a.name]]
+        assert fresh and all(number_of(i) == numbers[a.name] for i in fresh), again
+        assert min(fresh) > max(offered[a.name])
+    finally:
+        finish([a, b], names[0])
+        finish([a, b], names[1])
