@@ -263,9 +263,7 @@ class AsyncIpcClient:
         async with self._connecting:
             if self._writer is None or self._writer.is_closing():
                 try:
-                    reader, writer = await asyncio.open_unix_connection(
-                        self.path, limit=MAX_FRAME
-                    )
+                    reader, writer = await asyncio.open_unix_connection(self.path, limit=MAX_FRAME)
                 except OSError as exc:
                     raise IpcError(f"ledger not reachable at {self.path}: {exc}") from None
                 try:

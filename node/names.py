@@ -175,7 +175,8 @@ def clear(node: str) -> list[str]:
             else:
                 unlink_all(node)
         except (posix_ipc.PermissionsError, PermissionError) as exc:
-            raise NodeError(f"cannot remove {name}: {exc}; it is another user's: run "
-                            "clear as its owner or root") from None
+            raise NodeError(
+                f"cannot remove {name}: {exc}; it is another user's: run clear as its owner or root"
+            ) from None
         removed.append(name)
     return removed

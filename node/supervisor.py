@@ -453,8 +453,14 @@ class Supervisor:
             if child.proc is None:
                 self._spawn(child)
         self.write_node_json()
-        log.log("node_start", name=self.name, http=self.http, workers=self.config.workers,
-                store=redact_url(self.config.store_url), data_dir=str(self.data_dir))
+        log.log(
+            "node_start",
+            name=self.name,
+            http=self.http,
+            workers=self.config.workers,
+            store=redact_url(self.config.store_url),
+            data_dir=str(self.data_dir),
+        )
         try:
             return self._loop(rfd)
         finally:
@@ -492,9 +498,7 @@ class Supervisor:
         except ConfigError as exc:
             log.warn("reload_refused", error=str(exc))
             return
-        self.config = dataclasses.replace(
-            self.config, defaults=fresh.defaults, routes=fresh.routes
-        )
+        self.config = dataclasses.replace(self.config, defaults=fresh.defaults, routes=fresh.routes)
         self._write_config()
         for child in self.children:
             if child.role == "keeper" and child.proc is not None:
@@ -553,8 +557,13 @@ class Supervisor:
         if self.config.http_unix is not None:
             self.config.http_unix.unlink(missing_ok=True)
         restarts = sum(c.restarts for c in self.children)
-        log.log("node_stop", name=self.name, up_s=round(time.time() - self.started_at, 1),
-                restarts=restarts, forced=killed)
+        log.log(
+            "node_stop",
+            name=self.name,
+            up_s=round(time.time() - self.started_at, 1),
+            restarts=restarts,
+            forced=killed,
+        )
         return 0
 
     def _leave_fleet(self, keepers: list[Child]) -> None:
@@ -575,4 +584,3 @@ def run(config: Config, verbose: bool = False) -> int:
     log.setup("supervisor", verbose)
     os.umask(NODE_UMASK)
     return Supervisor(config, verbose).run()
-

@@ -55,9 +55,7 @@ def parse_duration(text: str | int | float, what: str = "duration") -> float:
         return float(text)
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", str(text))
     if not m:
-        raise ConfigError(
-            f"{what} {text!r} is not a duration: use 90s, 15m, 1h, 1d, 7d or seconds"
-        )
+        raise ConfigError(f"{what} {text!r} is not a duration: use 90s, 15m, 1h, 1d, 7d or seconds")
     return float(m.group(1)) * _UNITS[m.group(2) or "s"]
 
 
@@ -386,8 +384,10 @@ def _route_config(
                 )
             values["cadence_s"] = int(seconds)
         elif key == "sitemap_boost":
-            if isinstance(value, bool) or not isinstance(value, int | float) or not (
-                0 <= value <= 1000
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not (0 <= value <= 1000)
             ):
                 raise ConfigError(
                     f"{where}.sitemap_boost = {value!r} is not valid: a number from 0 to 1000",

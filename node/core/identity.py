@@ -42,8 +42,10 @@ def data_dir_id(data_dir: str | os.PathLike[str], create: bool = False) -> bytes
     except ValueError:
         ident = b""
     if len(ident) != ID_BYTES:
-        raise ConfigError(f"{path} is not {ID_BYTES * 2} hex digits; restore it or remove the "
-                          "node's segments ('python -m node clear NAME') before removing it")
+        raise ConfigError(
+            f"{path} is not {ID_BYTES * 2} hex digits; restore it or remove the "
+            "node's segments ('python -m node clear NAME') before removing it"
+        )
     return ident
 
 

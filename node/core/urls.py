@@ -34,10 +34,10 @@ def split_password(url: str) -> tuple[str, str | None]:
 
     m = _PASSWORD_RE.match(url)
     if m is not None:
-        return f"{m.group('head')}@{url[m.end():]}", unquote(m.group("pw"))
+        return f"{m.group('head')}@{url[m.end() :]}", unquote(m.group("pw"))
     q = re.search(r"([?&])password=([^&#]*)&?", url, re.IGNORECASE)
     if q is not None:
         rest = url[: q.start()] + (q.group(1) if url[q.end() - 1 : q.end()] == "&" else "")
-        rest += url[q.end():]
+        rest += url[q.end() :]
         return rest.rstrip("?&"), unquote(q.group(2))
     return url, None

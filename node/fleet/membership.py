@@ -285,6 +285,14 @@ class Membership:
         members = tuple(Member(*row[:5]) for row in rows)
         return LiveList(members, rows[0][5])
 
+    def nodes(self) -> list[tuple[Member, bool]]:
+        """Every node on the list with whether it is live now (by the
+        database's clock), by number; times are not read (zero)."""
+        params = {"timeout_s": self.membership_timeout_s}
+        rows = self._run("node list", lambda conn: conn.execute(q.NODES, params).fetchall())
+        return [(Member(name, address, number, 0.0, 0.0), bool(live))
+                for name, address, number, live in rows]  # fmt: skip
+
     def trim_through(self) -> int:
         """The highest seq the shared change log may be trimmed through: the
         lowest position a live node reported; 0 (keep it all) while a live

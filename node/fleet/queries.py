@@ -68,6 +68,15 @@ SELECT name, address, number, extract(epoch FROM started_at)::float8,
  ORDER BY name
 """
 
+# Every node on the list, live or not (a node down still holds the results
+# its log keeps: an ack of one of its ids must say so, not lose it).
+NODES = """
+SELECT name, address, number,
+       left_at IS NULL AND heartbeat_at > now() - make_interval(secs => %(timeout_s)s)
+  FROM fleet_nodes
+ ORDER BY number
+"""
+
 # How far the shared change log may be trimmed: the lowest position every
 # live node reported, and whether a live node has reported none yet (it
 # joined a moment ago: the log is kept whole until it does). Nodes that left

@@ -74,6 +74,4 @@ def open_store(
     path = url[len("sqlite:///") :]
     if busy_timeout_s is None:
         return SQLiteStore(path, durable, autocheckpoint, create=create)
-    return SQLiteStore(
-        path, durable, autocheckpoint, create=create, busy_timeout_s=busy_timeout_s
-    )
+    return SQLiteStore(path, durable, autocheckpoint, create=create, busy_timeout_s=busy_timeout_s)

@@ -128,9 +128,7 @@ class MemoryStore(Store):
         if self._closed:
             raise StoreError("memory store: the store is closed")
 
-    def _log(
-        self, op: str, key: str, origin: str, stored: list | None, old_due: Any = None
-    ) -> int:
+    def _log(self, op: str, key: str, origin: str, stored: list | None, old_due: Any = None) -> int:
         self._seq += 1
         at = time.time()
         self._old_due[self._seq] = old_due
@@ -292,8 +290,17 @@ class MemoryStore(Store):
         for ch in self.changes(after_seq, limit):
             if ch.seq > through_seq:
                 break
-            out.append(DueChange(ch.seq, ch.op, ch.key, ch.origin, due_or_none(ch.due_at),
-                                 due_or_none(self._old_due.get(ch.seq)), ch.at))
+            out.append(
+                DueChange(
+                    ch.seq,
+                    ch.op,
+                    ch.key,
+                    ch.origin,
+                    due_or_none(ch.due_at),
+                    due_or_none(self._old_due.get(ch.seq)),
+                    ch.at,
+                )
+            )
         return out
 
     # -- meta ------------------------------------------------------------------

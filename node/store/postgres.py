@@ -59,8 +59,7 @@ try:
     import psycopg_pool
 except ImportError as exc:  # pragma: no cover - the extra is installed in tests
     raise StoreUnavailable(
-        "the PostgreSQL store needs psycopg 3 and psycopg_pool: "
-        "pip install 'queue-node[fleet]'"
+        "the PostgreSQL store needs psycopg 3 and psycopg_pool: pip install 'queue-node[fleet]'"
     ) from exc
 
 # Connections per store object. Each object is used by one thread in the
@@ -81,6 +80,7 @@ SETTLE_WAIT_S = 30.0
 # within a millisecond, a long one is not asked about 1,000 times a second.
 SETTLE_POLL_FIRST_S = 0.0002
 SETTLE_POLL_MAX_S = 0.01
+
 
 def _wrap(exc: BaseException, action: str) -> StoreError:
     """A driver failure as the store's error: StoreUnavailable when the server
@@ -562,7 +562,12 @@ class PostgresStore(Store):
             found = conn.execute(q.DUE_HISTORY, (after_seq, through_seq, limit)).fetchall()
         return [
             DueChange(
-                seq, op, key, self._origin_of(origin), due_or_none(due_at), due_or_none(old),
+                seq,
+                op,
+                key,
+                self._origin_of(origin),
+                due_or_none(due_at),
+                due_or_none(old),
                 float(at),
             )  # fmt: skip
             for seq, op, key, origin, due_at, old, at in found

@@ -252,9 +252,7 @@ SCHEMA_VERSION = MIGRATIONS[-1][0]
 CREATE_MIGRATIONS = """CREATE TABLE IF NOT EXISTS schema_migrations (
         version int PRIMARY KEY, name text NOT NULL, applied_at float8 NOT NULL)"""
 READ_SCHEMA_VERSION = "SELECT COALESCE(MAX(version), 0) FROM schema_migrations"
-RECORD_MIGRATION = (
-    "INSERT INTO schema_migrations (version, name, applied_at) VALUES (%s, %s, %s)"
-)
+RECORD_MIGRATION = "INSERT INTO schema_migrations (version, name, applied_at) VALUES (%s, %s, %s)"
 LOCK_MIGRATIONS = "SELECT pg_advisory_xact_lock(%s)"
 
 # -- the write transaction -------------------------------------------------------------
@@ -280,9 +278,7 @@ _ROW_COLUMNS = (
     " last_result_id, last_finished_at, last_error"
 )
 DELETE_ROW = "DELETE FROM schedule WHERE key = %s"
-WRITE_NEXT_DUE = (
-    "UPDATE schedule SET due_at = %s WHERE key = %s AND version = %s RETURNING version"
-)
+WRITE_NEXT_DUE = "UPDATE schedule SET due_at = %s WHERE key = %s AND version = %s RETURNING version"
 # A group's write-backs under the version guard (queue_node_write_back, five
 # arrays); the new versions come back (the BEFORE trigger set them).
 WRITE_BACK_MANY = "SELECT queue_node_write_back(%s, %s, %s, %s, %s)"
@@ -298,9 +294,7 @@ CLAIM_ROWS = (
     "SELECT key, route, cadence_s, sitemap, due_at, payload, job, version"
     " FROM schedule WHERE key = ANY(%s)"
 )
-JOBS_OF = (
-    "SELECT key, job, cadence_s, route, sitemap, due_at FROM schedule WHERE key = ANY(%s)"
-)
+JOBS_OF = "SELECT key, job, cadence_s, route, sitemap, due_at FROM schedule WHERE key = ANY(%s)"
 WALK_ALL = f"SELECT {_ROW_COLUMNS} FROM schedule ORDER BY key LIMIT %s"
 WALK_AFTER = f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key > %s ORDER BY key LIMIT %s"
 _SCHEDULE_COLUMNS = "key, version, route, cadence_s, sitemap, due_at"

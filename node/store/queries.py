@@ -219,9 +219,7 @@ WALK_AFTER = f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key > ? ORDER BY key LI
 # same rules as node.rows.stored_row_is_valid); rows come back as
 # (key, version, route, cadence_s, sitemap, due_at, ok).
 WALK_SCHEDULE_ALL = f"SELECT {_SCHEDULE_COLUMNS} FROM schedule ORDER BY key LIMIT ?"
-WALK_SCHEDULE_AFTER = (
-    f"SELECT {_SCHEDULE_COLUMNS} FROM schedule WHERE key > ? ORDER BY key LIMIT ?"
-)
+WALK_SCHEDULE_AFTER = f"SELECT {_SCHEDULE_COLUMNS} FROM schedule WHERE key > ? ORDER BY key LIMIT ?"
 COUNT_ROWS = "SELECT count(*) FROM schedule"
 CLASSES_IN_USE = (
     "SELECT route, cadence_s, sitemap, MIN(version) AS oldest FROM schedule "
@@ -241,8 +239,7 @@ def jobs_of_sql(n: int) -> str:
     ``stored_row_is_valid`` would); not the payload."""
     marks = ", ".join("?" * n)
     return (
-        "SELECT key, job, cadence_s, route FROM schedule"
-        f" WHERE key IN ({marks}) AND {_VALID_ROW}"
+        f"SELECT key, job, cadence_s, route FROM schedule WHERE key IN ({marks}) AND {_VALID_ROW}"
     )
 
 

@@ -239,8 +239,13 @@ class SQLiteStore(Store):
         return self._identity
 
     def reopen(self) -> SQLiteStore:
-        return SQLiteStore(self.path, self.durable, self.autocheckpoint, create=False,
-                           busy_timeout_s=self._busy_timeout_s)
+        return SQLiteStore(
+            self.path,
+            self.durable,
+            self.autocheckpoint,
+            create=False,
+            busy_timeout_s=self._busy_timeout_s,
+        )
 
     def close(self) -> None:
         if self._closed:

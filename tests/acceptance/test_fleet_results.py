@@ -1,7 +1,9 @@
 """Acceptance: results from the whole fleet (issue 19, item 2; docs/fleet.md,
 "Results from the whole fleet"). A fleet node's result ids carry its number
-in their high bits (below 2**53), across a restart of the node. Two real
-nodes on one PostgreSQL database."""
+in their high bits (below 2**53), across a restart of the node; a receiver
+polls through any node for the whole fleet (``?scope=cluster``), and an ack
+through any node is routed to the nodes its ids name, every id checked on
+its node before any is acked. Two real nodes on one PostgreSQL database."""
 
 from __future__ import annotations
 
@@ -42,6 +44,22 @@ def _number(node: NodeProcess) -> int:
     return int(doc["trust"]["membership"]["number"])
 
 
+def _acknowledged(node: NodeProcess) -> int:
+    return int(node.request("GET", "/accounting")[1]["acknowledged"])
+
+
+def _complete_all(node: NodeProcess) -> int:
+    """Claim what the node grants and complete it all; how many."""
+    status, body = node.request("POST", "/claim", {"max": 100, "consumer": "t", "lease_s": 300})
+    assert status == 200, body
+    items = [{"lease_id": g["lease_id"], "key": g["key"], "result": {"k": g["key"]}}
+             for g in body["leases"]]  # fmt: skip
+    if items:
+        status, done = node.request("POST", "/complete", {"items": items})
+        assert status == 200 and all(i["outcome"] == "ok" for i in done["items"]), done
+    return len(items)
+
+
 def _finish_everything(node: NodeProcess) -> list[dict]:
     """Claim what the node grants, complete it all, and poll its results."""
     status, body = node.request("POST", "/claim", {"max": 100, "consumer": "t", "lease_s": 300})
@@ -76,6 +94,70 @@ def test_a_fleet_nodes_result_ids_carry_its_number_across_a_restart(tmp_path, pg
             assert all(number_of(i) == numbers[node.name] and 0 < i <= MAX_ID for i in ids), ids
             offered[node.name] = ids
         assert sum(map(len, offered.values())) == ROWS
+        mine, theirs = offered[a.name], offered[b.name]
+
+        # An ack through a naming an id b never gave: refused whole, nothing acked.
+        bogus = max(theirs) + 1000
+        status, body = a.request("POST", "/jobs/default/ack", {"ids": [mine[0], bogus]})
+        assert status == 409 and body["error"]["code"] == "never_offered", body
+        assert b.name in body["error"]["message"]
+        assert _acknowledged(a) == 0 and _acknowledged(b) == 0
+        # A check changes nothing.
+        status, body = a.request("POST", "/jobs/default/ack", {"ids": mine + theirs, "check": True})
+        assert (status, body) == (200, {"acked": 0, "checked": len(mine) + len(theirs)})
+        # Through a, a's and all but one of b's: each node acks its own.
+        status, body = a.request("POST", "/jobs/default/ack", {"ids": mine + theirs[:-1]})
+        assert (status, body) == (200, {"acked": len(mine) + len(theirs) - 1})
+        assert _acknowledged(a) == len(mine) and _acknowledged(b) == len(theirs) - 1
+        # Again: idempotent.
+        assert a.request("POST", "/jobs/default/ack", {"ids": mine + theirs[:-1]})[0] == 200
+
+        # b down: its last result waits on its disk; the ack says so, acks nothing.
+        b.kill()
+        status, body = a.request("POST", "/jobs/default/ack", {"ids": [theirs[-1]]})
+        assert status == 503 and body["error"]["code"] == "peer_unavailable", body
+        assert b.name in body["error"]["message"]
+        status, polled = a.request("GET", "/jobs/default/results?scope=cluster&max=10")
+        assert status == 200 and polled["results"] == [], polled
+        assert [u["node"] for u in polled["unavailable"]] == [b.name]
+        # b back: the fleet poll offers b's result again, and the ack through a lands.
+        b.start()
+        wait_for(lambda: _summed(a, names), 60, "both nodes summed again")
+
+        def polled_b() -> list[dict]:
+            status, doc = a.request("GET", "/jobs/default/results?scope=cluster&max=10&wait_s=1")
+            assert status == 200, doc
+            return doc["results"]
+
+        # Offered to the receiver before the restart: offered again by b's new ledger.
+        again_b = wait_for(polled_b, 60, "b's result offered through a")
+        assert [r["id"] for r in again_b] == [theirs[-1]]
+        status, body = a.request("POST", "/jobs/default/ack", {"ids": [theirs[-1]]})
+        assert (status, body) == (200, {"acked": 1})
+        assert _acknowledged(b) == len(theirs)
+
+        # Fresh results on both nodes, all polled through b.
+        _seed(pg_url, "more")
+        done = [0]
+
+        def all_completed() -> bool:
+            done[0] += _complete_all(a) + _complete_all(b)
+            return done[0] == ROWS
+
+        wait_for(all_completed, 60, "the new rows completed on both nodes")
+        got: list[dict] = []
+
+        def collected() -> bool:
+            status, doc = b.request("GET", "/jobs/default/results?scope=cluster&max=7")
+            assert status == 200 and doc["unavailable"] == [], doc
+            got.extend(doc["results"])
+            return len(got) >= ROWS
+
+        wait_for(collected, 30, "every new result polled through b")
+        assert len({r["id"] for r in got}) == ROWS  # none twice
+        assert {number_of(r["id"]) for r in got} == set(numbers.values())
+        status, body = b.request("POST", "/jobs/default/ack", {"ids": [r["id"] for r in got]})
+        assert (status, body) == (200, {"acked": ROWS})
 
         # Restarted, a keeps giving ids above its number's base.
         assert a.stop() == 0

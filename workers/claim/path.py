@@ -312,9 +312,7 @@ class Claimer:
         if self._holder[0] != consumer:
             self._holder = (consumer, truncated(consumer, CONSUMER_BYTES))
         try:
-            grants, slow, k = path.claim(
-                max_n, self._holder[1], lease_s, now, owner_bits(), C_STOP
-            )
+            grants, slow, k = path.claim(max_n, self._holder[1], lease_s, now, owner_bits(), C_STOP)
         except (_claim.RowError, RuntimeError) as exc:
             # Leases granted before the error are live: hand them out.
             grants = getattr(exc, "grants", None) or []

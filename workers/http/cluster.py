@@ -31,10 +31,12 @@ import aiohttp
 from aiohttp import web
 
 from node.core.errors import StoreError
+from node.core.ids import number_of
 from node.fleet import Membership
 from node.fleet.cluster import SCOPE, Answer, NotSummable, Peer, judge, not_summed
 from node.store import is_fleet_url
 from workers.http.app import CTX, LAZY, WorkerContext
+from workers.http.errors import ApiError
 
 # A peer answers /queue-state and /accounting from shared memory and its
 # ledger: milliseconds. One that takes longer than this is late, and the
@@ -64,6 +66,7 @@ class Fleet:
         )  # fmt: skip
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="fleet-list")
         self._session: aiohttp.ClientSession | None = None
+        self.turn = 0  # the node a fleet poll asks first turns with each poll
 
     async def live(self) -> list[Peer]:
         """The live nodes, as the database judges them now."""
@@ -71,21 +74,29 @@ class Fleet:
         live = await loop.run_in_executor(self._thread, self.membership.live)
         return [Peer(m.name, m.address) for m in live.members]
 
+    async def holders(self) -> dict[int, tuple[Peer, bool]]:
+        """Every node on the list by number: where it serves, whether live."""
+        loop = asyncio.get_running_loop()
+        nodes = await loop.run_in_executor(self._thread, self.membership.nodes)
+        return {m.number: (Peer(m.name, m.address), live) for m, live in nodes}
+
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
-    async def ask(self, peer: Peer, path: str) -> Answer:
-        """One GET of ``path`` on ``peer``, within PEER_TIMEOUT_S."""
+    async def ask(self, peer: Peer, path: str, body: Any = None) -> Answer:
+        """One GET of ``path`` on ``peer`` (a POST of ``body`` when given),
+        within PEER_TIMEOUT_S."""
         timeout = aiohttp.ClientTimeout(total=PEER_TIMEOUT_S)
         try:
             if peer.address.startswith("unix:"):
                 connector = aiohttp.UnixConnector(path=peer.address[len("unix:") :])
                 async with aiohttp.ClientSession(connector=connector) as session:
-                    return await _get(session, peer, f"http://localhost{path}", self, timeout)
+                    url = f"http://localhost{path}"
+                    return await _send(session, peer, url, self, timeout, body)
             if self._session is None or self._session.closed:
                 self._session = aiohttp.ClientSession()
             url = f"{self.scheme}://{peer.address}{path}"
-            return await _get(self._session, peer, url, self, timeout)
+            return await _send(self._session, peer, url, self, timeout, body)
         except TimeoutError:
             return Answer(peer, error=f"no answer in {PEER_TIMEOUT_S:g} s")
         except (aiohttp.ClientError, OSError) as exc:
@@ -98,10 +109,15 @@ class Fleet:
         self.membership.close()
 
 
-async def _get(
-    session: aiohttp.ClientSession, peer: Peer, url: str, fleet: Fleet, timeout: Any
+async def _send(
+    session: aiohttp.ClientSession, peer: Peer, url: str, fleet: Fleet, timeout: Any, body: Any
 ) -> Answer:
-    async with session.get(url, headers=fleet._headers(), ssl=fleet.ssl, timeout=timeout) as resp:
+    method, headers = "GET", fleet._headers()
+    if body is not None:
+        method = "POST"
+    async with session.request(
+        method, url, json=body, headers=headers, ssl=fleet.ssl, timeout=timeout
+    ) as resp:
         raw = await resp.read()
     try:
         return Answer(peer, resp.status, json.loads(raw))
@@ -120,6 +136,16 @@ def _fleet(app: web.Application) -> Fleet:
 
 def in_a_fleet(ctx: WorkerContext) -> bool:
     return is_fleet_url(ctx.config.store_url)
+
+
+def my_number(ctx: WorkerContext) -> int | None:
+    """This node's fleet number as its keeper last wrote it (None: unknown)."""
+    try:
+        state = ctx.keeper_state()
+        number = state["doc"]["trust"]["membership"]["number"]  # type: ignore[index]
+    except (KeyError, TypeError):
+        return None
+    return number if isinstance(number, int) else None
 
 
 Local = Callable[[], Awaitable[tuple[int, Any]]]
@@ -162,4 +188,132 @@ async def gather(
         raise Refused(exc.reason, exc.missing, live) from None
 
 
-__all__ = ["SCOPE", "Fleet", "Refused", "gather", "in_a_fleet", "not_summed"]
+# -- results from the whole fleet -----------------------------------------------------
+
+# A fleet poll that waits asks the nodes again this often (each is asked with
+# wait_s=0: a node asked to wait would hold results it offered while another
+# node's answer was already enough, unseen until their offers time out).
+FLEET_POLL_EVERY_S = 0.2
+
+LocalPoll = Callable[[int], Awaitable[list[dict[str, Any]]]]
+
+
+async def poll_fleet(
+    request: web.Request, path: str, max_n: int, wait_s: float, local: LocalPoll
+) -> dict[str, Any]:
+    """Up to ``max_n`` results from the live nodes, asked one after another
+    (each for what is still wanted, starting at a node that turns with each
+    poll), until some come or ``wait_s`` passes. ``unavailable``: the nodes
+    on the list that are down or did not answer: their results wait on their
+    disks (docs/fleet.md, "Results from the whole fleet")."""
+    fleet = _fleet(request.app)
+    try:
+        holders = await fleet.holders()
+    except StoreError as exc:
+        raise ApiError(503, "peer_unavailable", f"the node list cannot be read: {exc}") from None
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    nodes = [holders[n] for n in sorted(holders)]
+    while True:
+        fleet.turn = (fleet.turn + 1) % max(1, len(nodes))
+        results: list[dict[str, Any]] = []
+        unavailable: list[dict[str, Any]] = []
+        for peer, live in nodes[fleet.turn :] + nodes[: fleet.turn]:
+            if not live:
+                unavailable.append({"node": peer.name, "address": peer.address, "reason": "down"})
+                continue
+            left = max_n - len(results)
+            if left <= 0:
+                continue
+            if peer.name == fleet.name:
+                results += await local(left)
+                continue
+            answer = await fleet.ask(peer, f"{path}?max={left}&wait_s=0")
+            if answer.status == 200 and isinstance(answer.doc, dict):
+                results += answer.doc.get("results") or []
+            else:
+                why = answer.error or f"answered {answer.status}"
+                unavailable.append({"node": peer.name, "address": peer.address, "reason": why})
+        left_s = deadline - loop.time()
+        if results or left_s <= 0:
+            return {"results": results, "unavailable": unavailable}
+        await asyncio.sleep(min(FLEET_POLL_EVERY_S, left_s))
+
+
+# -- acks routed by their ids' numbers --------------------------------------------------
+
+
+LocalAck = Callable[[list[int], bool], Awaitable[dict[str, Any]]]
+
+
+async def route_ack(
+    request: web.Request, job: str, ids: list[int], check: bool, local: LocalAck
+) -> dict[str, Any]:
+    """An ack whose ids name other nodes (node/core/ids.py): every node's
+    ids are checked on that node first (``"check": true``), and only when
+    all of them may be acked is each node's share acked. Raises ApiError:
+    409 ``never_offered`` naming a node's refusal (nothing acked), 503
+    ``peer_unavailable`` when a node holding some of the ids is down or does
+    not answer (nothing acked), or when one fails between the two steps
+    (then ``acked`` counts what was: acks are idempotent, the caller sends
+    the same ack again; docs/delivery.md, "Acks in a fleet")."""
+    fleet = _fleet(request.app)
+    try:
+        holders = await fleet.holders()
+    except StoreError as exc:
+        raise ApiError(503, "peer_unavailable", f"the node list cannot be read: {exc}") from None
+    groups: dict[int, list[int]] = {}
+    for rid in ids:
+        groups.setdefault(number_of(rid), []).append(rid)
+    mine = {number for number, (peer, _live) in holders.items() if peer.name == fleet.name}
+    local_ids = [rid for number in (0, *mine) for rid in groups.pop(number, [])]
+    path = f"/jobs/{job}/ack"
+    for number, rids in groups.items():
+        holder = holders.get(number)
+        if holder is None:
+            raise ApiError(409, "never_offered", f"job {job!r}: no node {number} holds ids "
+                           f"such as {rids[0]}: never offered", "ids")  # fmt: skip
+        peer, live = holder
+        if not live:
+            raise ApiError(503, "peer_unavailable", f"node {peer.name} holds ids such as "
+                           f"{rids[0]}, and it is down: its results wait on its disk; "
+                           "retry once it is back")  # fmt: skip
+    remote = {holders[number][0]: rids for number, rids in groups.items()}
+
+    async def one(peer: Peer | None, rids: list[int], check_only: bool) -> dict[str, Any]:
+        if peer is None:
+            return await local(rids, check_only)
+        answer = await fleet.ask(peer, path, {"ids": rids, "check": check_only})
+        if answer.status == 200 and isinstance(answer.doc, dict):
+            return answer.doc
+        error = (answer.doc or {}).get("error") if isinstance(answer.doc, dict) else None
+        if answer.status == 409 and isinstance(error, dict):
+            raise ApiError(409, "never_offered", f"node {peer.name}: {error.get('message')}",
+                           "ids")  # fmt: skip
+        why = answer.error or f"answered {answer.status}: {error or answer.doc}"
+        raise ApiError(503, "peer_unavailable", f"node {peer.name} at {peer.address}: {why}")
+
+    shares: list[tuple[Peer | None, list[int]]] = [(None, local_ids)] if local_ids else []
+    shares += list(remote.items())
+    checked = await asyncio.gather(*(one(p, r, True) for p, r in shares))
+    if check:
+        return {"acked": 0, "checked": sum(int(c.get("checked", 0)) for c in checked)}
+    done = await asyncio.gather(*(one(p, r, False) for p, r in shares), return_exceptions=True)
+    acked = sum(int(d.get("acked", 0)) for d in done if isinstance(d, dict))
+    failed = [d for d in done if isinstance(d, BaseException)]
+    if failed:
+        raise ApiError(503, "peer_unavailable", f"acked {acked}, then {failed[0]}: "
+                       "send the same ack again (acks are idempotent)")  # fmt: skip
+    return {"acked": acked}
+
+
+__all__ = [
+    "SCOPE",
+    "Fleet",
+    "Refused",
+    "gather",
+    "in_a_fleet",
+    "not_summed",
+    "poll_fleet",
+    "route_ack",
+]

@@ -58,6 +58,7 @@ def quiet_client_parse_errors() -> None:
     if not any(isinstance(f, _ClientParseErrors) for f in server.filters):
         server.addFilter(_ClientParseErrors())
 
+
 JSON_TYPE = "application/json"
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack")
 

@@ -369,6 +369,7 @@ def _work_paths() -> dict[str, Any]:
     poll_params = {
         "max": {"type": "integer", "minimum": 1, "maximum": 10_000, "default": 100},
         "wait_s": {"type": "number", "minimum": 0, "maximum": 60, "default": 0},
+        "scope": {"enum": ["cluster"], "description": "cluster: every live node of a fleet"},
     }
     limit = {"limit": {"type": "integer", "minimum": 1, "maximum": 10_000, "default": 1000}}
     return {
@@ -448,9 +449,18 @@ def _work_paths() -> dict[str, Any]:
         ),
         "/jobs/{job}/ack": _post(
             "retire offered results (idempotent)",
-            _obj({"ids": {"type": "array", "items": _RESULT_ID, "maxItems": 10_000}}, ("ids",)),
-            _obj({"acked": {"type": "integer"}}),
-            {"409": "never_offered: names the ids; nothing acked", "503": _LEDGER_DOWN},
+            _obj(
+                {
+                    "ids": {"type": "array", "items": _RESULT_ID, "maxItems": 10_000},
+                    "check": {"type": "boolean", "description": "check only: nothing acked"},
+                },
+                ("ids",),
+            ),
+            _obj({"acked": {"type": "integer"}, "checked": {"type": "integer"}}),
+            {
+                "409": "never_offered: names the ids; nothing acked",
+                "503": _LEDGER_DOWN + "; peer_unavailable: a node holding some ids is down",
+            },
         ),
         "/accounting": _get(
             "lifetime counters that must balance",

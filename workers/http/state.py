@@ -66,9 +66,10 @@ routes = web.RouteTableDef()
 # -- GET /queue-state ---------------------------------------------------------------
 
 
-def parse_scope(request: web.Request) -> str | None:
-    """``?scope=``: None (this node) or ``cluster``; anything else is 400."""
-    known_query(request, "scope")
+def parse_scope(request: web.Request, *others: str) -> str | None:
+    """``?scope=``: None (this node) or ``cluster``; anything else is 400
+    (so is a query parameter other than scope and ``others``)."""
+    known_query(request, "scope", *others)
     if "scope" not in request.query:
         return None
     scope = request.query["scope"]

@@ -39,6 +39,7 @@ from aiohttp import web
 
 from node.core import log, metrics
 from node.core.errors import NodeError, ValidationError, WorkRefused
+from node.core.ids import number_of
 from node.core.rows import check_job, check_key
 from node.fleet.cluster import sum_accounting
 from node.ipc import IpcError, RemoteError
@@ -546,9 +547,11 @@ def _results(request: web.Request, found: list[dict[str, Any]]) -> list[dict[str
 
 async def _poll(request: web.Request, job: str | None) -> web.Response:
     work = _work(request)
-    known_query(request, "max", "wait_s")
+    scope = parse_scope(request, "max", "wait_s")
     max_n = _int_query(request, "max", DEFAULT_POLL, MAX_POLL, "invalid_max")
     wait_s = _wait_query(request)
+    if scope == CLUSTER and cluster.in_a_fleet(request.app[CTX]):
+        return await _poll_fleet(request, work, job, max_n, wait_s)
     if wait_s == 0:
         answer = await _ledger(work, "poll", job=job, max=max_n, wait_s=0)
     else:
@@ -556,11 +559,32 @@ async def _poll(request: web.Request, job: str | None) -> web.Response:
     return reply(request, {"results": _results(request, answer.get("results") or [])})
 
 
-async def _long_poll(
+async def _poll_fleet(
     request: web.Request, work: WorkPath, job: str | None, max_n: int, wait_s: float
-) -> dict[str, Any]:
-    """A poll that waits: one waiter at the ledger until it answers, so the
-    ledger holds at most workers x max_poll_waiters of them."""
+) -> web.Response:
+    """``?scope=cluster``: results from every live node of the fleet."""
+
+    async def local(left: int) -> list[dict[str, Any]]:
+        answer = await _ledger(work, "poll", job=job, max=left, wait_s=0)
+        return _results(request, answer.get("results") or [])
+
+    path = "/results" if job is None else f"/jobs/{job}/results"
+    if wait_s > 0:
+        _wait_here(request, work)
+    work.waiting += wait_s > 0
+    try:
+        answer = await cluster.poll_fleet(request, path, max_n, wait_s, local)
+    finally:
+        work.waiting -= wait_s > 0
+    if wants_msgpack(request):  # the other nodes answered JSON: their bytes as bytes
+        for item in answer["results"]:
+            if item.pop("encoding", None) == "base64":
+                item["result"] = base64.b64decode(item["result"])
+    return reply(request, answer)
+
+
+def _wait_here(request: web.Request, work: WorkPath) -> None:
+    """Refuse a long poll past ``max_poll_waiters`` in this worker (429)."""
     limit = request.app[CTX].config.max_poll_waiters
     if work.waiting >= limit:
         raise ApiError(
@@ -571,6 +595,14 @@ async def _long_poll(
             "wait_s",
             headers={"Retry-After": str(WAITERS_RETRY_AFTER_S)},
         )
+
+
+async def _long_poll(
+    request: web.Request, work: WorkPath, job: str | None, max_n: int, wait_s: float
+) -> dict[str, Any]:
+    """A poll that waits: one waiter at the ledger until it answers, so the
+    ledger holds at most workers x max_poll_waiters of them."""
+    _wait_here(request, work)
     work.waiting += 1
     try:
         return await _ledger(
@@ -594,8 +626,11 @@ async def all_results(request: web.Request) -> web.Response:
 async def ack(request: web.Request) -> web.Response:
     work = _work(request)
     job = check_job(request.match_info["job"], "job")
-    body = await _object(request, ("ids",))
+    body = await _object(request, ("ids", "check"))
     ids = _required(body, "ids")
+    check = body.get("check", False)
+    if not isinstance(check, bool):
+        raise ValidationError("invalid_body", "check is true or false", "check")
     if not isinstance(ids, list):
         raise ValidationError("invalid_ids", "ids must be a list of result ids", "ids")
     if len(ids) > MAX_IDS:
@@ -610,8 +645,23 @@ async def ack(request: web.Request) -> web.Response:
     beyond = [value for value in ids if value > MAX_RESULT_ID]
     if beyond:
         raise ApiError(409, "never_offered", f"job {job!r}: ids never offered: {beyond[0]}", "ids")
-    answer = await _ledger(work, "ack", job=job, ids=ids)
+    ctx = request.app[CTX]
+    if cluster.in_a_fleet(ctx) and not _all_mine(ids, cluster.my_number(ctx)):
+        # Ids with another node's number: each to the node whose log holds it.
+        async def local(rids: list[int], check_only: bool) -> dict[str, Any]:
+            return dict(await _ledger(work, "ack", job=job, ids=rids, check=check_only))
+
+        return reply(request, await cluster.route_ack(request, job, ids, check, local))
+    answer = await _ledger(work, "ack", job=job, ids=ids, check=check)
+    if check:
+        return reply(request, {"acked": 0, "checked": answer.get("checked", 0)})
     return reply(request, {"acked": answer.get("acked", 0)})
+
+
+def _all_mine(ids: list[int], mine: int | None) -> bool:
+    """Every id this node's (its fleet number, or none: a node's ids from
+    before it joined a fleet)."""
+    return all(number_of(i) in (0, mine) for i in ids)
 
 
 @routes.get("/accounting")

@@ -495,8 +495,6 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-
-
 def _store_routes(config: Config) -> Callable[[list[str]], dict[str, str]]:
     """Routes of keys read from the store, for a claimer whose leases do not
     carry them (only needed when routes name their own handlers)."""

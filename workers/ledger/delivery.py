@@ -304,6 +304,7 @@ class Delivery:
         rids: Iterable[int],
         now: float,
         owner: Callable[[int], str | None] | None = None,
+        check_only: bool = False,
     ) -> list[int]:
         """Ack: retire offered ids of ``job``; the ids retired now. An id
         already retired counts nothing (idempotent). An id this delivery has
@@ -311,17 +312,42 @@ class Delivery:
         job, or above every id it has held) raises NeverOffered, and then
         nothing is retired. ``owner``: the job an id is pending for in the
         log (None: not pending), asked only of the ids not retired here; one
-        pending for another job raises NeverOffered naming only those."""
+        pending for another job raises NeverOffered naming only those.
+        ``check_only``: the same verdict, nothing retired (a fleet's ack
+        checks every node's ids before any is acked)."""
         q = self._jobs.get(job)
+        distinct = dict.fromkeys(map(int, rids))
+        self.touched += len(distinct)
+        if not check_only and self._retire_offered(q, distinct):
+            return list(distinct)
+        todo, recovered = self._sort_out(job, q, distinct, owner)
+        if check_only:
+            return todo + recovered
+        for rid in todo:
+            del self._offers[rid]
+        if q is not None:
+            q.n_offered -= len(todo)
+            for rid in recovered:
+                q.drop_ready(q.find_ready(rid))
+            self._forget_if_empty(q)
+            self._drop_dead_offers(q)
+        return todo + recovered
+
+    def _sort_out(
+        self,
+        job: str,
+        q: _Job | None,
+        distinct: dict[int, None],
+        owner: Callable[[int], str | None] | None,
+    ) -> tuple[list[int], list[int]]:
+        """``retire``'s verdict, id by id: (offered to ``job`` now, offered
+        by an earlier process); raises NeverOffered for any other id (those
+        pending for another job named first)."""
         todo: list[int] = []
         recovered: list[int] = []
         bad: list[int] = []
         other: list[int] = []
         offers = self._offers
-        distinct = dict.fromkeys(map(int, rids))
-        self.touched += len(distinct)
-        if self._retire_offered(q, distinct):
-            return list(distinct)
         for rid in distinct:
             live = offers.get(rid)
             if live is not None and live[0] is q:
@@ -335,17 +361,9 @@ class Delivery:
                 bad.append(rid)
             if owner is not None and (o := owner(rid)) is not None and o != job:
                 other.append(rid)
-        if other or bad:  # those pending for another job named first
+        if other or bad:
             raise NeverOffered(job, other or bad)
-        for rid in todo:
-            del self._offers[rid]
-        if q is not None:
-            q.n_offered -= len(todo)
-            for rid in recovered:
-                q.drop_ready(q.find_ready(rid))
-            self._forget_if_empty(q)
-            self._drop_dead_offers(q)
-        return todo + recovered
+        return todo, recovered
 
     def _retire_offered(self, q: _Job | None, rids: dict[int, None]) -> bool:
         """The usual ack: every id offered to this job and not yet acked.

@@ -654,10 +654,13 @@ class Ledger:
         if ids and (set(map(type, ids)) != {int} or min(ids) < 0):  # in C: ints, no bools
             raise _bad("ids must be non-negative integers")
         now = time.time()
+        check_only = request.get("check") is True
         try:  # an id pending for another job is named, whatever this job holds
-            retired = self.delivery.retire(job, ids, now, self.log.pending_job)
+            retired = self.delivery.retire(job, ids, now, self.log.pending_job, check_only)
         except NeverOffered as exc:
             raise _NeverOfferedReply(exc) from None
+        if check_only:
+            return {"acked": 0, "checked": len(retired)}
         self.log.ack(retired, now)
         self.repeats.retire(retired, now)
         self.stats.acks += 1
