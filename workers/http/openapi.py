@@ -366,7 +366,7 @@ def _work_paths() -> dict[str, Any]:
             "expires_at": {"type": "number"},
         }
     )
-    poll_params = {
+    poll_params: dict[str, dict[str, Any]] = {
         "max": {"type": "integer", "minimum": 1, "maximum": 10_000, "default": 100},
         "wait_s": {"type": "number", "minimum": 0, "maximum": 60, "default": 0},
         "scope": {"enum": ["cluster"], "description": "cluster: every live node of a fleet"},
