@@ -22,16 +22,19 @@ import os
 import socket
 import threading
 import urllib.parse
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from node.core.config import UNIX_PREFIX
 from node.core.errors import ClientError
 from node.core.rows import Grant
 
+T = TypeVar("T")
+
 if TYPE_CHECKING:
     from node.local import LocalClaimer
 
-__all__ = ["Client", "ClientError", "Grant", "LocalClaimer"]
+__all__ = ["Client", "ClientError", "FleetClient", "Grant", "LocalClaimer"]
 
 # A call that is not a long poll should be answered well within this.
 TIMEOUT_S = 30.0
@@ -269,10 +272,16 @@ class Client:
         body = {"lease_id": lease_id, "key": key, "lease_s": lease_s}
         return self.request("POST", "/renew", body)["expires_at"]
 
-    def poll(self, job: str | None, max: int = 100, wait_s: float = 0) -> list[dict[str, Any]]:
+    def poll(
+        self, job: str | None, max: int = 100, wait_s: float = 0, scope: str | None = None
+    ) -> list[dict[str, Any]]:
         """Offer up to ``max`` ready results of ``job`` (None: every job),
-        waiting up to ``wait_s`` for the first. Bytes results come back as bytes."""
-        query = urllib.parse.urlencode({"max": max, "wait_s": wait_s})
+        waiting up to ``wait_s`` for the first. Bytes results come back as
+        bytes. ``scope="cluster"``: from every live node of the fleet."""
+        params: dict[str, Any] = {"max": max, "wait_s": wait_s}
+        if scope is not None:
+            params["scope"] = scope
+        query = urllib.parse.urlencode(params)
         path = "/results" if job is None else f"/jobs/{urllib.parse.quote(job, safe='')}/results"
         found = self.request("GET", f"{path}?{query}", timeout_s=self.timeout_s + wait_s)
         results = found["results"]
@@ -294,8 +303,9 @@ class Client:
     def unhold(self, keys: list[str]) -> int:
         return self.request("POST", "/admin/unhold", {"keys": keys})["unheld"]
 
-    def accounting(self) -> dict[str, Any]:
-        return self.request("GET", "/accounting")
+    def accounting(self, scope: str | None = None) -> dict[str, Any]:
+        """``GET /accounting`` (``scope="cluster"``: every live node's, summed)."""
+        return self.request("GET", "/accounting" + ("" if scope is None else f"?scope={scope}"))
 
     def queue_state(self, scope: str | None = None) -> dict[str, Any]:
         """``GET /queue-state`` (``scope="cluster"``: the fleet's). A 503 that
@@ -324,6 +334,100 @@ class Client:
     def resume(self, route: str | None = None) -> dict[str, Any]:
         """Undo ``pause(route)``; resuming the node leaves paused routes paused."""
         return self.request("POST", "/admin/resume", {} if route is None else {"route": route})
+
+
+class FleetClient:
+    """A receiver's client for a fleet: the whole fleet's results, state and
+    books through whichever of its nodes answers.
+
+    ``FleetClient(urls=[...])`` or ``FleetClient(database="postgresql://…")``
+    (the live nodes' addresses read from the node list, again whenever no
+    node answers). Each call goes to one node, which asks the others
+    (``?scope=cluster``; an ack is routed by the node numbers in its ids,
+    every share checked on its node before any is acked: docs/fleet.md,
+    "Results from the whole fleet"); a node that cannot be reached is
+    skipped for the next. Raises ClientError as ``Client`` does (status 0,
+    ``unreachable``: no node answered)."""
+
+    def __init__(
+        self,
+        urls: list[str] | None = None,
+        token: str | None = None,
+        timeout_s: float = TIMEOUT_S,
+        database: str | None = None,
+        membership_timeout_s: float = 10.0,
+    ) -> None:
+        if not urls and not database:
+            raise ValueError("a FleetClient needs urls or the fleet's database")
+        self.token = token
+        self.timeout_s = timeout_s
+        self.database = database
+        self.membership_timeout_s = membership_timeout_s
+        self._clients = [Client(u, token, timeout_s) for u in urls or []]
+        self._next = 0
+
+    def _discover(self) -> None:
+        """The live nodes from the node list (by the database's clock)."""
+        from node.fleet import Membership
+
+        with Membership(self.database or "", "fleet-client", "",
+                        membership_timeout_s=self.membership_timeout_s) as membership:  # fmt: skip
+            live = membership.live()
+        self.close()
+        scheme = "https" if any(c.base_url.startswith("https:") for c in self._clients) else "http"
+        self._clients = [
+            Client(m.address if m.address.startswith(UNIX_PREFIX) else f"{scheme}://{m.address}",
+                   self.token, self.timeout_s)
+            for m in live.members
+        ]  # fmt: skip
+
+    def _call(self, fn: Callable[[Client], T]) -> T:
+        if not self._clients and self.database:
+            self._discover()
+        last: ClientError | None = None
+        for rediscover in (False, True):
+            if rediscover:
+                if not self.database:
+                    break
+                self._discover()
+            for _ in range(len(self._clients)):
+                client = self._clients[self._next % len(self._clients)]
+                try:
+                    return fn(client)
+                except ClientError as exc:
+                    if exc.status != 0:
+                        raise
+                    last = exc
+                    self._next += 1
+        raise last or ClientError(0, "unreachable", "no node of the fleet is known")
+
+    def poll(self, job: str | None, max: int = 100, wait_s: float = 0) -> list[dict[str, Any]]:
+        """Up to ``max`` results of ``job`` (None: every job) from the fleet."""
+        return self._call(lambda c: c.poll(job, max, wait_s, scope="cluster"))
+
+    def ack(self, job: str, ids: list[int]) -> int:
+        """Ack ``ids`` wherever each was made; raises ClientError 409 (an id
+        never offered: nothing acked) or 503 ``peer_unavailable`` (a node
+        holding some is down: send the same ack again later)."""
+        return self._call(lambda c: c.ack(job, ids))
+
+    def queue_state(self) -> dict[str, Any]:
+        """The fleet's queue state (503: returned, ``trust.vouched`` false)."""
+        return self._call(lambda c: c.queue_state(scope="cluster"))
+
+    def accounting(self) -> dict[str, Any]:
+        """Every node's books, summed."""
+        return self._call(lambda c: c.accounting(scope="cluster"))
+
+    def close(self) -> None:
+        for client in self._clients:
+            client.close()
+
+    def __enter__(self) -> FleetClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def __getattr__(name: str) -> Any:

@@ -13,6 +13,7 @@ import uuid
 import psycopg
 import pytest
 
+from node.client import FleetClient
 from node.core.ids import MAX_ID, number_of
 from node.store.postgres import PostgresStore
 from node.testing import NodeProcess, finish, wait_for
@@ -158,6 +159,20 @@ def test_a_fleet_nodes_result_ids_carry_its_number_across_a_restart(tmp_path, pg
         assert {number_of(r["id"]) for r in got} == set(numbers.values())
         status, body = b.request("POST", "/jobs/default/ack", {"ids": [r["id"] for r in got]})
         assert (status, body) == (200, {"acked": ROWS})
+
+        # The fleet client: from a list of URLs (the first one dead), and
+        # from the node list in the database.
+        _seed(pg_url, "client")
+        done[0] = 0
+        wait_for(all_completed, 60, "the client's rows completed on both nodes")
+        with FleetClient(["http://127.0.0.1:9", b.base_url]) as fleet:
+            taken: list[dict] = []
+            wait_for(lambda: taken.extend(fleet.poll("default", 1000, wait_s=1)) or
+                     len(taken) >= ROWS, 30, "the fleet client's poll")  # fmt: skip
+            assert fleet.ack("default", [r["id"] for r in taken]) == ROWS
+        with FleetClient(database=pg_url, membership_timeout_s=4) as fleet:
+            assert fleet.queue_state()["nodes"] == names
+            assert fleet.accounting()["acknowledged"] == 3 * ROWS
 
         # Restarted, a keeps giving ids above its number's base.
         assert a.stop() == 0
