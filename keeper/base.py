@@ -44,6 +44,12 @@ class Stats:
             "started_at": None,
             "first_publish_s": None,
             "done_s": None,
+            # A fleet keeper started under another ownership than its saved
+            # counts were taken under (keeper/report.py, ``_start_received``):
+            # the due rows it holds that were another node's (received) and
+            # those it held that are another node's now (withdrawn).
+            "moved_in": 0,
+            "moved_out": 0,
         }
         self.publish: dict[str, Any] = {"count": 0, "last_ms": None, "max_ms": 0.0, "size": 0}
         self.verify: dict[str, Any] = {
@@ -149,7 +155,7 @@ class KeeperBase:
         # last run plus what this run's buckets counted since its load.
         self._received_base = 0
         self._came_due_offset = 0
-        self._received_saved: dict[str, int] | None = None
+        self._received_saved: dict[str, Any] | None = None
         # The figures of trust.verify and trust.store as last saved in the
         # store's meta (keeper/report.py, COUNTS_META), and when a save that
         # failed is tried again.
@@ -167,6 +173,17 @@ class KeeperBase:
         # The feed position the last saved counts include: the change log is
         # trimmed no further (a successor replays what came after it).
         self._saved_seq = 0
+        # The ownership the saved counts were taken under (their ``nodes``;
+        # None: a save without them, an older keeper's or a single node's),
+        # and the rows it owned that this load left out, another node's
+        # now: key -> (due minute, version). What moved while no keeper
+        # counted is counted at the load's end (keeper/report.py).
+        self._saved_ownership: Ownership | None = None
+        self._left_out: dict[str, tuple[int, int]] = {}
+        # A membership change whose walk has not ended: the rows held are
+        # not yet those of the current ownership, so no input count is saved
+        # until it ends (a successor counts from the last save instead).
+        self._reown_pending = False
         # Keys of rows refused (too many classes) while due: counted
         # received and held nowhere, until a write of the key takes them out.
         self.refused_due: set[str] = set()

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from keeper.base import KeeperBase
+from keeper.owners import Ownership
 from node.core import metrics
 from node.core.errors import StoreError, TooManyClasses
 from node.core.rows import OP_DELETE, OP_INSERT, ORIGIN_EXTERNAL, ORIGIN_WRITEBACK
@@ -34,6 +35,11 @@ FEED_BATCHES_PER_TICK = 40
 # that drains a flood (on a loaded host a batch can take tenths of a second)
 # must not hold the heartbeat past the membership timeout.
 FEED_TICK_BUDGET_S = 0.2
+# A row the load leaves out that the saved counts' ownership owned is kept
+# for the count at the load's end only when it is due within this many
+# minutes of its step (a load takes seconds, minutes at 1M rows): one due
+# later cannot be due by then, and the rest of the table costs no memory.
+LEFT_OUT_AHEAD_MIN = 60
 # The change log is trimmed this often (cheap, but not on every tick).
 TRIM_INTERVAL_S = 5.0
 # A trim that deleted as many rows as PostgreSQL's bound a trim may have
@@ -186,6 +192,9 @@ class Feed(KeeperBase):
         rows, bad, after = self.store.walk_schedule(self._load_after, LOAD_CHUNK)
         if self.ownership is not None:  # a fleet node loads only the rows it owns
             mine = self._owned([row[0] for row in rows] + [b.key for b in bad]) or set()
+            past = self._saved_ownership
+            if past is not None and past != self.ownership:
+                self._note_left_out(past, [row for row in rows if row[0] not in mine], now)
             rows = [row for row in rows if row[0] in mine]
             bad = [b for b in bad if b.key in mine]
         load = self.stats.load
@@ -210,6 +219,20 @@ class Feed(KeeperBase):
             self.next_state = 0.0
         else:
             self.state.heartbeat(now, "loading", False, f"walking {walked} rows")
+
+    def _note_left_out(self, past: Ownership, rows: list[tuple], now: float) -> None:
+        """Of the rows a load step leaves out (another node's now), keep
+        those the saved counts' ownership owned and that may be due by the
+        load's end, for the moves it counts then (keeper/report.py)."""
+        if not rows:
+            return
+        kept = set(past.mine([row[0] for row in rows]))
+        through = int(now // 60) + LEFT_OUT_AHEAD_MIN
+        left = self._left_out
+        for key, version, _route, _cadence_s, _sitemap, due_at in rows:
+            minute = int(due_at // 60)
+            if key in kept and minute <= through:
+                left[key] = (minute, version)
 
     def resume_seq(self) -> int:
         """The change-log position a keeper starting after this one died

@@ -64,6 +64,7 @@ class Owned(KeeperBase):
         if first:
             return True  # before the load: it walks with it
         dropped = self._drop_unowned(now)
+        self._reown_pending = True  # no input count saved until its walk ends
         self.next_publish = 0.0  # no set may go on offering a dropped key
         self._doubt_copy(MEMBERSHIP, now)  # the next tick walks, for the new split
         log("keeper_reowned", dropped=dropped, nodes=len(new.nodes))
@@ -166,6 +167,10 @@ class Owned(KeeperBase):
         # was never received here, so it is not withdrawn either (the feed
         # counts no withdrawal while loading, for the same reason).
         counting = not self._loading
+        # Dropped while loading, rows the saved counts' ownership owned are
+        # counted at the load's end with the others it left out.
+        past = self._saved_ownership if self._loading else None
+        left = set() if past is None else set(past.mine([k for k in keys if k not in owned]))
         dropped = 0
         for key in keys:
             if key in owned:
@@ -173,6 +178,8 @@ class Owned(KeeperBase):
             before = get(key)
             remove(key)
             dropped += 1
+            if key in left and before is not None:
+                self._left_out[key] = (before[0], before[2])
             if key in exclude and self._leased(key):
                 self.fenced.add(key)  # in flight: its lease's end decides
             elif before is not None and counting:

@@ -80,6 +80,7 @@ class Keeper(Feed, Publish, Verify, Report, Outage, Owned):
         saved = self.store.get_meta(RECEIVED_META)
         if isinstance(saved, dict):
             self._received_saved = saved
+            self._saved_ownership = self._ownership_saved_under(saved)
         self.restore_counts()
         self.next_verify = now + self.config.verify_interval_s
         self.state.heartbeat(now, "loading", False, "walking 0 rows")

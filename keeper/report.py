@@ -9,9 +9,10 @@ of ``trust.verify``, ``trust.repairs`` and ``trust.store`` (``COUNTS_META``).
 from __future__ import annotations
 
 from operator import add
-from typing import Any
+from typing import Any, NamedTuple
 
 from keeper.base import KeeperBase
+from keeper.owners import Ownership
 from node.core import log
 from node.core.errors import NodeError
 from node.core.rows import OP_DELETE, ORIGIN_WRITEBACK
@@ -48,6 +49,14 @@ LEASED_NAMES = frozenset({"leased", "claiming"})
 # A state document whose input law did not close (taken mid-flight) is
 # written again this soon, not a whole state interval later.
 INPUT_RECHECK_S = 0.5
+
+
+class Replayed(NamedTuple):
+    """A key's last change among those a starting keeper replays."""
+
+    minute: int  # the minute it was counted at
+    seq: int
+    due_minute: int | None  # after it; None: deleted, or not a valid due time
 
 
 class Report(KeeperBase):
@@ -265,28 +274,46 @@ class Report(KeeperBase):
         From here the buckets count (``came_due``) and the feed (``withdrawn``).
 
         The counts were saved with the feed position and the minute they
-        were counted through (``seq``, ``minute``). The changes logged after
-        that position (kept: the log is trimmed only up to it) are replayed
-        from their due times and the ones they replaced, each at its own
-        minute; the clock's crossings are counted for each row from its last
-        change (or the saved minute) to now. A save without ``seq`` (an older
-        keeper) counts the crossings alone."""
+        were counted through (``seq``, ``minute``), and in a fleet with the
+        live nodes whose ownership they were taken under (``nodes``). The
+        changes logged after that position (kept: the log is trimmed only up
+        to it) to keys that ownership owned are replayed from their due
+        times and the ones they replaced, each at its own minute; the clock's
+        crossings are counted for each row from its last change (or the
+        saved minute) to now. Under another ownership now, the rows that
+        moved while no keeper counted are counted too (``_moved_in``,
+        ``_moved_out``). A save without ``seq`` (an older keeper) counts the
+        crossings alone; one without ``nodes`` counts every key."""
         minute = int(now // 60)
         self.buckets.advance(minute)
         saved = self._received_saved or {}
         since = int(saved.get("minute", -(2**31)))
         received = int(saved.get("total", 0))
         withdrawn = int(saved.get("withdrawn", 0))
+        past = self._saved_ownership
         crossed = self.buckets.count_due_between(since, minute) if since < minute else 0
         edges = 0
+        replayed: dict[str, Replayed] = {}
         if "seq" in saved and since >= 0:
-            came, took, edges, last_minute = self._replay_since(int(saved["seq"]), since)
+            came, took, edges, replayed = self._replay_since(int(saved["seq"]), since, past)
             received += came
             withdrawn += took
-            for key, last in last_minute.items():
+            for key, last in replayed.items():
                 held = self.buckets.get(key)
-                if held is not None and since < held[0] <= min(last, minute):
+                if held is not None and since < held[0] <= min(last.minute, minute):
                     crossed -= 1  # due at its last change: counted by the replay
+        if past is not None and (past != self.ownership or self._left_out):
+            crossed_in, came_in = self._moved_in(past, since, minute)
+            came_out, took_out = self._moved_out(since, minute, replayed)
+            crossed -= crossed_in  # another node's then: counted as moved in
+            received += came_in + came_out
+            withdrawn += took_out
+            self.stats.load["moved_in"] = came_in
+            self.stats.load["moved_out"] = took_out
+            log.log("keeper_moved_since_save", nodes_then=list(past.nodes),
+                    nodes_now=None if self.ownership is None else list(self.ownership.nodes),
+                    moved_in=came_in, moved_out=took_out, came_due_out=came_out)  # fmt: skip
+        self._left_out = {}
         self._received_base = received + crossed
         self._withdrawn_base = withdrawn
         self._leased_writes_base = int(saved.get("leased_writes", 0)) + edges
@@ -295,18 +322,24 @@ class Report(KeeperBase):
         self._came_due_mark = self.buckets.came_due
 
     def _replay_since(
-        self, after_seq: int, since: int
-    ) -> tuple[int, int, int, dict[str, int]]:
-        """(came due, withdrawn, writes to leased rows, the minute of each
-        replayed key's last change) over the changes after ``after_seq``
-        through the feed position."""
+        self, after_seq: int, since: int, past: Ownership | None
+    ) -> tuple[int, int, int, dict[str, Replayed]]:
+        """(came due, withdrawn, writes to leased rows, each replayed key's
+        last change) over the changes after ``after_seq`` through the feed
+        position to keys ``past`` owns (every key when None): another node's
+        keys came due and went there, not here."""
         came = took = edges = 0
-        last_minute: dict[str, int] = {}
+        replayed: dict[str, Replayed] = {}
         while True:
             batch = self.store.due_history(after_seq, self.feed_seq, REPLAY_BATCH)
-            for ch in batch:
+            changes = batch
+            if past is not None:  # one C call a batch
+                mine = set(past.mine([ch.key for ch in batch]))
+                changes = [ch for ch in batch if ch.key in mine]
+            for ch in changes:
                 at = max(since, int(ch.at // 60))
-                before = last_minute.get(ch.key, since)
+                last = replayed.get(ch.key)
+                before = since if last is None else last.minute
                 old = None if ch.old_due_at is None else int(ch.old_due_at // 60)
                 if old is not None and before < old <= at:
                     came += 1  # the clock brought it due before this change
@@ -318,10 +351,70 @@ class Report(KeeperBase):
                     came += not was_due
                 elif was_due and ch.origin != ORIGIN_WRITEBACK and not leased:
                     took += 1
-                last_minute[ch.key] = at
+                replayed[ch.key] = Replayed(at, ch.seq, new)
             if len(batch) < REPLAY_BATCH:
-                return came, took, edges, last_minute
+                return came, took, edges, replayed
             after_seq = batch[-1].seq
+
+    def _moved_in(self, past: Ownership, since: int, minute: int) -> tuple[int, int]:
+        """The rows held now that ``past`` (the saved counts' ownership) did
+        not own: another node's when the counts were saved, so their
+        occurrences are not in them. ``(crossed, came)``: how many the
+        clock brought due since the saved minute (in the buckets' count of
+        crossings, which leaves them out), and how many are due now and not
+        leased: received here, as the walk after a membership change counts
+        a row it gains (a key leased here was routed here, received once)."""
+        keys: list[str] = []
+        minutes: list[int] = []
+        for key, held_minute, _cid, _version in self.buckets.items():
+            keys.append(key)
+            minutes.append(held_minute)
+        was_mine = set(past.mine(keys))
+        crossed = came = 0
+        for key, held_minute in zip(keys, minutes, strict=True):
+            if held_minute > minute or key in was_mine:
+                continue
+            crossed += held_minute > since
+            came += not self._leased_in_table(key)
+        return crossed, came
+
+    def _moved_out(self, since: int, minute: int, replayed: dict[str, Replayed]) -> tuple[int, int]:
+        """The rows the saved counts' ownership owned that are not held now
+        (another node's, or left out for one while the load ran): each due
+        now, per its last change replayed or, when none came after the
+        load read it, per that read, moved out. ``(came, took)``: those the
+        clock brought due since their last change (or the saved minute),
+        received as a held row would have been, and those no lease holds,
+        withdrawn; a leased one stays fenced, in flight here until its lease
+        ends (keeper/owned.py)."""
+        left = self._left_out
+        get = self.buckets.get
+        came = took = 0
+        for key in left.keys() | replayed.keys():
+            if get(key) is not None:
+                continue  # held: counted as a held row
+            read, last = left.get(key), replayed.get(key)
+            if last is not None and (read is None or last.seq >= read[1]):
+                due, changed = last.due_minute, last.minute
+            else:
+                due, changed = read[0], since  # type: ignore[index]  # one of the two is there
+            if due is None or due > minute:
+                continue
+            came += due > max(since, changed)
+            if self._leased_in_table(key):
+                self.fenced.add(key)
+            else:
+                took += 1
+        return came, took
+
+    def _leased_in_table(self, key: str) -> bool:
+        """Whether a lease holds ``key`` now, asked of the lease table
+        itself: at the load's end the keys it keeps out may not have been
+        followed yet (that is the first publish's work)."""
+        if self.leases is None:
+            return False
+        found = self.leases.lookup(key)
+        return found is not None and found[0] in LEASED_NAMES
 
     def _leased(self, key: str) -> bool:
         """Whether a lease (not a hold or a parking) keeps ``key`` out now."""
@@ -340,6 +433,18 @@ class Report(KeeperBase):
             return False
         found = self.leases.lookup(key)
         return found is not None and found[0] in LEASED_NAMES
+
+    def _ownership_saved_under(self, saved: dict[str, Any]) -> Ownership | None:
+        """The ownership saved counts were taken under (their ``nodes``),
+        as this node's; None without one (a single node's, an older
+        keeper's) or when it is not this node's (a copied meta)."""
+        names = saved.get("nodes")
+        if not isinstance(names, list) or self.config.name not in names:
+            return None
+        try:
+            return Ownership([str(name) for name in names], self.config.name)
+        except ValueError:  # not a node list this build takes
+            return None
 
     def received(self) -> int:
         """Occurrences that came due, lifetime (counted once the load is done)."""
@@ -361,16 +466,23 @@ class Report(KeeperBase):
 
     def _save_received(self, now: float) -> None:
         """Keep the received count over a restart: the count through the
-        current minute (the buckets have advanced to it)."""
-        if self._loading:
+        current minute (the buckets have advanced to it). Not while a
+        membership change's walk runs: the rows held are then neither the old
+        ownership's nor the new one's, and a successor counts from the save
+        before it, as if the change came after."""
+        if self._loading or self._reown_pending:
             return
-        value = {
+        value: dict[str, Any] = {
             "total": self.received(),
             "minute": int(now // 60),
             "withdrawn": self.withdrawn_total(),
             "leased_writes": self.leased_writes_total(),
             "seq": self.feed_seq,  # every change through it is in the counts
         }
+        if self.ownership is not None:
+            # The ownership the counts were taken under: a successor under
+            # another one counts what moved meanwhile (``_start_received``).
+            value["nodes"] = list(self.ownership.nodes)
         try:
             self.store.set_meta(RECEIVED_META, value)
             self._saved_seq = self.feed_seq

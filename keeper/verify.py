@@ -241,6 +241,7 @@ class Verify(KeeperBase):
         self.next_verify = now + self.config.verify_interval_s
         if self._doubt is not None and walk.doubt_gen == self._doubt_gen:
             self._doubt = None  # the walk after a store error or a gap: exact again
+            self._reown_pending = False  # started after the last change: the rows are its own
             if self._caught_up:
                 self.exact = True
                 self.write_state(now)  # its counts with the first 200
