@@ -175,7 +175,9 @@ class Verify(KeeperBase):
         if self._verify is None and not self._loading:
             walk = self._verify = VerifyWalk(now, self.store.count() + len(self.buckets))
             walk.doubt_gen = self._doubt_gen
-            walk.membership = self._doubt == "membership"
+            # A membership change not yet walked counts what the walk adds as
+            # gained (received), even when a later doubt (a gap) took its place.
+            walk.membership = self._doubt == "membership" or self._reown_pending
             if self._doubt is not None:
                 # One pass over the copy (a few tenths of a second and about
                 # 100 MB at 1M rows, while nothing vouches anyway) spares the

@@ -280,15 +280,27 @@ def _counters(docs: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
 
 
 def _node_trust(doc: Mapping[str, Any]) -> dict[str, Any]:
-    """What the cluster's ``trust.nodes`` shows of one node."""
+    """What the cluster's ``trust.nodes`` shows of one node: its verdict and
+    its main figures, side by side with the others' (the console's fleet
+    view)."""
     trust = doc.get("trust") or {}
     membership = trust.get("membership") or {}
+    now = doc.get("now") or {}
+    lateness = doc.get("lateness") or {}
+    counters = doc.get("counters") or {}
     return {
         "vouched": bool(trust.get("vouched")),
         "reason": trust.get("reason"),
         "status": trust.get("status"),
         "counts_at": trust.get("counts_at"),
         "number": membership.get("number"),
+        "due": (now.get("due") or {}).get("total"),
+        "rows": now.get("rows"),
+        "in_flight": now.get("in_flight"),
+        "unclaimed": now.get("unclaimed"),
+        "paused": now.get("paused"),
+        "lateness": lateness.get("total"),
+        "input_gap": counters.get("input_gap"),
     }
 
 
