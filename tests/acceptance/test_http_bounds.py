@@ -446,6 +446,7 @@ def _route_table() -> list[tuple[str, str]]:
     from workers.http.app import WorkerContext, make_app
     from workers.http.console import routes as console_routes
     from workers.http.metrics import routes as metrics_routes
+    from workers.http.results import routes as results_routes
     from workers.http.state import routes as state_routes
     from workers.http.work import routes as work_routes
 
@@ -455,7 +456,9 @@ def _route_table() -> list[tuple[str, str]]:
         name="t",
         started_at=0.0,
     )
-    app = make_app(ctx, [*work_routes, *state_routes, *metrics_routes, *console_routes])
+    app = make_app(
+        ctx, [*work_routes, *results_routes, *state_routes, *metrics_routes, *console_routes]
+    )
     return sorted(
         {
             (r.method, r.resource.canonical)

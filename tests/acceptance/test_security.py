@@ -323,6 +323,7 @@ def test_every_route_in_the_route_table_but_the_open_ones_needs_the_token() -> N
     from workers.http.console import routes as console_routes
     from workers.http.errors import OPEN_ROUTES
     from workers.http.metrics import routes as metrics_routes
+    from workers.http.results import routes as results_routes
     from workers.http.state import routes as state_routes
     from workers.http.work import routes as work_routes
 
@@ -333,7 +334,9 @@ def test_every_route_in_the_route_table_but_the_open_ones_needs_the_token() -> N
         name="t",
         started_at=0.0,
     )
-    app = make_app(ctx, [*work_routes, *state_routes, *metrics_routes, *console_routes])
+    app = make_app(
+        ctx, [*work_routes, *results_routes, *state_routes, *metrics_routes, *console_routes]
+    )
     table = sorted(
         {
             (r.method, r.resource.canonical)

@@ -37,6 +37,7 @@ from shm.ready import ReadySet
 from workers.claim import Claimer, Grant, NotReady, ledger_address
 from workers.http.app import WorkerContext, make_app
 from workers.http.errors import ERROR_CODES
+from workers.http.results import routes as results_routes
 from workers.http.work import WorkPath
 from workers.http.work import routes as work_routes
 
@@ -590,7 +591,8 @@ class Work:
 
 @contextlib.asynccontextmanager
 async def serve(work: Work) -> AsyncIterator[TestClient]:
-    async with TestClient(TestServer(make_app(work.ctx, extra_routes=work_routes))) as client:
+    routes = [*work_routes, *results_routes]
+    async with TestClient(TestServer(make_app(work.ctx, extra_routes=routes))) as client:
         yield client
 
 

@@ -30,6 +30,7 @@ from shm.leases import LeaseTable, Outcome
 from workers.http.app import MAX_BODY_BYTES, WorkerContext, make_app
 from workers.http.errors import ERROR_CODES
 from workers.http.openapi import spec
+from workers.http.results import routes as results_routes
 from workers.http.work import MAX_COMPLETE_ITEMS, WorkPath
 from workers.http.work import routes as work_routes
 
@@ -80,7 +81,8 @@ def _ctx(ledger: Any, leases: Any = None) -> WorkerContext:
 
 @contextlib.asynccontextmanager
 async def serve(ctx: WorkerContext) -> AsyncIterator[TestClient]:
-    async with TestClient(TestServer(make_app(ctx, extra_routes=work_routes))) as client:
+    routes = [*work_routes, *results_routes]
+    async with TestClient(TestServer(make_app(ctx, extra_routes=routes))) as client:
         yield client
 
 

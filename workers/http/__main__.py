@@ -447,6 +447,7 @@ async def serve(
     from workers.http.errors import SERVED, quiet_client_parse_errors
     from workers.http.metrics import count_requests
     from workers.http.metrics import routes as metrics_routes
+    from workers.http.results import routes as results_routes
     from workers.http.state import routes as state_routes
     from workers.http.work import routes as work_routes
 
@@ -476,7 +477,10 @@ async def serve(
         ctx.work = await work_side.start(ctx, config, keeper.wake)
         ctx.grant_until_ns = work_side.grant_until_ns
         app = make_app(
-            ctx, extra_routes=[*work_routes, *state_routes, *metrics_routes, *console_routes]
+            ctx,
+            extra_routes=[
+                *work_routes, *results_routes, *state_routes, *metrics_routes, *console_routes,
+            ],
         )
         app.middlewares.insert(0, count_requests)
         drain = _Drain(stop)

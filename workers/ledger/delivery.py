@@ -96,10 +96,6 @@ class _Job:
             self.head = 0
 
 
-def _never(_rid: int) -> bool:
-    return False
-
-
 class Delivery:
     def __init__(self, offer_timeout_s: float = 30.0) -> None:
         if not offer_timeout_s > 0:
@@ -117,7 +113,7 @@ class Delivery:
         self.touched = 0
         # Ids this node's log can never hold (another fleet node's, or the
         # range skipped to its number's base: workers/ledger/fleet_number.py).
-        self.never_given: Callable[[int], bool] = _never
+        self.never_given: Callable[[int], bool] = lambda _rid: False
 
     # -- filling ------------------------------------------------------------------
 
