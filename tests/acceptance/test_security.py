@@ -273,6 +273,7 @@ def test_every_route_of_a_real_node_but_the_open_ones_needs_the_token(
         "/claim": {"max": 10, "consumer": "intruder"},
         "/admin/pause": {},
         "/admin/unhold": {"keys": ["seeded"]},
+        "/admin/run-now": {"route": "r"},
         "/jobs/{job}/ack": {"ids": [1]},
     }
     for method, path in guarded:
