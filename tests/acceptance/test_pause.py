@@ -35,8 +35,9 @@ async def _post(ctx: WorkerContext, calls: list[tuple[str, Any]]) -> list[tuple[
     async with TestClient(TestServer(make_app(ctx, extra_routes=state_routes))) as client:
         for path, body in calls:
             if isinstance(body, bytes):
-                resp = await client.post(path, data=body,
-                                         headers={"Content-Type": "application/json"})
+                resp = await client.post(
+                    path, data=body, headers={"Content-Type": "application/json"}
+                )
             else:
                 resp = await client.post(path, json=body)
             out.append((resp.status, await resp.json()))
@@ -188,7 +189,11 @@ def test_pause_a_route_then_the_node_over_a_restart(node):
 
     # A paused route's rows are not granted; the other route's are.
     answer = client.pause("a")
-    assert answer == {"paused": {"node": False, "routes": ["a"]}, "applied": True, "node": node.name}
+    assert answer == {
+        "paused": {"node": False, "routes": ["a"]},
+        "applied": True,
+        "node": node.name,
+    }
     granted = _claim_until(node, 10, "every row of b")
     assert sorted(granted) == sorted(f"b-{i}" for i in range(10))
     assert _claim_all(node) == []
@@ -198,7 +203,11 @@ def test_pause_a_route_then_the_node_over_a_restart(node):
     assert state["now"]["in_flight"] == 10
 
     # Pausing the node grants nothing, even rows written after the pause.
-    assert client.pause() == {"paused": {"node": True, "routes": ["a"]}, "applied": True, "node": node.name}
+    assert client.pause() == {
+        "paused": {"node": True, "routes": ["a"]},
+        "applied": True,
+        "node": node.name,
+    }
     client.upsert(_rows("c", 5))
     _state_when(node, _due(25), "the new rows counted (and published) while paused")
     assert _claim_all(node) == []
@@ -214,11 +223,19 @@ def test_pause_a_route_then_the_node_over_a_restart(node):
     assert _claim_all(node) == []
 
     # Resuming the node brings back every row but the paused route's.
-    assert client.resume() == {"paused": {"node": False, "routes": ["a"]}, "applied": True, "node": node.name}
+    assert client.resume() == {
+        "paused": {"node": False, "routes": ["a"]},
+        "applied": True,
+        "node": node.name,
+    }
     granted = _claim_until(node, 5, "the rows of c")
     assert sorted(granted) == sorted(f"c-{i}" for i in range(5))
     # ... and resuming the route brings back its rows.
-    assert client.resume("a") == {"paused": {"node": False, "routes": []}, "applied": True, "node": node.name}
+    assert client.resume("a") == {
+        "paused": {"node": False, "routes": []},
+        "applied": True,
+        "node": node.name,
+    }
     granted = _claim_until(node, 10, "the rows of a")
     assert sorted(granted) == sorted(f"a-{i}" for i in range(10))
     state = _state_when(
