@@ -170,6 +170,14 @@ def test_fleet_view_in_a_real_browser(tmp_path, pg_url, browser) -> None:  # noq
         wait_for(lambda: _row_state(browser, b.name) == "down", 20, "b shown down")
         assert _text(browser, "fleet-summary").startswith("not summed: node " + b.name)
         assert _text(browser, "fleet-due") == "–"  # never a partial sum
+        # Over HTTP: a pause for the dead node is 503, for a name not on the
+        # node list 404; nothing is forwarded.
+        status, body = a.request("POST", "/admin/pause", {"node": b.name}, headers=AUTH)
+        assert status == 503 and body["error"]["code"] == "peer_unavailable", body
+        assert b.name in body["error"]["message"]
+        status, body = a.request("POST", "/admin/pause", {"node": "no-such-node"}, headers=AUTH)
+        assert status == 404 and body["error"]["code"] == "unknown_node", body
+        assert _paused(a) is False
         wait_for(lambda: _row_state(browser, b.name) == "gone", 30, "b gone from the list")
         assert _row_state(browser, a.name) == "vouched"
         assert _severe(browser, allowed=("status of 503",)) == []
