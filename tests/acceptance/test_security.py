@@ -488,6 +488,7 @@ def test_everything_the_node_makes_is_owner_only_under_umask_000(
         os.umask(old)
     rows = [{"key": f"k{i}", "route": "r", "job": "j"} for i in range(20)]
     assert node.request("POST", "/rows", rows)[0] == 200
+
     def finished() -> bool:
         status, accounts = node.request("GET", "/accounting")
         return status == 200 and accounts["finished"] >= 20  # 503 while the ledger starts
