@@ -324,16 +324,30 @@ class Client:
                 return exc.body
             raise
 
-    def pause(self, route: str | None = None) -> dict[str, Any]:
-        """Stop granting ``route``'s rows (None: every row of the node); it
-        survives a restart. ``{"paused": {"node", "routes"}, "applied"}``:
-        ``applied`` is false when the keeper did not confirm in time (it then
-        applies the pause at its next state write)."""
-        return self.request("POST", "/admin/pause", {} if route is None else {"route": route})
+    def pause(self, route: str | None = None, node: str | None = None) -> dict[str, Any]:
+        """Stop granting ``route``'s rows (None: every row of the node; on a
+        fleet a route is paused on every node); it survives a restart.
+        ``node``: another node of the fleet, whose every row is paused (asked
+        through this one). ``{"paused": {"node", "routes"}, "applied",
+        "node"}``: ``applied`` is false when the keeper did not confirm in
+        time (it then applies the pause at its next state write)."""
+        return self.request("POST", "/admin/pause", _pause_body(route, node))
 
-    def resume(self, route: str | None = None) -> dict[str, Any]:
-        """Undo ``pause(route)``; resuming the node leaves paused routes paused."""
-        return self.request("POST", "/admin/resume", {} if route is None else {"route": route})
+    def resume(self, route: str | None = None, node: str | None = None) -> dict[str, Any]:
+        """Undo ``pause(route, node)``; resuming the node leaves paused routes paused."""
+        return self.request("POST", "/admin/resume", _pause_body(route, node))
+
+    def run_now(self, route: str | None = None, job: str | None = None) -> dict[str, Any]:
+        """Make every row of ``route`` or of ``job`` (exactly one) due now, on
+        a fleet every node's: ``{"rescheduled": n}`` (docs/fleet.md, "Run
+        again now")."""
+        body = {"route": route} if route is not None else {"job": job}
+        return self.request("POST", "/admin/run-now", body)
+
+
+def _pause_body(route: str | None, node: str | None) -> dict[str, str]:
+    body = {} if route is None else {"route": route}
+    return body if node is None else {**body, "node": node}
 
 
 class FleetClient:

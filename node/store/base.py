@@ -60,6 +60,16 @@ def due_or_none(value: Any) -> float | None:
     return float(value) if 0 <= value <= 32503680000.0 else None
 
 
+def due_now_query(
+    route: str | None, job: str | None, by_route: str, by_job: str
+) -> tuple[str, str]:
+    """``Store.due_now``'s statement and its value: ``by_route`` with the
+    route, or ``by_job`` with the job; exactly one of the two is given."""
+    if (route is None) == (job is None):
+        raise ValueError("due_now takes a route or a job, exactly one")
+    return (by_route, route) if route is not None else (by_job, job)  # type: ignore[return-value]
+
+
 class LastError(NamedTuple):
     """A lease that ended without a result (released, expired, parked): the
     row's ``last_error``, as of ``at``."""
@@ -125,6 +135,19 @@ class Store(abc.ABC):
         cleared. Returns per item the row's new version, or None when the
         row is gone or moved on (the newer write wins; nothing of that item
         is written). A failure writes nothing of the batch (StoreError)."""
+
+    @abc.abstractmethod
+    def due_now(
+        self, *, route: str | None = None, job: str | None = None, now: float,
+        origin: str = ORIGIN_NODE,
+    ) -> int:  # fmt: skip
+        """An operator's "run again now": every row of ``route`` or of
+        ``job`` (exactly one given) due by ``now``, in one transaction;
+        returns how many rows it wrote. A row not yet due becomes due at
+        ``now``; a row already due keeps its due time (its lateness and
+        rank). Every row is written all the same, logged with ``origin``
+        and given a new version, so the write-back of a lease granted before
+        loses to it and the row runs again (docs/fleet.md, "Run again now")."""
 
     @abc.abstractmethod
     def write_last_errors(self, items: Sequence[LastError]) -> int:

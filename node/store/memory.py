@@ -36,7 +36,15 @@ from node.core.rows import (
     RowWrite,
     stored_row_is_valid,
 )
-from node.store.base import BadRow, DueChange, LastError, Store, WriteBack, due_or_none
+from node.store.base import (
+    BadRow,
+    DueChange,
+    LastError,
+    Store,
+    WriteBack,
+    due_now_query,
+    due_or_none,
+)
 
 # Positions in a stored row (a list, so an update can assign in place).
 _ROUTE, _CADENCE, _SITEMAP, _DUE, _PAYLOAD, _JOB, _VERSION = range(7)
@@ -188,6 +196,26 @@ class MemoryStore(Store):
                 self._log(OP_DELETE, key, origin, None, gone[_DUE])
                 deleted += 1
         return deleted
+
+    def due_now(
+        self, *, route: str | None = None, job: str | None = None, now: float,
+        origin: str = ORIGIN_NODE,
+    ) -> int:  # fmt: skip
+        self._check_open()
+        _check_origin(origin)
+        due_now_query(route, job, "", "")  # the same argument check
+        field, value = (_ROUTE, route) if route is not None else (_JOB, job)
+        n = 0
+        for key, stored in self._rows.items():
+            if stored[field] != value:
+                continue
+            old_due = stored[_DUE]
+            # As SQLite's MIN: a due time that is not a number sorts after any.
+            number = isinstance(old_due, int | float) and not isinstance(old_due, bool)
+            stored[_DUE] = _real(min(old_due, now) if number else now)
+            stored[_VERSION] = self._log(OP_UPDATE, key, origin, stored, old_due)
+            n += 1
+        return n
 
     def write_next_due(self, key: str, due_at: float, *, if_version: int) -> int | None:
         self._check_open()

@@ -50,7 +50,15 @@ from node.core.rows import (
 )
 from node.core.urls import redact_url
 from node.store import postgres_schema as q
-from node.store.base import BadRow, DueChange, LastError, Store, WriteBack, due_or_none
+from node.store.base import (
+    BadRow,
+    DueChange,
+    LastError,
+    Store,
+    WriteBack,
+    due_now_query,
+    due_or_none,
+)
 from node.store.postgres_feed import Horizon, Listener
 from node.store.values import bad_reason, encode_payload, stored_row
 
@@ -362,6 +370,15 @@ class PostgresStore(Store):
             cur = conn.cursor()
             cur.executemany(q.DELETE_ROW, [(k,) for k in keys])
             return cur.rowcount
+
+    def due_now(
+        self, *, route: str | None = None, job: str | None = None, now: float,
+        origin: str = ORIGIN_NODE,
+    ) -> int:  # fmt: skip
+        _check_origin(origin)
+        sql, value = due_now_query(route, job, q.DUE_NOW_ROUTE, q.DUE_NOW_JOB)
+        with self._write("due_now", origin) as conn:
+            return conn.execute(sql, (_due(now, "due_now"), value)).rowcount
 
     def write_next_due(self, key: str, due_at: float, *, if_version: int) -> int | None:
         due = _due(due_at, "write_next_due")

@@ -279,6 +279,9 @@ _ROW_COLUMNS = (
 )
 DELETE_ROW = "DELETE FROM schedule WHERE key = %s"
 WRITE_NEXT_DUE = "UPDATE schedule SET due_at = %s WHERE key = %s AND version = %s RETURNING version"
+# An operator's "run again now" (Store.due_now): as node/store/queries.py's.
+DUE_NOW_ROUTE = "UPDATE schedule SET due_at = LEAST(due_at, %s) WHERE route = %s"
+DUE_NOW_JOB = "UPDATE schedule SET due_at = LEAST(due_at, %s) WHERE job = %s"
 # A group's write-backs under the version guard (queue_node_write_back, five
 # arrays); the new versions come back (the BEFORE trigger set them).
 WRITE_BACK_MANY = "SELECT queue_node_write_back(%s, %s, %s, %s, %s)"

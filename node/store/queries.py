@@ -196,6 +196,11 @@ def tuning_pragmas(
 
 DELETE_ROW = "DELETE FROM schedule WHERE key = ?"
 WRITE_NEXT_DUE = "UPDATE schedule SET due_at = ? WHERE key = ? AND version = ?"
+# An operator's "run again now" (Store.due_now): every row of a route or job
+# due by now, a row already due keeping its due time; every row is written
+# (logged, a new version), so a write-back of a lease granted before loses.
+DUE_NOW_ROUTE = "UPDATE schedule SET due_at = MIN(due_at, ?) WHERE route = ?"
+DUE_NOW_JOB = "UPDATE schedule SET due_at = MIN(due_at, ?) WHERE job = ?"
 # A completion's write-back: the next due time (logged, a new version) and
 # the outcome columns (not logged by themselves), under the version guard.
 WRITE_BACK = (

@@ -55,6 +55,7 @@ from node.store.base import (
     LastError,
     Store,
     WriteBack,
+    due_now_query,
     due_or_none,
 )
 from node.store.queries import MIGRATIONS, SCHEMA_VERSION  # also read here by tests
@@ -322,6 +323,21 @@ class SQLiteStore(Store):
                     cur = conn.executemany(q.DELETE_ROW, [(k,) for k in keys])
             except sqlite3.Error as exc:
                 raise _wrap(exc, "delete") from exc
+        return cur.rowcount
+
+    def due_now(
+        self, *, route: str | None = None, job: str | None = None, now: float,
+        origin: str = ORIGIN_NODE,
+    ) -> int:  # fmt: skip
+        _check_origin(origin)
+        sql, value = due_now_query(route, job, q.DUE_NOW_ROUTE, q.DUE_NOW_JOB)
+        conn = self._c()
+        with self._lock:
+            try:
+                with _WriteTransaction(conn, origin):
+                    cur = conn.execute(sql, (float(now), value))
+            except sqlite3.Error as exc:
+                raise _wrap(exc, "due_now") from exc
         return cur.rowcount
 
     def write_next_due(self, key: str, due_at: float, *, if_version: int) -> int | None:

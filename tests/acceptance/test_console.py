@@ -99,8 +99,14 @@ def _app() -> web.Application:
 async def _fetch_assets() -> dict[str, tuple[int, dict[str, str], bytes]]:
     async with TestClient(TestServer(_app())) as client:
         out = {}
-        for path in ("/", "/console/console.js", "/console/console.css", "/console/nope.js",
-                     "/console/..%2Fconsole_http.py", "/console/index.html"):
+        for path in (
+            "/",
+            "/console/console.js",
+            "/console/console.css",
+            "/console/nope.js",
+            "/console/..%2Fconsole_http.py",
+            "/console/index.html",
+        ):
             resp = await client.get(path)
             out[path] = (resp.status, dict(resp.headers), await resp.read())
         return out
@@ -389,8 +395,14 @@ def test_autoscaler_once_against_a_real_node(start_node, node_name: str) -> None
     node = start_node(env={"QUEUE_NODE_STATE_INTERVAL_S": "0.5"})
     _seed(node, due=30, coming=6)
     wait_for(lambda: _vouched_state(node_name, 30), 30, "30 due rows vouched for")
-    argv = [str(ROOT / "scripts" / "autoscaler"), "--name", node_name, "--once",
-            "--seconds-per-item", "600"]
+    argv = [
+        str(ROOT / "scripts" / "autoscaler"),
+        "--name",
+        node_name,
+        "--once",
+        "--seconds-per-item",
+        "600",
+    ]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"processes=6 node={node_name} vouched=yes due=30 coming_60m=6 ")
@@ -414,8 +426,10 @@ def test_every_metric_the_deploy_files_name_is_served_by_a_node(start_node) -> N
     _seed(node, due=3, coming=0)
     wait_for(lambda: _vouched_state(node.name, 3), 30, "3 due rows vouched for")
     named = set().union(
-        *(_metric_names(e) for e in _exprs(json.loads(
-            (DEPLOY / "grafana" / "queue-node.json").read_text()))),
+        *(
+            _metric_names(e)
+            for e in _exprs(json.loads((DEPLOY / "grafana" / "queue-node.json").read_text()))
+        ),
     )
     with urllib.request.urlopen(node.base_url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
@@ -455,9 +469,16 @@ def browser(tmp_path: Path):
         pytest.skip(message)
     options = Options()
     options.binary_location = chrome
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1400,2400", "--no-first-run", "--disable-extensions",
-                f"--user-data-dir={tmp_path / 'chromium'}"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1400,2400",
+        "--no-first-run",
+        "--disable-extensions",
+        f"--user-data-dir={tmp_path / 'chromium'}",
+    ):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     service = Service(executable_path=driver_path, log_output=str(tmp_path / "chromedriver.log"))
@@ -513,7 +534,8 @@ def test_console_in_a_real_browser(start_node, browser, node_name: str) -> None:
     from selenium.webdriver.common.by import By
 
     node = start_node(
-        "--token", TOKEN,
+        "--token",
+        TOKEN,
         env={"QUEUE_NODE_STATE_INTERVAL_S": "0.5", "QUEUE_NODE_MAX_MISSES": "1"},
     )
     _seed(node, due=30, coming=7, headers=AUTH)
@@ -542,13 +564,20 @@ def test_console_in_a_real_browser(start_node, browser, node_name: str) -> None:
     assert _text(browser, "node-name") == node_name
     assert browser.find_element(By.ID, "unvouched-banner").is_displayed() is False
     wait_for(lambda: _text(browser, "ledger-balanced") == "balanced", 10, "a balanced ledger")
+    # The fleet view: outside a fleet, a fleet of one, this node.
+    fleet_row = f'tr[data-testid="fleet-node"][data-node="{node_name}"]'
+    wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, fleet_row), 10, "the fleet of one")
+    assert _text(browser, "fleet-summary") == f"summed over 1 node: {node_name}"
+    assert _text(browser, "fleet-due") == "30"
+    assert browser.find_element(By.CSS_SELECTOR, fleet_row).get_attribute("data-state") == "vouched"
     assert _severe(browser) == []
 
     # 2. A parked key: claimed, then released with an error; max_misses is 1.
     def claim_one() -> Any:
         # The ready set may be published a moment after the counts.
-        status, body = node.request("POST", "/claim", {"max": 1, "consumer": "console-test",
-                                                       "lease_s": 30}, headers=AUTH)
+        status, body = node.request(
+            "POST", "/claim", {"max": 1, "consumer": "console-test", "lease_s": 30}, headers=AUTH
+        )
         assert status == 200, body
         return body["leases"][0] if body["leases"] else None
 
@@ -557,8 +586,12 @@ def test_console_in_a_real_browser(start_node, browser, node_name: str) -> None:
     lease_rows = f'tr[data-testid="lease-row"][data-key="{key}"]'
     wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, lease_rows), 10, "the lease shown")
     error = "model exploded: <b>not html</b>"
-    status, body = node.request("POST", "/release", {"lease_id": lease["lease_id"], "key": key,
-                                                     "error": error}, headers=AUTH)
+    status, body = node.request(
+        "POST",
+        "/release",
+        {"lease_id": lease["lease_id"], "key": key, "error": error},
+        headers=AUTH,
+    )
     assert status == 200, body
     row = wait_for(lambda: _held_row(browser, key), 10, f"{key} in the held table")
     assert row.get_attribute("data-parked") == "true"
@@ -573,12 +606,18 @@ def test_console_in_a_real_browser(start_node, browser, node_name: str) -> None:
 
     # 3. Pause and resume the node from the page.
     browser.find_element(By.ID, "pause-node").click()
-    wait_for(lambda: (s := _queue_state(node))[0] == 200 and s[1]["now"]["paused"]["node"], 15,
-             "the node paused")
+    wait_for(
+        lambda: (s := _queue_state(node))[0] == 200 and s[1]["now"]["paused"]["node"],
+        15,
+        "the node paused",
+    )
     wait_for(lambda: "whole node" in _text(browser, "paused-state"), 10, "the pause shown")
     browser.find_element(By.ID, "resume-node").click()
-    wait_for(lambda: (s := _queue_state(node))[0] == 200 and not s[1]["now"]["paused"]["node"],
-             15, "the node resumed")
+    wait_for(
+        lambda: (s := _queue_state(node))[0] == 200 and not s[1]["now"]["paused"]["node"],
+        15,
+        "the node resumed",
+    )
     wait_for(lambda: _text(browser, "paused-state") == "no", 10, "the resume shown")
     assert _severe(browser) == []
 

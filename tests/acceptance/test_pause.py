@@ -35,8 +35,9 @@ async def _post(ctx: WorkerContext, calls: list[tuple[str, Any]]) -> list[tuple[
     async with TestClient(TestServer(make_app(ctx, extra_routes=state_routes))) as client:
         for path, body in calls:
             if isinstance(body, bytes):
-                resp = await client.post(path, data=body,
-                                         headers={"Content-Type": "application/json"})
+                resp = await client.post(
+                    path, data=body, headers={"Content-Type": "application/json"}
+                )
             else:
                 resp = await client.post(path, json=body)
             out.append((resp.status, await resp.json()))
@@ -52,7 +53,12 @@ BAD_BODIES = [
     ({"route": 7}, "invalid_route", "route"),
     ({"route": ["a"]}, "invalid_route", "route"),
     ({"route": "r" * 129}, "invalid_route", "route"),
-    ({"route": "pages", "node": True}, "unknown_field", "node"),
+    ({"route": "pages", "nodes": True}, "unknown_field", "nodes"),
+    ({"node": True}, "invalid_node", "node"),
+    ({"node": ""}, "invalid_node", "node"),
+    ({"node": "a/b"}, "invalid_node", "node"),
+    ({"node": "n" * 65}, "invalid_node", "node"),
+    ({"node": "t-pause-nokeeper", "route": "pages"}, "invalid_body", "node"),
     ({"routes": ["pages"]}, "unknown_field", "routes"),
     (b"{not json", "invalid_json", None),
     (b"", "invalid_json", None),
@@ -100,6 +106,24 @@ def test_pause_and_resume_write_the_store_meta():
     # next state write).
     assert not any(answer["applied"] for _, answer in answers)
     assert ctx.store.get_meta("paused_routes") == ["a", "b"]
+    assert ctx.store.get_meta("paused_node") is False
+
+
+def test_a_node_outside_a_fleet_pauses_itself_by_name_and_no_other():
+    ctx = _ctx()
+    answers = asyncio.run(_post(ctx, [
+        ("/admin/pause", {"node": "t-pause-nokeeper"}),
+        ("/admin/pause", {"node": "another-node"}),
+        ("/admin/resume", {"node": "another-node"}),
+        ("/admin/resume", {"node": "t-pause-nokeeper"}),
+    ]))  # fmt: skip
+    (s1, own), (s2, other), (s3, other_resume), (s4, resumed) = answers
+    assert s1 == 200 and own["paused"]["node"] is True and own["node"] == "t-pause-nokeeper"
+    for status, answer in ((s2, other), (s3, other_resume)):
+        assert status == 404, answer
+        assert answer["error"]["code"] == "unknown_node" and answer["error"]["field"] == "node"
+        assert "another-node" in answer["error"]["message"]
+    assert s4 == 200 and resumed["paused"]["node"] is False
     assert ctx.store.get_meta("paused_node") is False
 
 
@@ -165,7 +189,11 @@ def test_pause_a_route_then_the_node_over_a_restart(node):
 
     # A paused route's rows are not granted; the other route's are.
     answer = client.pause("a")
-    assert answer == {"paused": {"node": False, "routes": ["a"]}, "applied": True}
+    assert answer == {
+        "paused": {"node": False, "routes": ["a"]},
+        "applied": True,
+        "node": node.name,
+    }
     granted = _claim_until(node, 10, "every row of b")
     assert sorted(granted) == sorted(f"b-{i}" for i in range(10))
     assert _claim_all(node) == []
@@ -175,7 +203,11 @@ def test_pause_a_route_then_the_node_over_a_restart(node):
     assert state["now"]["in_flight"] == 10
 
     # Pausing the node grants nothing, even rows written after the pause.
-    assert client.pause() == {"paused": {"node": True, "routes": ["a"]}, "applied": True}
+    assert client.pause() == {
+        "paused": {"node": True, "routes": ["a"]},
+        "applied": True,
+        "node": node.name,
+    }
     client.upsert(_rows("c", 5))
     _state_when(node, _due(25), "the new rows counted (and published) while paused")
     assert _claim_all(node) == []
@@ -191,11 +223,19 @@ def test_pause_a_route_then_the_node_over_a_restart(node):
     assert _claim_all(node) == []
 
     # Resuming the node brings back every row but the paused route's.
-    assert client.resume() == {"paused": {"node": False, "routes": ["a"]}, "applied": True}
+    assert client.resume() == {
+        "paused": {"node": False, "routes": ["a"]},
+        "applied": True,
+        "node": node.name,
+    }
     granted = _claim_until(node, 5, "the rows of c")
     assert sorted(granted) == sorted(f"c-{i}" for i in range(5))
     # ... and resuming the route brings back its rows.
-    assert client.resume("a") == {"paused": {"node": False, "routes": []}, "applied": True}
+    assert client.resume("a") == {
+        "paused": {"node": False, "routes": []},
+        "applied": True,
+        "node": node.name,
+    }
     granted = _claim_until(node, 10, "the rows of a")
     assert sorted(granted) == sorted(f"a-{i}" for i in range(10))
     state = _state_when(

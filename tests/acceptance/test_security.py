@@ -273,6 +273,7 @@ def test_every_route_of_a_real_node_but_the_open_ones_needs_the_token(
         "/claim": {"max": 10, "consumer": "intruder"},
         "/admin/pause": {},
         "/admin/unhold": {"keys": ["seeded"]},
+        "/admin/run-now": {"route": "r"},
         "/jobs/{job}/ack": {"ids": [1]},
     }
     for method, path in guarded:
@@ -490,6 +491,7 @@ def test_everything_the_node_makes_is_owner_only_under_umask_000(
         os.umask(old)
     rows = [{"key": f"k{i}", "route": "r", "job": "j"} for i in range(20)]
     assert node.request("POST", "/rows", rows)[0] == 200
+
     def finished() -> bool:
         status, accounts = node.request("GET", "/accounting")
         return status == 200 and accounts["finished"] >= 20  # 503 while the ledger starts

@@ -188,6 +188,34 @@ async def gather(
         raise Refused(exc.reason, exc.missing, live) from None
 
 
+# -- one node, by name -----------------------------------------------------------------
+
+
+async def ask_node(request: web.Request, node: str, path: str, body: Any) -> dict[str, Any]:
+    """POST ``body`` to ``path`` on the fleet's node ``node`` (an operator's
+    act for that node: its pause lives in its own meta, read by its own
+    keeper). Its answer, with ``"node"``; or ApiError: 404 ``unknown_node``
+    (not on the node list), 503 ``peer_unavailable`` (down, or no answer)."""
+    fleet = _fleet(request.app)
+    try:
+        holders = await fleet.holders()
+    except StoreError as exc:
+        raise ApiError(503, "peer_unavailable", f"the node list cannot be read: {exc}") from None
+    found = [(peer, live) for peer, live in holders.values() if peer.name == node]
+    if not found:
+        raise ApiError(404, "unknown_node", f"no node {node} on the node list", "node")
+    peer, live = found[0]
+    if not live:
+        raise ApiError(503, "peer_unavailable", f"node {node} at {peer.address} is down: "
+                       "ask again once it is back")  # fmt: skip
+    answer = await fleet.ask(peer, path, body)
+    if answer.status == 200 and isinstance(answer.doc, dict):
+        return {**answer.doc, "node": node}
+    error = answer.doc.get("error") if isinstance(answer.doc, dict) else None
+    why = answer.error or f"answered {answer.status}: {error or answer.doc}"
+    raise ApiError(503, "peer_unavailable", f"node {node} at {peer.address}: {why}")
+
+
 # -- results from the whole fleet -----------------------------------------------------
 
 # A fleet poll that waits asks the nodes again this often (each is asked with
@@ -311,6 +339,7 @@ __all__ = [
     "SCOPE",
     "Fleet",
     "Refused",
+    "ask_node",
     "gather",
     "in_a_fleet",
     "not_summed",

@@ -1,10 +1,11 @@
 """The console: ``GET /`` serves one page that draws this node's state.
 
-Three static files from ``workers/http/console_files/`` (no build step, nothing from a
+Four static files from ``workers/http/console_files/`` (no build step, nothing from a
 CDN: a node's host may have no internet). The page is plain JavaScript that
 polls the node's own JSON endpoints (``/queue-state``, ``/accounting``,
-``/leases``, ``/held``) every 2 s and posts the operator's actions
-(``/admin/unhold``, ``/admin/pause``, ``/admin/resume``) with the token the
+``/leases``, ``/held``; ``fleet.js``: the same two with ``?scope=cluster``)
+every 2 s and posts the operator's actions (``/admin/unhold``,
+``/admin/pause``, ``/admin/resume``, ``/admin/run-now``) with the token the
 operator pasted. See docs/console.md.
 
 Hazards, and what we do about them:
@@ -35,6 +36,7 @@ CONSOLE_DIR = Path(__file__).resolve().parent / "console_files"
 ASSETS = {
     "index.html": "text/html; charset=utf-8",
     "console.js": "text/javascript; charset=utf-8",
+    "fleet.js": "text/javascript; charset=utf-8",
     "console.css": "text/css; charset=utf-8",
 }
 

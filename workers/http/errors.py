@@ -88,6 +88,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "invalid_payload": (400, "payload is not a JSON value (or nests too deeply)"),
     "payload_too_large": (400, "payload is over 1 MiB encoded"),
     "invalid_job": (400, "job does not match [A-Za-z0-9._:-]{1,128}"),
+    "invalid_node": (400, "node is not a node name, [A-Za-z0-9._-]{1,64}"),
     # the work path (workers/http/work.py)
     "invalid_max": (400, "max is not an integer from 1 to 10,000"),
     "invalid_lease_s": (400, "lease_s is not a number from 1 to 86,400"),
@@ -110,6 +111,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
         "a token is configured and the request has no or a wrong Authorization: Bearer token",
     ),
     "not_found": (404, "no such path, or no such row"),
+    "unknown_node": (404, "a pause or resume names a node not on the fleet's node list"),
     "method_not_allowed": (405, "the path exists but not with this method"),
     "header_timeout": (408, "the request's headers did not arrive within header_timeout_s"),
     "lease_conflict": (409, "the key was granted to another lease since this one"),
@@ -134,7 +136,8 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "ledger_unavailable": (503, "the ledger process cannot be reached, or failed; retry later"),
     "peer_unavailable": (
         503,
-        "?scope=cluster: a live node is missing, late or does not vouch (never a partial sum)",
+        "?scope=cluster: a live node is missing, late or does not vouch (never a partial sum);"
+        " a node a request is for is down or does not answer",
     ),
     "too_many_connections": (
         503,

@@ -630,10 +630,14 @@ def _state_paths() -> dict[str, Any]:
     state["get"]["responses"]["503"] = _json(
         refused, "the keeper cannot vouch (trust.reason says why): no counts"
     )
-    route_body = _obj(
-        {"route": {"type": "string", "minLength": 1, "description": "at most 128 bytes"}}
-    )
-    route_body["additionalProperties"] = False
+    route = {"type": "string", "minLength": 1, "description": "at most 128 bytes"}
+    node = {
+        "type": "string",
+        "pattern": "^[A-Za-z0-9._-]{1,64}$",
+        "description": "another node of the fleet (asked through this one); not with route",
+    }
+    pause_body = _obj({"route": route, "node": node})
+    pause_body["additionalProperties"] = False
     paused = _obj(
         {
             "paused": _obj(
@@ -643,20 +647,39 @@ def _state_paths() -> dict[str, Any]:
                 }
             ),
             "applied": {"type": "boolean", "description": "the keeper confirmed a republish"},
+            "node": {"type": "string", "description": "the node whose pause this is"},
         }
     )
+    pause_errors = {
+        "404": "unknown_node: no node of that name on the fleet's node list",
+        "503": "peer_unavailable: the node named is down or does not answer",
+    }
+    run_now_body = {
+        "oneOf": [
+            _obj({"route": route}, ("route",)),
+            _obj({"job": {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,128}$"}}, ("job",)),
+        ]
+    }
     return {
         "/queue-state": state,
         "/admin/pause": _post(
-            "stop granting a route's rows ({route}) or every row ({}); survives a restart",
-            route_body,
+            "stop granting a route's rows ({route}; on a fleet, every node's), every row of "
+            "this node ({}) or of another node of the fleet ({node}); survives a restart",
+            pause_body,
             paused,
-            {},
+            pause_errors,
         ),
         "/admin/resume": _post(
-            "grant a route's rows ({route}) or the node's ({}) again",
-            route_body,
+            "grant a route's rows ({route}), this node's ({}) or another node's ({node}) again",
+            pause_body,
             paused,
+            pause_errors,
+        ),
+        "/admin/run-now": _post(
+            "every row of a route or job due now (on a fleet, every node's); a row already "
+            "due keeps its due time; counted as updated in the flow",
+            run_now_body,
+            _obj({"rescheduled": {"type": "integer", "minimum": 0}}),
             {},
         ),
     }

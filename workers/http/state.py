@@ -1,5 +1,5 @@
-"""Queue state and pausing over HTTP: ``GET /queue-state``, ``POST /admin/pause``,
-``POST /admin/resume``.
+"""Queue state and the operator's acts over HTTP: ``GET /queue-state``,
+``POST /admin/pause``, ``POST /admin/resume``, ``POST /admin/run-now``.
 
 ``routes`` is added to the API app by ``workers.http.__main__`` (``make_app``'s
 ``extra_routes``); handlers find the node in ``request.app[CTX]``.
@@ -15,6 +15,12 @@
   republish at once (``{"op": "reload_paused"}``). A keeper that does not
   answer in time still picks it up at its next state write
   (``state_interval_s``): the answer's ``applied`` says which happened.
+  ``{"node": NAME}`` pauses or resumes another node of the fleet: the node
+  asked forwards it over HTTP with the fleet's token. A route's pause is
+  the fleet's already (one list in the shared store).
+- ``POST /admin/run-now`` makes every row of a route or job due now with
+  one write in the store: on a fleet every keeper sees its share through
+  its feed, as any write (docs/fleet.md, "Run again now").
 
 Hazard: the meta entry is read, changed and written back on this worker's
 store thread; two workers pausing different routes in the same instant could
@@ -26,12 +32,14 @@ no lock across workers is worth it.
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 from aiohttp import web
 
 from node.core.errors import ValidationError
-from node.core.rows import check_route
+from node.core.names import NAME_RE
+from node.core.rows import ORIGIN_NODE, check_job, check_route
 from node.fleet.cluster import sum_queue_states
 from shm.state import queue_state as build_queue_state
 from shm.state import unreadable_state
@@ -42,6 +50,7 @@ from workers.http.app import (
     WorkerContext,
     _in_store,
     _safely,
+    _wake,
     known_query,
     read_body,
 )
@@ -123,16 +132,30 @@ async def _cluster_state(request: web.Request, ctx: WorkerContext) -> web.Respon
 # -- POST /admin/pause, /admin/resume ------------------------------------------------
 
 
-def parse_pause(body: Any) -> str | None:
-    """The route a pause or resume names; None: the whole node."""
+def parse_pause(body: Any) -> tuple[str | None, str | None]:
+    """The route a pause or resume names (None: the whole node) and the node
+    it is for (None: this one)."""
     if not isinstance(body, dict):
-        raise ApiError(400, "invalid_body", 'the body must be {} or {"route": "<route>"}')
-    unknown = sorted(set(body) - {"route"})
+        shapes = '{}, {"route": "<route>"} or {"node": "<name>"}'
+        raise ApiError(400, "invalid_body", f"the body must be {shapes}")
+    unknown = sorted(set(body) - {"route", "node"})
     if unknown:
         raise ValidationError("unknown_field", f"unknown field {unknown[0]!r}", unknown[0])
+    node = None
+    if "node" in body:
+        node = body["node"]
+        if not isinstance(node, str) or not NAME_RE.fullmatch(node):
+            raise ValidationError(
+                "invalid_node", "node must be a node name, [A-Za-z0-9._-]{1,64}", "node"
+            )
+        if "route" in body:
+            # A route's pause is the fleet's (the node list's store keeps one
+            # list); naming a node with it would promise what is not done.
+            raise ApiError(400, "invalid_body", "give route or node, not both: a route is "
+                           "paused on every node of a fleet at once", "node")  # fmt: skip
     if "route" not in body:
-        return None
-    return check_route(body["route"], "route")
+        return None, node
+    return check_route(body["route"], "route"), node
 
 
 def write_paused(ctx: WorkerContext, route: str | None, paused: bool) -> dict[str, Any]:
@@ -161,7 +184,13 @@ def ask_reload(name: str) -> dict[str, Any] | None:
 
 async def _set_paused(request: web.Request, paused: bool) -> web.Response:
     ctx = request.app[CTX]
-    route = parse_pause(await read_body(request))
+    route, node = parse_pause(await read_body(request))
+    if node is not None and node != ctx.name:
+        path = "/admin/pause" if paused else "/admin/resume"
+        if not in_a_fleet(ctx):
+            raise ApiError(404, "unknown_node", f"this node is {ctx.name}, and outside a "
+                           f"fleet it pauses only itself: no node {node}", "node")  # fmt: skip
+        return reply(request, await cluster.ask_node(request, node, path, {}))
     now_paused = await _in_store(ctx, write_paused, ctx, route, paused)
     loop = asyncio.get_running_loop()
     # On the ask thread: keeper.ask keeps one reply queue per question, and
@@ -170,7 +199,7 @@ async def _set_paused(request: web.Request, paused: bool) -> web.Response:
         request.app[ASK_POOL], _safely, "reload_paused", ask_reload, ctx.name
     )
     applied = isinstance(answer, dict) and answer.get("ok") is True
-    return reply(request, {"paused": now_paused, "applied": applied})
+    return reply(request, {"paused": now_paused, "applied": applied, "node": ctx.name})
 
 
 @routes.post("/admin/pause")
@@ -181,3 +210,36 @@ async def pause(request: web.Request) -> web.Response:
 @routes.post("/admin/resume")
 async def resume(request: web.Request) -> web.Response:
     return await _set_paused(request, False)
+
+
+# -- POST /admin/run-now --------------------------------------------------------------
+
+
+def parse_run_now(body: Any) -> tuple[str | None, str | None]:
+    """``{"route": R}`` or ``{"job": J}``, exactly one: (route, job)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "invalid_body", 'the body must be {"route": R} or {"job": J}')
+    unknown = sorted(set(body) - {"route", "job"})
+    if unknown:
+        raise ValidationError("unknown_field", f"unknown field {unknown[0]!r}", unknown[0])
+    if "route" in body and "job" in body:
+        raise ApiError(400, "invalid_body", "give route or job, not both", "job")
+    if "route" in body:
+        return check_route(body["route"], "route"), None
+    if "job" in body:
+        return None, check_job(body["job"], "job")
+    raise ValidationError("missing_field", "give the route or the job to run again now", "route")
+
+
+@routes.post("/admin/run-now")
+async def run_now(request: web.Request) -> web.Response:
+    """Every row of a route or job due now (``Store.due_now``): one write in
+    the store, so on a fleet every node's keeper takes its own rows' share
+    through its feed, and counts it in its flow as ``updated``."""
+    ctx = request.app[CTX]
+    route, job = parse_run_now(await read_body(request))
+    due_now = functools.partial(ctx.store.due_now, route=route, job=job, origin=ORIGIN_NODE)
+    n = await _in_store(ctx, lambda: due_now(now=ctx.clock()))
+    if n:
+        _wake(ctx)
+    return reply(request, {"rescheduled": n})

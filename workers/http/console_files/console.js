@@ -6,6 +6,8 @@
 //
 // Endpoints read: /healthz (the node's name, once), /queue-state, /accounting,
 // /leases, /held. Endpoints posted: /admin/unhold, /admin/pause, /admin/resume.
+// The fleet view is fleet.js, which uses the helpers this file shares
+// (window.QueueNodeConsole, at the end).
 // Every request, read or post, carries "Authorization: Bearer <token>" once
 // the operator has pasted a token (kept in sessionStorage: this tab only,
 // gone when it closes): a node with a token answers only /healthz, /readyz,
@@ -141,8 +143,11 @@
     return error ? error.code + ": " + error.message : "HTTP " + answer.status;
   }
 
-  async function post(path, payload, done) {
-    const message = byId("action-message");
+  // Posts payload; the outcome is written to the element messageId (the
+  // page's action line by default). Resolves to the answer's body on a 200,
+  // to null otherwise.
+  async function post(path, payload, done, messageId) {
+    const message = byId(messageId || "action-message");
     message.className = "";
     message.textContent = "…";
     let answer;
@@ -162,7 +167,7 @@
     } catch (err) {
       message.className = "bad";
       message.textContent = path + ": the node does not answer (" + err.message + ")";
-      return;
+      return null;
     }
     if (answer.status === 401) {
       message.className = "bad";
@@ -175,6 +180,7 @@
       message.textContent = done(answer.body);
     }
     refresh();
+    return answer.status === 200 ? answer.body : null;
   }
 
   // -- the groups --------------------------------------------------------------------
@@ -623,6 +629,13 @@
     }
     loop();
   }
+
+  // What fleet.js (the fleet view) shares with this page: the same token,
+  // the same way to read and post, the same way to draw a value.
+  window.QueueNodeConsole = {
+    byId: byId, fmt: fmt, cell: cell, tbody: tbody, getJson: getJson, post: post,
+    errorText: errorText,
+  };
 
   document.addEventListener("DOMContentLoaded", start);
 })();
