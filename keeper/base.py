@@ -84,6 +84,10 @@ class Stats:
             "last_verdict": None,
             "write_failures": 0,
             "last_write_error": None,
+            # The keeper's trims of the change log since it started, and the
+            # bound of the last (in a fleet: what every node still holds).
+            "trims": 0,
+            "trim_through": None,
         }
         # Commit-to-applied lag of recent changes, by origin, for p50/p99.
         self.lag_node = LagWindow()

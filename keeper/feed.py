@@ -249,6 +249,8 @@ class Feed(KeeperBase):
             # (docs/fleet.md). Every node trims so, idempotently: no
             # election, and no trim stops while any node is live.
             through = 0 if self.fleet is None else min(through, self.fleet.trim_through())
+        self.stats.store["trims"] += 1
+        self.stats.store["trim_through"] = through
         if through:
             try:
                 if self.store.trim_changes(through) >= TRIM_CHUNK:

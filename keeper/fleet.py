@@ -47,6 +47,7 @@ class FleetMember:
         self.name = config.name
         self.ready = ready
         self.heartbeat_s = config.heartbeat_s
+        self.trim_hold_s = config.trim_hold_s
         self.membership = Membership(
             conninfo, config.name, config.http,
             membership_timeout_s=config.membership_timeout_s,
@@ -159,7 +160,7 @@ class FleetMember:
         if self.number is None or self.left:
             return 0
         try:
-            return self.membership.trim_through()
+            return self.membership.trim_through(self.trim_hold_s)
         except StoreError as exc:
             warn("fleet_trim_position_failed", node=self.name, error=str(exc))
             return 0

@@ -63,6 +63,10 @@ def _fleet_tick(fleet: Any, keeper: Any, leave: bool = False) -> None:
     if fleet is None:
         return
     if leave or _flags["leave"]:
+        if not fleet.left:
+            # The counts through this moment, saved: a restart replays the
+            # changes after them (the log keeps them for trim_hold_s).
+            keeper.save_input_counts(time.time())
         fleet.leave()
     if fleet.tick(keeper.resume_seq()) and fleet.live is not None:
         keeper.reown(fleet.live.names, time.time())

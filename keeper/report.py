@@ -295,6 +295,7 @@ class Report(KeeperBase):
         edges = 0
         replayed: dict[str, Replayed] = {}
         if "seq" in saved and since >= 0:
+            self._check_replay(int(saved["seq"]))
             came, took, edges, replayed = self._replay_since(int(saved["seq"]), since, past)
             received += came
             withdrawn += took
@@ -320,6 +321,20 @@ class Report(KeeperBase):
         self._saved_seq = int(saved.get("seq", 0))
         self._came_due_offset = self.buckets.came_due
         self._came_due_mark = self.buckets.came_due
+
+    def _check_replay(self, saved_seq: int) -> None:
+        """A fleet's shared log may have been trimmed past the saved position
+        while this node was off the list longer than ``trim_hold_s``: the
+        changes trimmed cannot be replayed, and the input counts miss what
+        they did. Said, never silent: a gap in ``trust.store.gaps`` and a
+        ``keeper_replay_gap`` line (docs/fleet.md, "The shared change log")."""
+        if self.fleet is None:
+            return
+        trimmed = self.fleet.trimmed_through()
+        if trimmed is not None and trimmed > saved_seq:
+            self.stats.store["gaps"] += 1
+            log.warn("keeper_replay_gap", saved_seq=saved_seq, trimmed_through=trimmed,
+                     hold_s=self.config.trim_hold_s)  # fmt: skip
 
     def _replay_since(
         self, after_seq: int, since: int, past: Ownership | None
@@ -463,6 +478,10 @@ class Report(KeeperBase):
         if self._loading:
             return int((self._received_saved or {}).get("withdrawn", 0))
         return self._withdrawn_base + self.withdrawn
+
+    def save_input_counts(self, now: float) -> None:
+        """Save the input counts now (a clean leave: ``keeper/loop.py``)."""
+        self._save_received(now)
 
     def _save_received(self, now: float) -> None:
         """Keep the received count over a restart: the count through the

@@ -148,6 +148,10 @@ class Config:
     heartbeat_s: float = 1.0
     peers: tuple[str, ...] = ()
     peer_wait_s: float = 120.0
+    # The shared change log keeps what a node that left or dropped out of
+    # the list had not applied, for trim_hold_s after its last heartbeat: a
+    # node back within it replays its own rows' changes exactly.
+    trim_hold_s: float = 600.0
     defaults: RouteConfig = RouteConfig()
     routes: dict[str, RouteConfig] = field(default_factory=dict)
     jobs: dict[str, JobConfig] = field(default_factory=dict)
@@ -251,6 +255,7 @@ OPTIONS: dict[str, str] = {
     "heartbeat_s": _DURATION,
     "peers": _PEERS,
     "peer_wait_s": _DURATION,
+    "trim_hold_s": _DURATION,
 }
 
 # name -> the values a string option may take
@@ -285,6 +290,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "membership_timeout_s": (1, 3600),
     "heartbeat_s": (0.05, 600),
     "peer_wait_s": (1, 3600),
+    "trim_hold_s": (0, 86_400),
 }
 
 

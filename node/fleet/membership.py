@@ -293,11 +293,13 @@ class Membership:
         return [(Member(name, address, number, 0.0, 0.0), bool(live))
                 for name, address, number, live in rows]  # fmt: skip
 
-    def trim_through(self) -> int:
+    def trim_through(self, hold_s: float = 0.0) -> int:
         """The highest seq the shared change log may be trimmed through: the
-        lowest position a live node reported; 0 (keep it all) while a live
-        node has reported none, or none is live."""
-        params = {"timeout_s": self.membership_timeout_s}
+        lowest position a live node reported, or a node that left or dropped
+        out of the list less than ``hold_s`` after its last heartbeat (so
+        that it replays its rows' changes when it comes back); 0 (keep it
+        all) while such a node has reported none, or none is live."""
+        params = {"timeout_s": self.membership_timeout_s, "hold_s": hold_s}
         low, unreported = self._run(
             "trim position", lambda conn: conn.execute(q.TRIM_THROUGH, params).fetchone()
         )

@@ -84,7 +84,8 @@ SELECT name, address, number,
 TRIM_THROUGH = """
 SELECT min(applied_seq)::bigint, bool_or(applied_seq IS NULL)
   FROM fleet_nodes
- WHERE left_at IS NULL AND heartbeat_at > now() - make_interval(secs => %(timeout_s)s)
+ WHERE (left_at IS NULL AND heartbeat_at > now() - make_interval(secs => %(timeout_s)s))
+    OR heartbeat_at > now() - make_interval(secs => %(hold_s)s)
 """
 
 # How far the log was trimmed (by any node): a node back from a lapse

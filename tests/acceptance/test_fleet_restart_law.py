@@ -94,3 +94,55 @@ def test_a_node_back_alone_first_and_its_peer_after_both_balance(tmp_path, pg_ur
     finally:
         finish([first], names[0])
         finish([second], names[1])
+
+
+def _store_after(node: NodeProcess, seq: int) -> dict | None:
+    """The node's ``trust.store`` once its feed has applied ``seq``."""
+    status, doc = node.request("GET", "/queue-state")
+    trust = doc.get("trust") or {}
+    return trust.get("store") if status == 200 and trust.get("feed_seq", 0) >= seq else None
+
+
+def test_a_node_restarted_while_the_other_trims_under_writes_replays_them_all(tmp_path, pg_url):
+    """A rolling restart under writes: while the first is down the second
+    trims the shared log every 5 s, and the writes move the first's rows in
+    and out of the due state. The log keeps what the first had not applied
+    for ``trim_hold_s`` after it left, so its replay sees every change and
+    its law balances; with no hold the trim takes them (it fails so:
+    ``QUEUE_NODE_TRIM_HOLD_S=0``, the gap said in ``trust.store.gaps``)."""
+    PostgresStore(pg_url).close()
+    pg.reset(pg_url)
+    now = time.time()
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO schedule (key, route, cadence_s, due_at)"
+            " SELECT 'k' || i, 'r', 86400, %s FROM generate_series(1, %s) AS i",
+            (now - 3600, ROWS),
+        )
+    names = sorted(f"t-{uuid.uuid4().hex[:10]}" for _ in range(2))
+    first, second = (NodeProcess(tmp_path / n, n, "--store", pg_url, env=ENV) for n in names)
+    try:
+        first.start()
+        second.start()
+        wait_for(lambda: _split([first, second], pg_url), 60, "the rows split")
+        _wait_balanced([first, second], names, "both balanced")
+        assert first.stop() == 0
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            # Every row out of the due state and back, twice: each a change
+            # the first's replay must see.
+            for round_ in range(4):
+                due = now + 86400 if round_ % 2 == 0 else now - 1800 - round_
+                conn.execute("UPDATE schedule SET due_at = %s", (due,))
+            last = int(conn.execute("SELECT max(seq) FROM changes").fetchone()[0])
+        # The second has applied them all, then trimmed once more: with no
+        # hold that trim would take them.
+        store = wait_for(lambda: _store_after(second, last), 30, "the second applied the writes")
+        wait_for(lambda: _store_after(second, last)["trims"] > store["trims"], 30,
+                 "the second trimmed after the writes")  # fmt: skip
+        first.start()
+        wait_for(lambda: _split([first, second], pg_url), 60, "the rows split again")
+        _wait_balanced([first, second], names, "both balanced after the restart")
+        assert first.request("GET", "/queue-state")[1]["trust"]["store"]["gaps"] == 0
+    finally:
+        finish([first], names[0])
+        finish([second], names[1])

@@ -26,6 +26,7 @@ FLEET_ENV = {
     "QUEUE_NODE_MEMBERSHIP_TIMEOUT_S": str(TIMEOUT_S),
     "QUEUE_NODE_HEARTBEAT_S": "0.2",
     "QUEUE_NODE_STATE_INTERVAL_S": "0.5",  # the saved position moves on often
+    "QUEUE_NODE_TRIM_HOLD_S": "0",  # a node out of the list holds nothing back
 }
 
 # In one statement: how far the log was trimmed, and each node's reported

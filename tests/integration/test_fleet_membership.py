@@ -281,10 +281,11 @@ def test_the_trim_position_is_the_lowest_a_live_node_reported(db):
         b.heartbeat(applied_seq=60)
         a.heartbeat(applied_seq=50)
         assert b.trim_through() == 50
-        # b left: it holds the log back no more; back, it has reported none.
+        # b left: it holds the log back for the hold only; back, it has reported none.
         assert b.leave() and a.trim_through() == 50
         a.heartbeat(applied_seq=70)
         assert a.trim_through() == 70
+        assert a.trim_through(hold_s=600) == 60  # left at 60: kept for the hold
         b.join()
         assert a.trim_through() == 0
         b.heartbeat(applied_seq=30)
