@@ -128,9 +128,10 @@ def test_a_node_restarted_while_the_other_trims_under_writes_replays_them_all(tm
         _wait_balanced([first, second], names, "both balanced")
         assert first.stop() == 0
         with psycopg.connect(pg_url, autocommit=True) as conn:
-            # Every row out of the due state and back, twice: each a change
-            # the first's replay must see.
-            for round_ in range(4):
+            # Every row out of the due state, back, and out again: each a
+            # change the first's replay must see (its rows end not due, so
+            # the counts differ from the save's).
+            for round_ in range(3):
                 due = now + 86400 if round_ % 2 == 0 else now - 1800 - round_
                 conn.execute("UPDATE schedule SET due_at = %s", (due,))
             last = int(conn.execute("SELECT max(seq) FROM changes").fetchone()[0])
