@@ -182,74 +182,135 @@ class ClusterPoller:
                 self.bad.append((status, doc))
 
 
-def test_a_node_cut_from_the_database_stops_granting_its_peer_takes_over_and_heals(
-    tmp_path, pg_url, net
-):
+KEYS = [f"k{i}" for i in range(1, DUE + LATER + 1)]
+
+
+@pytest.fixture
+def fleet(tmp_path, pg_url, net) -> Iterator[tuple[list[Host], NsNode, NsNode]]:
+    """Two nodes, each in a namespace of its own, over the seeded table:
+    their hosts and the nodes, in name order, started."""
     PostgresStore(pg_url).close()
     pg.reset(pg_url)
     _seed(pg_url)
-    keys = [f"k{i}" for i in range(1, DUE + LATER + 1)]
     names = sorted(f"p-{uuid.uuid4().hex[:10]}" for _ in range(2))
-    hosts: list[Host] = [net.add_host() for _ in names]
+    hosts = [net.add_host() for _ in names]
     a, b = (
         NsNode(host, tmp_path / name, name, "--store", net.db_url(pg_url), env=FLEET_ENV)
         for host, name in zip(hosts, names, strict=True)
     )
-    assert net.db is not None
     try:
         a.start()
         b.start()
-        wait_for(lambda: _exact([a, b], keys), 60, "both nodes exact, each its share")
-        # a grants (the lease handed back at once: no lease crosses the cut).
-        status, body = _post(a, "/claim", {"max": 1, "consumer": "t", "lease_s": 600})
-        assert status == 200 and len(body["leases"]) == 1, (status, body)
-        (lease,) = body["leases"]
-        release = {"lease_id": lease["lease_id"], "key": lease["key"]}
-        assert _post(a, "/release", release)[0] == 200
-
-        with ClusterPoller(b) as poller:
-            wait_for(lambda: poller.counts["200"], 15, "the cluster state summed on b")
-            cut_ns = time.monotonic_ns()
-            cut = cut_ns / 1e9
-            net.cut(hosts[0], net.db)
-
-            # The deadline every take checks, read where the takes read it
-            # (the ready set; CLOCK_MONOTONIC is one clock host-wide).
-            with ReadySet.attach(a.name) as ready:
-                wait_for(lambda: time.monotonic_ns() >= ready.grant_until_ns, 10,
-                         "a's grant deadline passed")  # fmt: skip
-                FIGURES["cut -> a's grant deadline (s)"] = (ready.grant_until_ns - cut_ns) / 1e9
-            status, body = _post(a, "/claim", {"max": 1, "consumer": "t"})
-            refused_s = time.monotonic() - cut
-            assert status == 503 and "not_granting" in str(body), (status, body, refused_s)
-            assert refused_s <= 0.8 * TIMEOUT_S + REFUSAL_SLACK_S, refused_s
-            # The database still counts a live: it stopped granting first.
-            assert _live_in_db(pg_url, a.name), "a lapsed before it stopped granting"
-            FIGURES["cut -> a refuses a claim (s)"] = refused_s
-            status, body = _get(a, "/readyz")
-            assert status == 503 and body["reason"].startswith("not_granting"), body
-
-            wait_for(lambda: not _live_in_db(pg_url, a.name), 10, "a out of the live list")
-            FIGURES["cut -> a out of the live list (s)"] = time.monotonic() - cut
-            wait_for(lambda: _exact([b], keys), 60, "b alone exact, holding every row")
-            FIGURES["cut -> b alone exact (s)"] = time.monotonic() - cut
-            status, alone = _get(b, "/queue-state?scope=cluster")
-            assert status == 200 and alone["nodes"] == [b.name], (status, alone)
-
-            heal = time.monotonic()
-            net.heal(hosts[0], net.db)
-            wait_for(lambda: _exact([a, b], keys), 90, "both exact again after the heal")
-            FIGURES["heal -> both exact (s)"] = time.monotonic() - heal
-            since = time.time()
-            try:
-                wait_for(lambda: _laws([a, b], since), 30, "both laws, per node and fleet")
-            except AssertionError as exc:
-                raise AssertionError(f"{exc}: {LAWS}") from None
-            status, both = _get(b, "/queue-state?scope=cluster")
-            assert status == 200 and both["nodes"] == names, (status, both)
-        assert not poller.bad, poller.bad[:3]
-        assert poller.counts["200"] and poller.counts["503"], poller.counts
-        print(f"\npartition figures: {FIGURES}; cluster polls on b: {poller.counts}")
+        wait_for(lambda: _exact([a, b], KEYS), 60, "both nodes exact, each its share")
+        yield hosts, a, b
     finally:
         finish([a, b], names[0])
         finish([a, b], names[1])
+
+
+def test_a_node_cut_from_the_database_stops_granting_its_peer_takes_over_and_heals(
+    pg_url, net, fleet
+):
+    hosts, a, b = fleet
+    keys, names = KEYS, [a.name, b.name]
+    assert net.db is not None
+    # a grants (the lease handed back at once: no lease crosses the cut).
+    status, body = _post(a, "/claim", {"max": 1, "consumer": "t", "lease_s": 600})
+    assert status == 200 and len(body["leases"]) == 1, (status, body)
+    (lease,) = body["leases"]
+    release = {"lease_id": lease["lease_id"], "key": lease["key"]}
+    assert _post(a, "/release", release)[0] == 200
+
+    with ClusterPoller(b) as poller:
+        wait_for(lambda: poller.counts["200"], 15, "the cluster state summed on b")
+        cut_ns = time.monotonic_ns()
+        cut = cut_ns / 1e9
+        net.cut(hosts[0], net.db)
+
+        # The deadline every take checks, read where the takes read it
+        # (the ready set; CLOCK_MONOTONIC is one clock host-wide).
+        with ReadySet.attach(a.name) as ready:
+            wait_for(lambda: time.monotonic_ns() >= ready.grant_until_ns, 10,
+                     "a's grant deadline passed")  # fmt: skip
+            FIGURES["cut -> a's grant deadline (s)"] = (ready.grant_until_ns - cut_ns) / 1e9
+        status, body = _post(a, "/claim", {"max": 1, "consumer": "t"})
+        refused_s = time.monotonic() - cut
+        assert status == 503 and "not_granting" in str(body), (status, body, refused_s)
+        assert refused_s <= 0.8 * TIMEOUT_S + REFUSAL_SLACK_S, refused_s
+        # The database still counts a live: it stopped granting first.
+        assert _live_in_db(pg_url, a.name), "a lapsed before it stopped granting"
+        FIGURES["cut -> a refuses a claim (s)"] = refused_s
+        status, body = _get(a, "/readyz")
+        assert status == 503 and body["reason"].startswith("not_granting"), body
+
+        wait_for(lambda: not _live_in_db(pg_url, a.name), 10, "a out of the live list")
+        FIGURES["cut -> a out of the live list (s)"] = time.monotonic() - cut
+        wait_for(lambda: _exact([b], keys), 60, "b alone exact, holding every row")
+        FIGURES["cut -> b alone exact (s)"] = time.monotonic() - cut
+        status, alone = _get(b, "/queue-state?scope=cluster")
+        assert status == 200 and alone["nodes"] == [b.name], (status, alone)
+
+        heal = time.monotonic()
+        net.heal(hosts[0], net.db)
+        wait_for(lambda: _exact([a, b], keys), 90, "both exact again after the heal")
+        FIGURES["heal -> both exact (s)"] = time.monotonic() - heal
+        since = time.time()
+        try:
+            wait_for(lambda: _laws([a, b], since), 30, "both laws, per node and fleet")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {LAWS}") from None
+        status, both = _get(b, "/queue-state?scope=cluster")
+        assert status == 200 and both["nodes"] == names, (status, both)
+    assert not poller.bad, poller.bad[:3]
+    assert poller.counts["200"] and poller.counts["503"], poller.counts
+    print(f"\npartition figures: {FIGURES}; cluster polls on b: {poller.counts}")
+
+
+def test_a_node_cut_from_its_peer_stays_a_member_and_the_cluster_state_names_the_other(
+    pg_url, net, fleet
+):
+    """The database reachable from both: both stay members and keep their
+    shares (ownership follows the database's list, not who can reach whom),
+    and the cluster state on either is 503 naming the other until the heal."""
+    hosts, a, b = fleet
+    figures: dict[str, float] = {}
+
+    def names_the_other(node: NodeProcess, other: NodeProcess) -> bool:
+        status, doc = _get(node, "/queue-state?scope=cluster")
+        if status == 200:
+            return False
+        assert status == 503 and "due" not in doc["now"], (status, doc)
+        assert doc["trust"]["missing"] == [other.name], doc
+        return True
+
+    cut = time.monotonic()
+    net.cut(hosts[0], hosts[1])
+    for node, other in ((a, b), (b, a)):
+        wait_for(lambda n=node, o=other: names_the_other(n, o), 15, f"{node.name}: 503 naming")
+        figures[f"cut -> {'ab'[node is b]} names the other (s)"] = time.monotonic() - cut
+    # Both members still, both granting their own shares.
+    assert _live_in_db(pg_url, a.name) and _live_in_db(pg_url, b.name)
+    assert _exact([a, b], KEYS)
+    for node in (a, b):
+        status, body = _get(node, "/readyz")
+        assert status == 200, body
+    # Every poll during the cut is a 503 naming the other (checked above, in
+    # the wait); a few more, each within the peer timeout.
+    for node, other in ((a, b), (b, a)):
+        assert names_the_other(node, other)
+
+    heal = time.monotonic()
+    net.heal(hosts[0], hosts[1])
+
+    def summed(node: NodeProcess) -> bool:
+        status, doc = _get(node, "/queue-state?scope=cluster")
+        if status == 503:
+            return False
+        assert status == 200 and doc["now"]["due"]["total"] == DUE, (status, doc)
+        return doc["nodes"] == [a.name, b.name]
+
+    for node in (a, b):
+        wait_for(lambda n=node: summed(n), 15, f"{node.name}: the cluster summed again")
+    figures["heal -> both sum the fleet (s)"] = time.monotonic() - heal
+    assert _exact([a, b], KEYS)
+    print(f"\npartition figures (peers cut): {figures}")
