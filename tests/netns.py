@@ -86,6 +86,7 @@ class Host:
 
     ns: str
     address: str
+    veth: str  # its pair's end in the root namespace, on the bridge
     cut_from: set[str] = field(default_factory=set)  # addresses whose packets it drops
 
     def exec_argv(self, argv: list[str]) -> list[str]:
@@ -151,7 +152,7 @@ class Net:
 
     def _host(self, suffix: str, last: int) -> Host:
         ns, veth = f"{self.tag}{suffix}", f"{self.tag}v{suffix}"
-        host = Host(ns, self._ip(last))
+        host = Host(ns, self._ip(last), veth)
         _run("ip", "netns", "add", ns)
         self.hosts.append(host)  # from here on close() deletes it
         _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
@@ -227,8 +228,10 @@ class Net:
             proc.wait()
         self._procs.clear()
         for host in self.hosts:
-            subprocess.run(["ip", "netns", "del", host.ns], capture_output=True,
-                           timeout=CMD_TIMEOUT_S)  # fmt: skip
+            # The pair goes with either end: deleted here at once, not when
+            # the kernel gets round to freeing the namespace.
+            for argv in (["ip", "link", "del", host.veth], ["ip", "netns", "del", host.ns]):
+                subprocess.run(argv, capture_output=True, timeout=CMD_TIMEOUT_S)
         self.hosts.clear()
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True,
                        timeout=CMD_TIMEOUT_S)  # fmt: skip
