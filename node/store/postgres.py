@@ -79,6 +79,19 @@ POOL_MAX = 2
 # How long an operation waits for a pooled connection (or a new one) before
 # the store is reported unavailable.
 CONNECT_TIMEOUT_S = 5.0
+# A connection whose server stopped answering (a cut network drops packets:
+# nothing is refused) fails instead of waiting on TCP's own timeout of many
+# minutes: unacknowledged data for 10 s (``tcp_user_timeout``), or an idle
+# wait for a reply that keepalives find dead in about 11 s. Every process's
+# store (the ledger's write-backs, the row service's reads) then answers
+# with a store error its caller retries (docs/postgres.md).
+NETWORK_BOUNDS = {
+    "tcp_user_timeout": 10_000,
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 3,
+}
 # Rows per multi-row upsert statement (seven arrays of this length).
 UPSERT_CHUNK = 5_000
 # How long ``last_seq`` waits for the writers that hold seqs below the top of
@@ -255,7 +268,7 @@ class PostgresStore(Store):
             self._conninfo,
             min_size=1,
             max_size=self._pool_max,
-            kwargs={"autocommit": True},
+            kwargs={"autocommit": True, **NETWORK_BOUNDS},
             timeout=CONNECT_TIMEOUT_S,
             open=False,
             name="queue-node",
