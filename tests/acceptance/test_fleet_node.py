@@ -28,7 +28,7 @@ from tests import pg
 
 pytestmark = pytest.mark.timeout(180)
 
-TIMEOUT_S = 5.0  # membership_timeout_s: the deadline lapses 1 s before it
+TIMEOUT_S = 4.0  # membership_timeout_s: the deadline lapses 0.8 s before it
 HEARTBEAT_S = 0.2
 FLEET_ENV = {
     "QUEUE_NODE_MEMBERSHIP_TIMEOUT_S": str(TIMEOUT_S),

@@ -19,7 +19,7 @@ from tests import pg
 
 pytestmark = pytest.mark.timeout(180)
 
-FLEET_ENV = {"QUEUE_NODE_MEMBERSHIP_TIMEOUT_S": "5", "QUEUE_NODE_HEARTBEAT_S": "0.2"}
+FLEET_ENV = {"QUEUE_NODE_MEMBERSHIP_TIMEOUT_S": "3", "QUEUE_NODE_HEARTBEAT_S": "0.2"}
 
 
 def _now(node: NodeProcess, live: list[str]) -> dict | None:

@@ -63,7 +63,7 @@ class Size:
 
 
 SIZES = [
-    pytest.param(Size(20_000, 5.0, 3.0, 60.0), id="20k"),
+    pytest.param(Size(10_000, 3.0, 2.0, 60.0), id="10k"),
     pytest.param(Size(300_000, 60.0, 20.0, 300.0), id="300k",
                  marks=[pytest.mark.slow, pytest.mark.timeout(1800)]),
 ]  # fmt: skip

@@ -208,10 +208,13 @@ def fleet(tmp_path, pg_url, net) -> Iterator[tuple[list[Host], NsNode, NsNode]]:
         finish([a, b], names[1])
 
 
-def test_a_node_cut_from_the_database_stops_granting_its_peer_takes_over_and_heals(
-    pg_url, net, fleet
-):
+def test_a_node_cut_from_its_peer_then_from_the_database(pg_url, net, fleet):
+    """First a cut between the nodes (``_cut_between_the_nodes``), healed;
+    then one node cut off from the database: it stops granting before its
+    membership lapses, its peer takes over, and the heal leaves every row
+    with its owner and both laws balanced."""
     hosts, a, b = fleet
+    _cut_between_the_nodes(pg_url, net, hosts, a, b)
     keys, names = KEYS, [a.name, b.name]
     assert net.db is not None
     # a grants (the lease handed back at once: no lease crosses the cut).
@@ -266,13 +269,11 @@ def test_a_node_cut_from_the_database_stops_granting_its_peer_takes_over_and_hea
     print(f"\npartition figures: {FIGURES}; cluster polls on b: {poller.counts}")
 
 
-def test_a_node_cut_from_its_peer_stays_a_member_and_the_cluster_state_names_the_other(
-    pg_url, net, fleet
-):
-    """The database reachable from both: both stay members and keep their
-    shares (ownership follows the database's list, not who can reach whom),
-    and the cluster state on either is 503 naming the other until the heal."""
-    hosts, a, b = fleet
+def _cut_between_the_nodes(pg_url: str, net: Net, hosts: list[Host], a: NsNode, b: NsNode) -> None:
+    """A cut between the two nodes, the database reachable from both: both
+    stay members and keep their shares (ownership follows the database's
+    list, not who can reach whom), and the cluster state on either is 503
+    naming the other until the heal."""
     figures: dict[str, float] = {}
 
     def names_the_other(node: NodeProcess, other: NodeProcess) -> bool:

@@ -23,7 +23,7 @@ from node.testing import NodeProcess, finish, wait_for
 
 # Seconds the ledger sleeps before recovering: far longer than the keeper
 # takes to publish, so readyz must wait for the ledger to say 200.
-LEDGER_DELAY_S = "4"
+LEDGER_DELAY_S = "2"
 
 
 def _claim_and_complete(node: NodeProcess) -> None:

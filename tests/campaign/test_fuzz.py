@@ -22,7 +22,7 @@ status). At the end the node must be healthy with the same processes it
 started with (``node.json``'s pids): a request that crashed a worker would
 show as a restarted pid even when the answer looked fine.
 
-The default run is bounded (``FUZZ_S``, about 25 s); ``--run-slow`` adds a long
+The default run is bounded (``FUZZ_S``, about 20 s); ``--run-slow`` adds a long
 one (``LONG_FUZZ_S``), and ``scripts/fuzz`` runs that with the counts printed.
 ``QUEUE_NODE_FUZZ_S`` and ``QUEUE_NODE_FUZZ_SEED`` override the duration and
 the seed; a failing run's seed (printed) reproduces its requests.
@@ -66,7 +66,7 @@ from schemathesis.specs.openapi.checks import (
 from node.testing import NodeProcess, wait_for
 from workers.http.errors import ERROR_CODES
 
-FUZZ_S = float(os.environ.get("QUEUE_NODE_FUZZ_S", "25"))
+FUZZ_S = float(os.environ.get("QUEUE_NODE_FUZZ_S", "20"))
 LONG_FUZZ_S = float(os.environ.get("QUEUE_NODE_LONG_FUZZ_S", "600"))
 # Requests drawn per operation and mode before moving to the next: small, so
 # a bounded run still visits every operation many times over.
