@@ -80,6 +80,14 @@ class Fleet:
         nodes = await loop.run_in_executor(self._thread, self.membership.nodes)
         return {m.number: (Peer(m.name, m.address), live) for m, live in nodes}
 
+    async def holders_or_503(self) -> dict[int, tuple[Peer, bool]]:
+        """``holders``, or 503 ``peer_unavailable`` when the list cannot be read."""
+        try:
+            return await self.holders()
+        except StoreError as exc:
+            why = f"the node list cannot be read: {exc}"
+            raise ApiError(503, "peer_unavailable", why) from None
+
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
@@ -112,11 +120,9 @@ class Fleet:
 async def _send(
     session: aiohttp.ClientSession, peer: Peer, url: str, fleet: Fleet, timeout: Any, body: Any
 ) -> Answer:
-    method, headers = "GET", fleet._headers()
-    if body is not None:
-        method = "POST"
+    method = "GET" if body is None else "POST"
     async with session.request(
-        method, url, json=body, headers=headers, ssl=fleet.ssl, timeout=timeout
+        method, url, json=body, headers=fleet._headers(), ssl=fleet.ssl, timeout=timeout
     ) as resp:
         raw = await resp.read()
     try:
@@ -188,6 +194,13 @@ async def gather(
         raise Refused(exc.reason, exc.missing, live) from None
 
 
+def _unavailable(peer: Peer, answer: Answer) -> ApiError:
+    """503 ``peer_unavailable`` for a node that did not answer as asked."""
+    error = answer.doc.get("error") if isinstance(answer.doc, dict) else None
+    why = answer.error or f"answered {answer.status}: {error or answer.doc}"
+    return ApiError(503, "peer_unavailable", f"node {peer.name} at {peer.address}: {why}")
+
+
 # -- one node, by name -----------------------------------------------------------------
 
 
@@ -197,10 +210,7 @@ async def ask_node(request: web.Request, node: str, path: str, body: Any) -> dic
     keeper). Its answer, with ``"node"``; or ApiError: 404 ``unknown_node``
     (not on the node list), 503 ``peer_unavailable`` (down, or no answer)."""
     fleet = _fleet(request.app)
-    try:
-        holders = await fleet.holders()
-    except StoreError as exc:
-        raise ApiError(503, "peer_unavailable", f"the node list cannot be read: {exc}") from None
+    holders = await fleet.holders_or_503()
     found = [(peer, live) for peer, live in holders.values() if peer.name == node]
     if not found:
         raise ApiError(404, "unknown_node", f"no node {node} on the node list", "node")
@@ -211,9 +221,7 @@ async def ask_node(request: web.Request, node: str, path: str, body: Any) -> dic
     answer = await fleet.ask(peer, path, body)
     if answer.status == 200 and isinstance(answer.doc, dict):
         return {**answer.doc, "node": node}
-    error = answer.doc.get("error") if isinstance(answer.doc, dict) else None
-    why = answer.error or f"answered {answer.status}: {error or answer.doc}"
-    raise ApiError(503, "peer_unavailable", f"node {node} at {peer.address}: {why}")
+    raise _unavailable(peer, answer)
 
 
 # -- results from the whole fleet -----------------------------------------------------
@@ -235,10 +243,7 @@ async def poll_fleet(
     on the list that are down or did not answer: their results wait on their
     disks (docs/fleet.md, "Results from the whole fleet")."""
     fleet = _fleet(request.app)
-    try:
-        holders = await fleet.holders()
-    except StoreError as exc:
-        raise ApiError(503, "peer_unavailable", f"the node list cannot be read: {exc}") from None
+    holders = await fleet.holders_or_503()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
     nodes = [holders[n] for n in sorted(holders)]
@@ -286,10 +291,7 @@ async def route_ack(
     (then ``acked`` counts what was: acks are idempotent, the caller sends
     the same ack again; docs/delivery.md, "Acks in a fleet")."""
     fleet = _fleet(request.app)
-    try:
-        holders = await fleet.holders()
-    except StoreError as exc:
-        raise ApiError(503, "peer_unavailable", f"the node list cannot be read: {exc}") from None
+    holders = await fleet.holders_or_503()
     groups: dict[int, list[int]] = {}
     for rid in ids:
         groups.setdefault(number_of(rid), []).append(rid)
@@ -314,12 +316,11 @@ async def route_ack(
         answer = await fleet.ask(peer, path, {"ids": rids, "check": check_only})
         if answer.status == 200 and isinstance(answer.doc, dict):
             return answer.doc
-        error = (answer.doc or {}).get("error") if isinstance(answer.doc, dict) else None
+        error = answer.doc.get("error") if isinstance(answer.doc, dict) else None
         if answer.status == 409 and isinstance(error, dict):
             raise ApiError(409, "never_offered", f"node {peer.name}: {error.get('message')}",
                            "ids")  # fmt: skip
-        why = answer.error or f"answered {answer.status}: {error or answer.doc}"
-        raise ApiError(503, "peer_unavailable", f"node {peer.name} at {peer.address}: {why}")
+        raise _unavailable(peer, answer)
 
     shares: list[tuple[Peer | None, list[int]]] = [(None, local_ids)] if local_ids else []
     shares += list(remote.items())

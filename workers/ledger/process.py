@@ -703,7 +703,8 @@ class Ledger:
         """Read this fleet node's number from the keeper's state; True once known."""
         doc = self._keeper_doc()
         membership = ((doc or {}).get("trust") or {}).get("membership")
-        if self.fleet.learn(membership, self.log.raise_next_id(0)):
+        next_id = self.log.raise_next_id(0)  # the log's next id (a floor of 0 changes nothing)
+        if self.fleet.learn(membership, next_id):
             self.log.raise_next_id(self.fleet.first_id())
         return self.fleet.number is not None
 
