@@ -154,3 +154,71 @@ def test_the_deadline_word_and_its_writer(name):
         assert [e.key for e in ready.take(1)[1]] == ["a"]
     finally:
         ready.close()
+
+
+class _ReadOutlastsDeadline:
+    """A real schedule whose next batch read ends after the grant deadline
+    (the fault seam: on PostgreSQL the read is a round trip through the row
+    service that a network fault holds for seconds; here the membership
+    lapses while it runs, as the keeper's missed heartbeats would make it)."""
+
+    def __init__(self, store: Any, ready: ReadySet) -> None:
+        self.store, self.ready = store, ready
+        self.lapse_at_read: int | None = None  # the read (by count) during which it lapses
+        self.reads = 0
+
+    def _read(self, found: Any) -> Any:
+        self.reads += 1
+        if self.reads == self.lapse_at_read:
+            self.ready.set_grant_until(time.monotonic_ns() - 1)
+        return found
+
+    def get(self, key: str) -> Any:
+        return self._read(self.store.get(key))
+
+    def get_many(self, keys: list[str]) -> Any:
+        return self._read(self.store.get_many(keys))
+
+    def claim_source(self) -> None:
+        return None  # the Python path, as a PostgreSQL node's claimers
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def test_a_row_read_that_outlasts_the_deadline_grants_nothing_after_it(name, tmp_path):
+    """The take passed its check, the rows came back after the deadline: the
+    claim grants none of them (NotGranting). Fails without the check after
+    the read: the four keys would be leased past the deadline."""
+    keys = KEYS[:8]
+    store = open_store(f"sqlite:///{tmp_path / 'schedule.db'}")
+    now = time.time()
+    store.upsert([RowWrite(key=k, route="r", due_at=now - 600) for k in keys], now=now)
+    rows = store.get_many(keys)
+    ready = ReadySet.create(name, capacity=len(keys))
+    leases = LeaseTable.create(name, capacity=1 << 10)
+    seam = _ReadOutlastsDeadline(store, ready)
+    config = Config(name="t", workers=1, routes={"r": RouteConfig(cadence_s=3600)})
+    claimer = Claimer(config, seam, ReadySet.attach(name), LeaseTable.attach(name), c_path=False)
+    try:
+        assert not claimer.on_c_path
+        minute = int(now // 60) - 10
+        ready.publish([(k, rows[k].version, minute, 1, 1.0) for k in keys[:4]], now)
+        ready.set_grant_until(time.monotonic_ns() + 60 * S)
+        seam.lapse_at_read = seam.reads + 1
+        with pytest.raises(NotGranting):
+            claimer.claim(4, 3600, "c", time.time())
+        assert leases.live() == [], "granted after the deadline"
+        assert claimer.stats.not_granting == 1
+
+        # Renewed: the keys come back in the next set and are granted once.
+        ready.set_grant_until(time.monotonic_ns() + 60 * S)
+        ready.publish([(k, rows[k].version, minute, 1, 1.0) for k in keys[:4]], now)
+        granted = claimer.claim(4, 3600, "c", time.time())
+        assert sorted(g.key for g in granted) == keys[:4]
+        assert sorted(lease.key for lease in leases.live()) == keys[:4]
+    finally:
+        claimer.close()
+        leases.close()
+        ready.close()
+        seam.close()

@@ -23,8 +23,13 @@ Hazards:
   ready, so the check is made until it first passes and never again.
 - The grant deadline (a fleet: docs/fleet.md): every take checks it, and a
   claim whose take finds it passed ends there (NotGranting, or the leases its
-  earlier takes granted). A grant is made a few microseconds after its take's
-  check; the membership margin is seconds.
+  earlier takes granted). The Python path checks it again after the take's
+  row read and before its grants: on PostgreSQL that read is a round trip to
+  the server through the row service, which a network fault can hold for
+  seconds (``tcp_user_timeout``, 10 s), longer than the membership margin;
+  a grant after the deadline could be a key another node owns by then. The
+  C path reads SQLite, which no fleet node uses, and grants microseconds
+  after its take's check.
 """
 
 from __future__ import annotations
@@ -293,6 +298,11 @@ class Claimer:
             stats.taken += len(entries)
             try:
                 self._grant_entries(entries, lease_s, consumer, now, grants)
+            except NotGranting:
+                stats.not_granting += 1
+                if not grants:
+                    raise
+                break  # the deadline passed during the read: the earlier leases are live
             except StoreError:
                 if not grants:
                     raise
@@ -406,6 +416,14 @@ class Claimer:
             rows = {} if row is None else {key: row}
         else:
             rows = self.store.get_many([entry.key for entry in entries])
+        # The read may have outlasted the grant deadline (module docstring):
+        # the take's check is then stale, and these entries wait for the
+        # next set of whichever node owns them.
+        until = self.ready.grant_until_ns
+        if until:
+            now_ns = time.monotonic_ns()
+            if now_ns >= until:
+                raise not_granting(until, now_ns)
         for entry in entries:
             row = rows.get(entry.key)
             if row is None or isinstance(row, BadRow):
