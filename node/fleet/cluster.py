@@ -69,6 +69,29 @@ class Answer:
     error: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Down:
+    """A node on the node list that is not live: it ``left`` (a clean leave)
+    or lapsed (no heartbeat within the membership timeout: killed, stopped,
+    cut off); ``heartbeat_age_s`` by the database's clock. A node forgotten
+    (its row deleted) is on no list."""
+
+    name: str
+    address: str
+    number: int
+    heartbeat_age_s: float
+    left: bool
+
+    def doc(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "address": self.address,
+            "number": self.number,
+            "heartbeat_age_s": round(max(0.0, self.heartbeat_age_s), 1),
+            "state": "left" if self.left else "lapsed",
+        }
+
+
 class NotSummable(Exception):
     """The answers cannot be summed; ``reason`` names the first node that
     failed and why, ``missing`` every node that did."""
@@ -304,8 +327,13 @@ def _node_trust(doc: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def sum_queue_states(docs: Mapping[str, Mapping[str, Any]], addresses: Mapping[str, str]) -> dict:
-    """The fleet's queue state from every live node's own (``judge``d)."""
+def sum_queue_states(
+    docs: Mapping[str, Mapping[str, Any]],
+    addresses: Mapping[str, str],
+    down: Sequence[Down] = (),
+) -> dict:
+    """The fleet's queue state from every live node's own (``judge``d);
+    ``down``: the nodes on the list that are not live (``trust.down``)."""
     names = sorted(docs)
     ordered = [docs[n] for n in names]
     now = _now(ordered)
@@ -328,14 +356,46 @@ def sum_queue_states(docs: Mapping[str, Mapping[str, Any]], addresses: Mapping[s
             "status": now["status"],
             "counts_at": now["at"],
             "nodes": trust_nodes,
+            "down": [d.doc() for d in down],
         },
     }
 
 
-def not_summed(reason: str, missing: Sequence[str], live: Sequence[Peer]) -> dict[str, Any]:
+def _own_figures(peer: Peer, answer: Answer | None, fit: bool) -> dict[str, Any]:
+    """One live node in the 503's ``trust.nodes``: the figures it answered
+    for itself (``_node_trust``'s, as on a 200), side by side with the
+    others' and never added to them (``own_figures``); a node that gave no
+    document has none, and ``reason`` says why (its error)."""
+    doc = answer.doc if answer is not None and isinstance(answer.doc, dict) else None
+    entry = _node_trust(doc if doc is not None else {})
+    if doc is None:
+        entry["reason"] = answer.error if answer is not None else None
+    return {**entry, "address": peer.address, "summed": fit, "own_figures": doc is not None}
+
+
+def not_summed(
+    reason: str,
+    missing: Sequence[str],
+    live: Sequence[Peer],
+    answers: Sequence[Answer] = (),
+    down: Sequence[Down] | None = None,
+    queue_state: bool = True,
+) -> dict[str, Any]:
     """The 503 document of ``?scope=cluster``: who is live, who failed, why;
-    no counts at all (a partial sum is never shown)."""
-    return {
+    no summed counts at all (a partial sum is never shown). Each node that
+    answered is shown by itself: ``trust.nodes`` carries its own figures
+    (``queue_state``), or ``by_node`` its own books (the ledger's 503).
+    ``trust.down``: the nodes on the list that are not live (None: the list
+    could not be read)."""
+    by_name = {a.peer.name: a for a in answers}
+    nodes: dict[str, Any] = {}
+    for p in live:
+        fit = p.name not in missing  # its answer could have gone into a sum
+        if queue_state:
+            nodes[p.name] = _own_figures(p, by_name.get(p.name), fit)
+        else:
+            nodes[p.name] = {"address": p.address, "summed": fit}
+    doc: dict[str, Any] = {
         "scope": SCOPE,
         "nodes": sorted(p.name for p in live),
         "now": {"in_flight": None, "paused": None, "status": None},
@@ -345,11 +405,19 @@ def not_summed(reason: str, missing: Sequence[str], live: Sequence[Peer]) -> dic
             "reason": reason,
             "status": None,
             "missing": sorted(missing),
-            "nodes": {
-                p.name: {"address": p.address, "summed": p.name not in missing} for p in live
-            },  # fmt: skip
+            "nodes": nodes,
+            "down": None if down is None else [d.doc() for d in down],
         },
     }
+    if not queue_state:
+        # Each ledger that answered, by itself (as a 200's by_node): its
+        # laws hold or not whatever the other nodes' do.
+        doc["by_node"] = {
+            name: {"balanced": bool(a.doc.get("balanced")), "gaps": a.doc.get("gaps")}
+            for name, a in sorted(by_name.items())
+            if a.status == 200 and isinstance(a.doc, dict) and "error" not in a.doc
+        }  # fmt: skip
+    return doc
 
 
 # -- accounting -----------------------------------------------------------------------

@@ -95,6 +95,21 @@ class LiveList:
 
 
 @dataclass(frozen=True, slots=True)
+class Absent:
+    """A node on the list that is not live: it ``left`` (a clean leave, at
+    ``left_at``) or lapsed (its last heartbeat older than the membership
+    timeout: killed, stopped, cut off). Its row keeps its number until it is
+    forgotten (``Membership.forget``)."""
+
+    member: Member
+    left_at: float | None
+
+    @property
+    def left(self) -> bool:
+        return self.left_at is not None
+
+
+@dataclass(frozen=True, slots=True)
 class Skew:
     """The database's clock minus this host's wall clock, taken at the
     middle of one round trip; ``error_s`` is half the round trip (the
@@ -284,6 +299,17 @@ class Membership:
             return LiveList((), self._run("clock", lambda c: c.execute(q.NOW).fetchone()[0]))
         members = tuple(Member(*row[:5]) for row in rows)
         return LiveList(members, rows[0][5])
+
+    def listing(self) -> tuple[LiveList, tuple[Absent, ...]]:
+        """The whole node list in one read: the live nodes (as ``live``
+        judges them) and the others, those that left or lapsed, by name."""
+        params = {"timeout_s": self.membership_timeout_s}
+        rows = self._run("node list", lambda conn: conn.execute(q.LISTING, params).fetchall())
+        if not rows:
+            return LiveList((), self._run("clock", lambda c: c.execute(q.NOW).fetchone()[0])), ()
+        live = tuple(Member(*row[:5]) for row in rows if row[6])
+        absent = tuple(Absent(Member(*row[:5]), row[7]) for row in rows if not row[6])
+        return LiveList(live, rows[0][5]), absent
 
     def nodes(self) -> list[tuple[Member, bool]]:
         """Every node on the list with whether it is live now (by the

@@ -68,6 +68,18 @@ SELECT name, address, number, extract(epoch FROM started_at)::float8,
  ORDER BY name
 """
 
+# The whole node list in one read, by name: each row's times, whether it is
+# live (LIVE's test, to the letter) and when it left, with the database's
+# clock. The cluster's answer takes its live nodes and the others from it.
+LISTING = """
+SELECT name, address, number, extract(epoch FROM started_at)::float8,
+       extract(epoch FROM heartbeat_at)::float8, extract(epoch FROM now())::float8,
+       left_at IS NULL AND heartbeat_at > now() - make_interval(secs => %(timeout_s)s),
+       extract(epoch FROM left_at)::float8
+  FROM fleet_nodes
+ ORDER BY name
+"""
+
 # Every node on the list, live or not (a node down still holds the results
 # its log keeps: an ack of one of its ids must say so, not lose it).
 NODES = """

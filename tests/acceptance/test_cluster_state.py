@@ -92,7 +92,8 @@ def test_the_cluster_is_every_live_node_summed_or_a_503_naming_the_node(tmp_path
         assert by_route == {"pages": DUE // 2, "docs": DUE // 2}
         assert doc["now"]["classes"] == 2
         assert set(doc["trust"]["nodes"]) == set(names)
-        assert doc["trust"]["vouched"] is True
+        assert doc["trust"]["vouched"] is True and doc["trust"]["down"] == []
+        address = doc["trust"]["nodes"][b.name]["address"]
         # Any node answers the same sum.
         assert wait_for(lambda: _summed(b, names), 15, "b sums too")["now"]["due"]["total"] == DUE
 
@@ -124,9 +125,18 @@ def test_the_cluster_is_every_live_node_summed_or_a_503_naming_the_node(tmp_path
             assert status == 503, late
             assert late["trust"]["missing"] == [b.name]
             assert b.name in late["trust"]["reason"] and "no answer" in late["trust"]["reason"]
-            assert "due" not in late["now"]  # no counts at all
+            assert "due" not in late["now"]  # no summed counts at all
+            # a answered: its own figures, side by side, as its own answer gives them.
+            shown, own = late["trust"]["nodes"][a.name], _get(a, "/queue-state")[1]
+            assert shown["own_figures"] is True and shown["vouched"] is True
+            assert shown["due"] == own["now"]["due"]["total"] > 0
+            assert shown["rows"] == own["now"]["rows"]
+            assert shown["lateness"] == own["lateness"]["total"]
+            assert late["trust"]["nodes"][b.name]["own_figures"] is False
+            assert late["trust"]["down"] == []
             status, books = _get(a, "/accounting?scope=cluster")
             assert status == 503 and books["error"]["code"] == "peer_unavailable", books
+            assert list(books["by_node"]) == [a.name] and "received" not in books
             with Client(a.base_url, token=TOKEN) as client:
                 assert client.queue_state(scope="cluster")["trust"]["vouched"] is False
         finally:
@@ -139,6 +149,10 @@ def test_the_cluster_is_every_live_node_summed_or_a_503_naming_the_node(tmp_path
         assert status == 503 and gone["trust"]["missing"] == [b.name], gone
         alone = wait_for(lambda: _summed(a, [a.name]), 60, "a alone, exact, once b is out")
         assert alone["now"]["due"]["total"] == DUE
+        # b is still on the node list: named as down (lapsed), not summed.
+        [down] = alone["trust"]["down"]
+        assert (down["name"], down["state"], down["address"]) == (b.name, "lapsed", address)
+        assert down["heartbeat_age_s"] >= 4  # the membership timeout
     finally:
         finish([a, b], names[0])
         finish([a, b], names[1])

@@ -2,8 +2,11 @@
 "The fleet"), in a real headless Chromium against two real nodes on one
 PostgreSQL database with a token: both nodes side by side with their own
 figures, a node paused and resumed through the other one's page, a route run
-again now from the page (after its confirm step), and a node killed shown
-as down, the fleet not summed. The browser fixture is test_console.py's."""
+again now from the page (after its confirm step), a node killed shown as
+down, the fleet not summed and the node that answered shown with its own
+figures, a page opened after the node died listing it as down from its
+first draw, and a forgotten node not shown. The browser fixture is
+test_console.py's."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from node.fleet import Membership
 from node.store.postgres import PostgresStore
 from node.testing import NodeProcess, finish, wait_for
 from tests import pg
@@ -104,6 +108,20 @@ def _click(driver: Any, name: str, testid: str) -> bool:
     return True
 
 
+# Every node row of the fleet table as one render drew it (one script: the
+# page cannot redraw while it runs): name -> (state, state text, due).
+_ROWS_JS = """
+return Array.from(document.querySelectorAll('tr[data-testid="fleet-node"]')).map((tr) => [
+  tr.dataset.node, tr.dataset.state,
+  tr.querySelector('[data-testid="fleet-node-state"]').textContent,
+  tr.querySelector('[data-testid="fleet-node-due"]').textContent]);
+"""
+
+
+def _rows(driver: Any) -> dict[str, tuple[str, str, str]]:
+    return {name: (state, text, due) for name, state, text, due in driver.execute_script(_ROWS_JS)}
+
+
 def _paused(node: NodeProcess) -> bool | None:
     status, doc = _get(node, "/queue-state")
     return doc["now"]["paused"]["node"] if status == 200 else None
@@ -164,10 +182,20 @@ def test_fleet_view_in_a_real_browser(tmp_path, pg_url, browser) -> None:  # noq
         wait_for(lambda: _text(browser, "fleet-due") == str(DUE + LATER), 10, "shown")
         assert _severe(browser) == []
 
-        # 4. b dies: not summed, b marked down; once its membership lapses,
-        # a alone holds every row and b is shown gone from the list.
+        # 4. b dies: not summed, b marked down, and a (which answered)
+        # shown with its own figures, no total; once b's membership lapses,
+        # a alone holds every row and b is listed as down, off the list.
         b.kill()
-        wait_for(lambda: _row_state(browser, b.name) == "down", 20, "b shown down")
+        own_due = str(_get(a, "/queue-state")[1]["now"]["due"]["total"])
+
+        def shown_apart() -> dict | None:
+            rows = _rows(browser)
+            if rows.get(b.name, ("",))[0] != "down" or rows.get(a.name, ("",))[0] != "waiting":
+                return None
+            return rows
+
+        rows = wait_for(shown_apart, 20, "b shown down, a apart")
+        assert rows[a.name][2] == own_due != "–", rows  # a's own due: the same as its own answer
         assert _text(browser, "fleet-summary").startswith("not summed: node " + b.name)
         assert _text(browser, "fleet-due") == "–"  # never a partial sum
         # Over HTTP: a pause for the dead node is 503, for a name not on the
@@ -178,10 +206,23 @@ def test_fleet_view_in_a_real_browser(tmp_path, pg_url, browser) -> None:  # noq
         status, body = a.request("POST", "/admin/pause", {"node": "no-such-node"}, headers=AUTH)
         assert status == 404 and body["error"]["code"] == "unknown_node", body
         assert _paused(a) is False
-        wait_for(lambda: _row_state(browser, b.name) == "gone", 30, "b gone from the list")
+        wait_for(lambda: "no heartbeat" in (_cell(browser, b.name, "fleet-node-state") or ""),
+                 30, "b listed as down, off the live list")  # fmt: skip
         # a takes b's rows up (a walk): it may not vouch for a moment.
         wait_for(lambda: _row_state(browser, a.name) == "vouched", 30, "a alone, vouched")
         wait_for(lambda: _text(browser, "fleet-due") == str(DUE + LATER), 30, "every row on a")
+        assert _severe(browser, allowed=("status of 503",)) == []
+
+        # 5. A page opened after b died lists b as down from its first draw
+        # (the node list knows it; this page never saw it live).
+        browser.refresh()  # the token stays: sessionStorage
+        rows = wait_for(lambda: _rows(browser) or None, 20, "the first draw of the fleet")
+        assert rows[b.name][0] == "down" and "no heartbeat" in rows[b.name][1], rows
+        assert rows[a.name][0] in ("vouched", "not-vouching"), rows
+        # Forgotten (its row deleted): on no list, not shown.
+        with Membership(pg_url, a.name, "", membership_timeout_s=4) as membership:
+            assert membership.forget(b.name)
+        wait_for(lambda: b.name not in _rows(browser), 10, "b forgotten, not shown")
         assert _severe(browser, allowed=("status of 503",)) == []
     finally:
         finish([a, b], names[0])

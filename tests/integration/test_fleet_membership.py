@@ -95,6 +95,27 @@ def test_join_heartbeat_and_the_live_list(db):
             assert d.join().number == 3
 
 
+def test_the_whole_list_in_one_read_live_left_lapsed_and_forgotten(db):
+    import psycopg
+
+    with (Membership(db, "a", "a:1") as a, Membership(db, "b", "b:1") as b,
+          Membership(db, "c", "c:1") as c, Membership(db, "d", "d:1") as d):  # fmt: skip
+        for m in (a, b, c, d):
+            m.join()
+        assert c.leave()
+        with psycopg.connect(db, autocommit=True) as conn:  # b's heartbeat 30 s old: lapsed
+            conn.execute("UPDATE fleet_nodes SET heartbeat_at = now() - interval '30 s'"
+                         " WHERE name IN ('b', 'd')")  # fmt: skip
+        assert a.forget("d")  # forgotten: on no list
+        live, absent = a.listing()
+        assert live.names == a.live().names == ("a",)
+        assert abs(live.db_now - time.time()) < 5
+        assert [(x.member.name, x.member.number, x.left) for x in absent] == [
+            ("b", 2, False), ("c", 3, True)]  # fmt: skip
+        assert 29 < live.db_now - absent[0].member.heartbeat_at < 60
+        assert absent[1].left_at is not None and absent[1].member.address == "c:1"
+
+
 def _heartbeat_process(db: str, name: str, ready_name: str, heartbeat_s: float, conn: Any) -> None:
     ready = ReadySet.attach(ready_name)
     membership = Membership(db, name, f"{name}:8470", membership_timeout_s=2.0)

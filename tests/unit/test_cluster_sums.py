@@ -7,6 +7,7 @@ import pytest
 
 from node.fleet.cluster import (
     Answer,
+    Down,
     NotSummable,
     Peer,
     judge,
@@ -80,6 +81,7 @@ def test_every_group_adds_up_and_classes_merge_by_identity():
     assert doc["flow"]["last_hour"]["came_due"] == 7
     assert doc["counters"]["received"] == 7 and doc["counters"]["at"] == 100.0
     assert doc["trust"]["nodes"]["b"]["address"] == "h:1"
+    assert doc["trust"]["down"] == []
 
 
 @pytest.mark.parametrize(
@@ -122,3 +124,65 @@ def test_the_ledgers_add_up_and_balance_only_when_every_node_does():
         judge(_answers(one, {"error": {"code": "ledger_unavailable"}}, status=200)[:1]
               + [Answer(Peer("b", "h:1"), 503, {"error": {"code": "ledger_unavailable"}})],
               queue_state=False)  # fmt: skip
+
+
+def test_a_503_shows_each_answering_node_by_itself_and_sums_nothing():
+    a = _doc("a", 3, 100.0, [_class("pages", 3, 3, 50, 0.1)], 7)
+    late = Answer(Peer("b", "h:1"), error="no answer in 2 s")
+    answers = [_answers(a)[0], late]
+    with pytest.raises(NotSummable) as caught:
+        judge(answers)
+    doc = not_summed(caught.value.reason, caught.value.missing, [p.peer for p in answers], answers)
+    assert set(doc["now"]) == {"in_flight", "paused", "status"}  # no summed counts
+    assert all(key not in doc for key in ("lateness", "coming", "classes", "counters"))
+    shown, missing = doc["trust"]["nodes"]["a"], doc["trust"]["nodes"]["b"]
+    # a's own figures, the same as a 200 gives it, marked its own (not summed).
+    summed = sum_queue_states({"a": a}, {"a": "h:0"})["trust"]["nodes"]["a"]
+    assert {k: shown[k] for k in summed} == summed
+    assert (shown["due"], shown["in_flight"], shown["lateness"]) == (3, 1, [3, 0, 0, 0, 0, 0])
+    assert shown["own_figures"] is True and shown["summed"] is True
+    # b gave nothing: no figures, its error as its reason.
+    assert missing["own_figures"] is False and missing["summed"] is False
+    assert missing["due"] is None and missing["vouched"] is False
+    assert missing["reason"] == "no answer in 2 s" and missing["address"] == "h:1"
+    assert doc["trust"]["down"] is None  # the list's other nodes were not given
+
+
+def test_a_node_that_does_not_vouch_shows_its_verdict_and_no_counts():
+    b = {"now": {"in_flight": 2, "paused": {"node": False, "routes": []}, "status": "loading"},
+         "trust": {"vouched": False, "reason": "loading", "status": "loading",
+                   "membership": {"name": "b", "number": 2, "live": LIVE}}}  # fmt: skip
+    answers = _answers(_doc("a", 1, 1.0, [], 1), b)
+    with pytest.raises(NotSummable) as caught:
+        judge(answers)
+    doc = not_summed(caught.value.reason, caught.value.missing, [p.peer for p in answers], answers)
+    node = doc["trust"]["nodes"]["b"]
+    assert (node["vouched"], node["reason"], node["own_figures"]) == (False, "loading", True)
+    assert (node["due"], node["in_flight"], node["number"]) == (None, 2, 2)
+
+
+def test_the_nodes_down_are_named_on_a_200_and_a_503():
+    down = [Down("c", "h:2", 3, 12.345, left=False), Down("d", "h:3", 4, 0.04, left=True)]
+    named = [{"name": "c", "address": "h:2", "number": 3, "heartbeat_age_s": 12.3,
+              "state": "lapsed"},
+             {"name": "d", "address": "h:3", "number": 4, "heartbeat_age_s": 0.0,
+              "state": "left"}]  # fmt: skip
+    a = _doc("a", 1, 1.0, [], 1)
+    assert sum_queue_states({"a": a}, {"a": "h:0"}, down)["trust"]["down"] == named
+    doc = not_summed("node b at h:1: no answer", ["b"], [Peer("a", "h:0"), Peer("b", "h:1")],
+                     down=down)  # fmt: skip
+    assert doc["trust"]["down"] == named
+
+
+def test_a_503_of_the_ledgers_carries_each_answering_nodes_books():
+    one = {"received": 5, "balanced": True, "gaps": {"input": 0, "output": 0}}
+    refused = {"error": {"code": "ledger_unavailable"}}
+    answers = [Answer(Peer("a", "h:0"), 200, one), Answer(Peer("b", "h:1"), 503, refused)]
+    with pytest.raises(NotSummable) as caught:
+        judge(answers, queue_state=False)
+    doc = not_summed(caught.value.reason, caught.value.missing, [p.peer for p in answers],
+                     answers, queue_state=False)  # fmt: skip
+    assert doc["by_node"] == {"a": {"balanced": True, "gaps": {"input": 0, "output": 0}}}
+    assert "received" not in doc and "balanced" not in doc  # no sum
+    assert doc["trust"]["nodes"] == {"a": {"address": "h:0", "summed": True},
+                                     "b": {"address": "h:1", "summed": False}}  # fmt: skip

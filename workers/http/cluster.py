@@ -33,7 +33,7 @@ from aiohttp import web
 from node.core.errors import StoreError
 from node.core.ids import number_of
 from node.fleet import Membership
-from node.fleet.cluster import SCOPE, Answer, NotSummable, Peer, judge, not_summed
+from node.fleet.cluster import SCOPE, Answer, Down, NotSummable, Peer, judge, not_summed
 from node.store import is_fleet_url
 from workers.http.app import CTX, LAZY, WorkerContext
 from workers.http.errors import ApiError
@@ -68,11 +68,17 @@ class Fleet:
         self._session: aiohttp.ClientSession | None = None
         self.turn = 0  # the node a fleet poll asks first turns with each poll
 
-    async def live(self) -> list[Peer]:
-        """The live nodes, as the database judges them now."""
+    async def listing(self) -> tuple[list[Peer], list[Down]]:
+        """The live nodes, as the database judges them now, and the others
+        on the list (left or lapsed): one read."""
         loop = asyncio.get_running_loop()
-        live = await loop.run_in_executor(self._thread, self.membership.live)
-        return [Peer(m.name, m.address) for m in live.members]
+        live, absent = await loop.run_in_executor(self._thread, self.membership.listing)
+        down = [
+            Down(a.member.name, a.member.address, a.member.number,
+                 live.db_now - a.member.heartbeat_at, a.left)
+            for a in absent
+        ]  # fmt: skip
+        return [Peer(m.name, m.address) for m in live.members], down
 
     async def holders(self) -> dict[int, tuple[Peer, bool]]:
         """Every node on the list by number: where it serves, whether live."""
@@ -158,28 +164,55 @@ Local = Callable[[], Awaitable[tuple[int, Any]]]
 
 
 class Refused(Exception):
-    """No sum: why (``reason``), the nodes that failed (``missing``) and the
-    live list read (``live``; empty when it could not be read)."""
+    """No sum: why (``reason``), the nodes that failed (``missing``), the
+    live list read (``live``; empty when it could not be read), what each
+    node answered (``answers``: none when none was asked) and the nodes on
+    the list that are not live (``down``; None when it could not be read)."""
 
-    def __init__(self, reason: str, missing: list[str], live: list[Peer]) -> None:
+    def __init__(
+        self,
+        reason: str,
+        missing: list[str],
+        live: list[Peer],
+        answers: list[Answer] | None = None,
+        down: list[Down] | None = None,
+    ) -> None:
         super().__init__(reason)
         self.reason, self.missing, self.live = reason, missing, live
+        self.answers = answers or []
+        self.down = down
+
+    def document(self, queue_state: bool) -> dict[str, Any]:
+        """The 503's document (``node.fleet.cluster.not_summed``)."""
+        return not_summed(self.reason, self.missing, self.live, self.answers, self.down,
+                          queue_state=queue_state)  # fmt: skip
 
 
-async def gather(
-    request: web.Request, path: str, local: Local, queue_state: bool
-) -> tuple[list[Peer], dict[str, Any]]:
-    """The live list and every live node's answer to ``path`` (this node's
-    from ``local``), judged summable, by node name. Raises Refused (the node
-    list could not be read, a node is missing, late or not vouching)."""
+class Gathered:
+    """Every live node's answer, judged summable (``docs``, by node name),
+    the live list it was asked by, and the nodes on the list that are not
+    live (``down``)."""
+
+    def __init__(self, live: list[Peer], docs: dict[str, Any], down: list[Down]) -> None:
+        self.live, self.docs, self.down = live, docs, down
+
+    @property
+    def addresses(self) -> dict[str, str]:
+        return {p.name: p.address for p in self.live}
+
+
+async def gather(request: web.Request, path: str, local: Local, queue_state: bool) -> Gathered:
+    """Every live node's answer to ``path`` (this node's from ``local``),
+    judged summable. Raises Refused (the node list could not be read, a node
+    is missing, late or not vouching)."""
     fleet = _fleet(request.app)
     try:
-        live = await fleet.live()
+        live, down = await fleet.listing()
     except StoreError as exc:
         raise Refused(f"the node list cannot be read: {exc}", [], []) from None
     if not any(p.name == fleet.name for p in live):
         why = f"this node ({fleet.name}) is not on the live node list"
-        raise Refused(why, [fleet.name], live)
+        raise Refused(why, [fleet.name], live, down=down)
 
     async def answer(peer: Peer) -> Answer:
         if peer.name != fleet.name:
@@ -189,9 +222,9 @@ async def gather(
 
     answers = await asyncio.gather(*(answer(p) for p in live))
     try:
-        return live, judge(answers, queue_state=queue_state)
+        return Gathered(live, judge(answers, queue_state=queue_state), down)
     except NotSummable as exc:
-        raise Refused(exc.reason, exc.missing, live) from None
+        raise Refused(exc.reason, exc.missing, live, answers, down) from None
 
 
 def _unavailable(peer: Peer, answer: Answer) -> ApiError:
@@ -339,6 +372,7 @@ async def route_ack(
 __all__ = [
     "SCOPE",
     "Fleet",
+    "Gathered",
     "Refused",
     "ask_node",
     "gather",

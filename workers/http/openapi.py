@@ -515,6 +515,25 @@ def _queue_state_schemas() -> tuple[dict[str, Any], dict[str, Any]]:
             "apply": {"type": "object"},
             "lag": {"type": "object"},
             "feed_seq": {"type": "integer"},
+            # ?scope=cluster (docs/fleet.md, "The fleet as one")
+            "missing": {"type": "array", "items": {"type": "string"}},
+            "nodes": {
+                "type": "object",
+                "description": "scope=cluster: each live node's verdict and own figures, by name",
+            },
+            "down": {
+                "type": ["array", "null"],
+                "description": "scope=cluster: the nodes on the node list that are not live",
+                "items": _obj(
+                    {
+                        "name": {"type": "string"},
+                        "address": {"type": "string"},
+                        "number": {"type": "integer"},
+                        "heartbeat_age_s": {"type": "number"},
+                        "state": {"enum": ["lapsed", "left"]},
+                    }
+                ),
+            },
         },
     }
     scope = {

@@ -210,12 +210,11 @@ async def _cluster_accounting(request: web.Request, work: WorkPath) -> web.Respo
         return 200, answer
 
     try:
-        _live, docs = await cluster.gather(request, "/accounting", local, queue_state=False)
+        got = await cluster.gather(request, "/accounting", local, queue_state=False)
     except cluster.Refused as exc:
-        doc = cluster.not_summed(exc.reason, exc.missing, exc.live)
         error = {"code": "peer_unavailable", "message": exc.reason, "field": None}
-        return reply(request, {"error": error, **doc}, 503)
-    return reply(request, sum_accounting(docs))
+        return reply(request, {"error": error, **exc.document(queue_state=False)}, 503)
+    return reply(request, sum_accounting(got.docs))
 
 
 __all__ = ["routes"]

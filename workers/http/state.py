@@ -123,10 +123,10 @@ async def _cluster_state(request: web.Request, ctx: WorkerContext) -> web.Respon
         return (200 if doc["trust"]["vouched"] else 503), doc
 
     try:
-        live, docs = await cluster.gather(request, "/queue-state", local, queue_state=True)
+        got = await cluster.gather(request, "/queue-state", local, queue_state=True)
     except cluster.Refused as exc:
-        return reply(request, cluster.not_summed(exc.reason, exc.missing, exc.live), 503)
-    return reply(request, sum_queue_states(docs, {p.name: p.address for p in live}))
+        return reply(request, exc.document(queue_state=True), 503)
+    return reply(request, sum_queue_states(got.docs, got.addresses, got.down))
 
 
 # -- POST /admin/pause, /admin/resume ------------------------------------------------

@@ -4,11 +4,16 @@
 //
 // Reads /queue-state?scope=cluster and /accounting?scope=cluster every 2 s.
 // A 200 carries each node's own figures (trust.nodes) and each node's books
-// (by_node); a 503 names the nodes that are missing, late or not vouching,
-// and carries no counts at all (never a partial sum), so the view then shows
-// "not summed" and marks those nodes. A node that was seen and is no longer
-// on the live list is kept as a row saying so. A node outside a fleet
-// (SQLite) answers as a fleet of one, and the view shows that one node.
+// (by_node); a 503 names the nodes that are missing, late or not vouching
+// and carries no summed counts (never a partial sum), so the view then
+// shows "not summed", no totals, and those nodes marked; each node that did
+// answer still shows its own figures (own_figures) and books, side by side.
+// Both answers list the nodes on the node list that are not live
+// (trust.down: lapsed or left), so a node down before this page opened is
+// shown from the first draw; a node forgotten is on no list and not shown.
+// Only when the list could not be read (trust.down null) does a node this
+// page saw stay as a row, "gone". A node outside a fleet (SQLite) answers as
+// a fleet of one, and the view shows that one node.
 //
 // Posts: /admin/pause and /admin/resume with {"node": NAME} (that node,
 // asked through this one) or {"route": R} (every node's), and
@@ -20,7 +25,7 @@
   const REFRESH_MS = 2000;
   const MESSAGE = "fleet-message";
 
-  const seen = new Set(); // every node this page has seen on the live list
+  const seen = new Set(); // every node this page has seen on the node list
   let pending = null; // the run-now awaiting its confirm: {kind, value}
 
   function ui() {
@@ -29,13 +34,19 @@
 
   // -- one node's row ------------------------------------------------------------------
 
-  // "down" / "not vouching" / "not summed" for a node a 503 names.
-  function missingState(name, reason) {
+  // "down" / "not vouching" / "not summed" for a node a 503 names: the
+  // 503's reason when it names this node, else the node's own (the error
+  // of a node that gave no answer).
+  function missingState(name, reason, node) {
     const own = typeof reason === "string" && reason.startsWith("node " + name + " ");
-    if (!own) {
+    let why;
+    if (own) {
+      why = reason.slice(reason.indexOf(": ") + 2);
+    } else if (node && node.own_figures === false && node.reason) {
+      why = node.reason;
+    } else {
       return ["not-summed", "not summed (see the reason above)"];
     }
-    const why = reason.slice(reason.indexOf(": ") + 2);
     if (why.startsWith("does not vouch")) {
       return ["not-vouching", why];
     }
@@ -75,7 +86,20 @@
     td.appendChild(button);
   }
 
-  function nodeRow(name, node, books, state, stateText) {
+  // A node on the list that is not live (trust.down): "down" when it
+  // lapsed (no heartbeat within the membership timeout), "left" when it
+  // left cleanly.
+  function downRow(entry) {
+    const age = Math.round(entry.heartbeat_age_s || 0).toLocaleString("en-US") + " s";
+    if (entry.state === "left") {
+      return nodeRow(entry.name, { address: entry.address }, null, "left",
+        "left the fleet (last heartbeat " + age + " ago)");
+    }
+    return nodeRow(entry.name, { address: entry.address }, null, "down",
+      "down: no heartbeat for " + age + " (off the live node list)", false);
+  }
+
+  function nodeRow(name, node, books, state, stateText, buttons) {
     const { cell } = ui();
     const tr = document.createElement("tr");
     tr.dataset.testid = "fleet-node";
@@ -97,7 +121,7 @@
     cell(tr, lawText(gaps.output)).dataset.testid = "fleet-node-output-law";
     const td = cell(tr, null);
     td.textContent = "";
-    if (state !== "gone") {
+    if (buttons !== false && state !== "gone" && state !== "left") {
       nodeButton(td, "Pause", "pause", name);
       nodeButton(td, "Resume", "resume", name);
     }
@@ -127,12 +151,17 @@
     return out;
   }
 
+  // A 503 of the books carries, in by_node, the books of each node that
+  // answered (each by itself, not summed).
   function booksOf(books) {
-    if (!books || books.error) {
+    if (!books) {
       return {};
     }
     if (books.by_node) {
       return books.by_node;
+    }
+    if (books.error) {
+      return {};
     }
     const out = {};
     for (const name of books.nodes || []) {
@@ -187,14 +216,15 @@
     const nodes = nodesOf(state);
     const byNode = booksOf(books);
     const missing = new Set(trust.missing || []);
-    const body = tbody("fleet-nodes");
-    for (const name of Object.keys(nodes).sort()) {
+    const down = Array.isArray(trust.down) ? trust.down : null;
+    const rows = [];
+    for (const name of Object.keys(nodes)) {
       seen.add(name);
       const node = nodes[name];
       let kind = "vouched";
       let text = "vouched";
       if (missing.has(name)) {
-        [kind, text] = missingState(name, trust.reason);
+        [kind, text] = missingState(name, trust.reason, node);
       } else if (!summed && missing.size === 0) {
         [kind, text] = ["not-vouching", "does not vouch: " + (trust.reason || "")];
       } else if (!summed) {
@@ -202,14 +232,30 @@
       } else if (!node.vouched) {
         [kind, text] = ["not-vouching", "does not vouch: " + (node.reason || "")];
       }
-      body.appendChild(nodeRow(name, summed ? node : { address: node.address }, byNode[name],
-        kind, text));
+      // In a 503 a node that answered shows its own figures, never a sum.
+      const figures = summed || node.own_figures ? node : { address: node.address };
+      rows.push([name, () => nodeRow(name, figures, byNode[name], kind, text)]);
     }
-    for (const name of [...seen].sort()) {
-      if (!(name in nodes)) {
-        body.appendChild(nodeRow(name, {}, null, "gone",
-          "not on the live node list: down, or left the fleet"));
+    for (const entry of down || []) {
+      if (!(entry.name in nodes)) {
+        seen.add(entry.name);
+        rows.push([entry.name, () => downRow(entry)]);
       }
+    }
+    if (down === null) {
+      // The node list was not read (or this is a fleet of one): the nodes
+      // this page saw and no longer sees stay, as "gone".
+      for (const name of seen) {
+        if (!(name in nodes)) {
+          rows.push([name, () => nodeRow(name, {}, null, "gone",
+            "not on the live node list: down, or left the fleet")]);
+        }
+      }
+    }
+    const body = tbody("fleet-nodes");
+    rows.sort((x, y) => (x[0] < y[0] ? -1 : x[0] > y[0] ? 1 : 0));
+    for (const [, draw] of rows) {
+      body.appendChild(draw());
     }
   }
 
