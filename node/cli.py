@@ -135,7 +135,31 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("clear", help="remove a stopped node's shared memory, semaphore and queues")
     c.add_argument("name", help="the node's name")
     _migrate_parser(sub)
+    f = sub.add_parser(
+        "forget",
+        help="delete a fleet node that left or lapsed from the node list, freeing its number",
+        description=_FORGET_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    f.add_argument("name", help="the node's name, as the node list shows it")
+    f.add_argument("--store", help="the fleet's database (postgresql://…)")
+    f.add_argument("--config", help="a node's configuration file (its store, its timeout)")
     return parser
+
+
+_FORGET_HELP = """\
+Delete a node that is no member (it left, or its last heartbeat is older
+than membership_timeout_s by the database's clock) from the fleet's node
+list, freeing its number (1-255) for a node that joins later. A live node is
+refused, exit 2, and nothing changes.
+
+Forget only a node that will not come back with its data directory (a host
+gone for good), or whose results are all acknowledged: its results' ids
+carry its number, and once it is freed no node answers for them (an ack of
+one is refused, 409). The timeout is the configuration's
+(membership_timeout_s, default 10 s): give the fleet's own with --config or
+QUEUE_NODE_MEMBERSHIP_TIMEOUT_S.
+"""
 
 
 _RUN_OPTIONS = (
@@ -308,6 +332,42 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
     return migrate_main(args)
 
 
+def _cmd_forget(args: argparse.Namespace) -> int:
+    """Forget a node that left or lapsed: one JSON line, exit 0; exit 2 with
+    one line for a live node, a name not on the list, or no fleet database."""
+    from node.core.config import load_config
+    from node.core.names import check_name
+    from node.fleet.membership import Membership
+
+    name = check_name(args.name)
+    if args.store:
+        _hide_store_password(args.store)
+    config = load_config({"store": args.store}, config_file=args.config)
+    if not config.store.startswith(("postgresql://", "postgres://")):
+        given = f"the store is {config.store}" if config.store else "no store is given"
+        raise ConfigError(f"forget needs the fleet's database, --store postgresql://… (or "
+                          f"--config with one): {given}, and only a fleet has a node list")
+    membership = Membership(config.store, "forget", "",
+                            membership_timeout_s=config.membership_timeout_s)  # fmt: skip
+    try:
+        live, absent = membership.listing()
+        gone = {a.member.name: a for a in absent}
+        if name in live:
+            raise NodeError(f"node {name!r} is live (a heartbeat within "
+                            f"{config.membership_timeout_s:g} s): stop it first, or wait "
+                            "until it lapses")  # fmt: skip
+        if name not in gone:
+            raise NodeError(f"node {name!r} is not on the fleet's node list")
+        if not membership.forget(name):
+            raise NodeError(f"node {name!r} sent a heartbeat meanwhile: it is live, not forgotten")
+    finally:
+        membership.close()
+    member, left_at = gone[name].member, gone[name].left_at
+    print(json.dumps({"forgotten": name, "number": member.number, "address": member.address,
+                      "left": left_at is not None}))  # fmt: skip
+    return RET_OK
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from node.demo import main as demo_main
 
@@ -319,6 +379,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "demo": _cmd_demo,
     "clear": _cmd_clear,
     "migrate": _cmd_migrate,
+    "forget": _cmd_forget,
 }
 
 

@@ -116,6 +116,55 @@ def test_the_whole_list_in_one_read_live_left_lapsed_and_forgotten(db):
         assert absent[1].left_at is not None and absent[1].member.address == "c:1"
 
 
+def _forget_cli(*args: str) -> tuple[int, str, str]:
+    """``python -m node forget …`` as a user runs it: (exit, stdout, stderr)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUEUE_NODE_")}
+    done = subprocess.run([sys.executable, "-m", "node", "forget", *args], env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    return done.returncode, done.stdout, done.stderr
+
+
+def test_forget_on_the_command_line_frees_a_gone_nodes_number_and_refuses_a_live_one(db):
+    """A node that left or lapsed is forgotten (one JSON line, its number
+    free for the next join); a live node, a name not listed, a store that is
+    not a fleet's: exit 2, one line, the list unchanged."""
+    import json
+
+    import psycopg
+
+    with (Membership(db, "a", "a:1") as a, Membership(db, "b", "b:1") as b,
+          Membership(db, "c", "c:1") as c):  # fmt: skip
+        for m in (a, b, c):
+            m.join()
+        assert b.leave()
+        with psycopg.connect(db, autocommit=True) as conn:  # c's last heartbeat 30 s old
+            conn.execute("UPDATE fleet_nodes SET heartbeat_at = now() - interval '30 s'"
+                         " WHERE name = 'c'")  # fmt: skip
+        for args, says in (
+            (("a", "--store", db), "node 'a' is live"),
+            (("z", "--store", db), "node 'z' is not on the fleet's node list"),
+            (("b", "--store", "sqlite:///nowhere.db"), "forget needs the fleet's database"),
+            (("b",), "no store is given"),
+        ):
+            code, out, err = _forget_cli(*args)
+            assert (code, out) == (2, ""), (args, code, out, err)
+            assert err.count("\n") == 1 and says in err and "Traceback" not in err, err
+        assert a.live().names == ("a",) and [x.member.name for x in a.listing()[1]] == ["b", "c"]
+
+        for name, number, left in (("b", 2, True), ("c", 3, False)):
+            code, out, err = _forget_cli(name, "--store", db)
+            assert code == 0, err
+            assert json.loads(out) == {"forgotten": name, "number": number, "address": f"{name}:1",
+                                       "left": left}  # fmt: skip
+        assert a.listing()[1] == ()
+        with Membership(db, "d", "d:1") as d:  # the lowest free number again
+            d.join()
+            assert d.number == 2
+
+
 def _heartbeat_process(db: str, name: str, ready_name: str, heartbeat_s: float, conn: Any) -> None:
     ready = ReadySet.attach(ready_name)
     membership = Membership(db, name, f"{name}:8470", membership_timeout_s=2.0)
