@@ -135,3 +135,63 @@ def test_claims_fail_clearly_while_the_row_service_is_down_and_recover(node):
         wait_for(granted, 30, "grants again once the service is back")
     assert node.pids()["rows"] != old_pid  # the supervisor started it again
     assert node.stop() == 0
+
+
+FAST_FLEET = {"QUEUE_NODE_MEMBERSHIP_TIMEOUT_S": "2", "QUEUE_NODE_HEARTBEAT_S": "0.2"}
+
+
+def test_a_claim_whose_row_read_outlasts_the_grant_deadline_grants_nothing(tmp_path, node_name,
+                                                                           pg_url):  # fmt: skip
+    """The row service held (SIGSTOP) while a claim's take has passed its
+    deadline check and waits for its rows; the keeper held too, so no
+    heartbeat renews the deadline (membership timeout 2 s: it passes 1.6 s
+    after the last heartbeat). The rows come back after the deadline: the
+    claim is refused, ``not_granting``, and nothing is leased. Fails without
+    the check after the read (docs/fleet.md, "The grant deadline"): the
+    claim then granted every row, past the deadline."""
+    import threading
+
+    PostgresStore(pg_url).close()
+    pg.reset(pg_url)
+    node = NodeProcess(tmp_path / "data", node_name, "--store", pg_url, "--workers", "1",
+                       env=FAST_FLEET)  # fmt: skip
+    try:
+        node.start()
+        keys = _due_rows(node, "d")
+        rows = psutil.Process(node.pids()["rows"])
+        keeper = psutil.Process(node.pids()["keeper"])
+        with LocalClaimer(node.name, data_dir=str(node.data_dir), consumer="gpu") as local:
+            wait_for(lambda: {e.key for e in local.ready.snapshot().entries} == keys, 30,
+                     "every row in the ready set")  # fmt: skip
+            left = local.ready.remaining()
+            outcome: list = []
+
+            def claim() -> None:
+                try:
+                    outcome.append(local.claim(ROWS, lease_s=600))
+                except ClientError as exc:
+                    outcome.append(exc)
+
+            claimer = threading.Thread(target=claim, daemon=True)
+            held = [rows]
+            rows.suspend()
+            try:
+                claimer.start()
+                # Taken (the cursor moved): the claim is past its take's
+                # check and waits for the held service's answer.
+                wait_for(lambda: local.ready.remaining() < left, 10, "the claim's take")
+                keeper.suspend()
+                held.append(keeper)
+                wait_for(lambda: time.monotonic_ns() > local.ready.grant_until_ns, 10,
+                         "the grant deadline passed")  # fmt: skip
+                rows.resume()
+                claimer.join(30)
+                assert not claimer.is_alive(), "the claim never came back"
+                assert local.claimer.leases.live() == [], "leased past the grant deadline"
+            finally:
+                for process in held:
+                    process.resume()
+        assert len(outcome) == 1 and isinstance(outcome[0], ClientError), outcome
+        assert outcome[0].code == "not_granting", outcome[0]
+    finally:
+        finish([node], node_name)
