@@ -60,7 +60,6 @@ def _wait_balanced(nodes: list[NodeProcess], live: list[str], what: str) -> None
         raise AssertionError(f"{exc}: {_LAST}") from None
 
 
-@pytest.mark.slow  # its twin in process, on the real database, runs by default (2 s)
 def test_a_node_back_alone_first_and_its_peer_after_both_balance(tmp_path, pg_url):
     PostgresStore(pg_url).close()
     pg.reset(pg_url)
