@@ -243,6 +243,7 @@ def _loop(claim, wait_empty, start_at: float, seconds: float) -> dict:
         "waited_s": waited,
         "drained": drained,
         "stopped_at": stopped,
+        "last_grant_at": last_grant - start_at,
         "lat": lat.tobytes(),
     }
 
@@ -358,6 +359,9 @@ def measure(
         "claimer_page_faults": sum(r["faults"] for r in results),
         "claimer_waited_s": round(sum(r["waited_s"] for r in results), 3),
         "drained": any(r["drained"] for r in results),
+        # When the last claimer granted its last lease (a run that ran out of
+        # rows is timed to it by a caller that knows how many there were).
+        "last_grant_s": round(max((r.get("last_grant_at", 0.0) for r in results), default=0.0), 3),
         "cpus": os.cpu_count(),
         "loadavg_1m": round(load_1m, 2),
         # CPU seconds spent while claiming: where the machine's time went.
