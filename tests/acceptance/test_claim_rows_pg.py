@@ -145,10 +145,11 @@ def test_a_claim_whose_row_read_outlasts_the_grant_deadline_grants_nothing(tmp_p
     """The row service held (SIGSTOP) while a claim's take has passed its
     deadline check and waits for its rows; the keeper held too, so no
     heartbeat renews the deadline (membership timeout 2 s: it passes 1.6 s
-    after the last heartbeat). The rows come back after the deadline: the
-    claim is refused, ``not_granting``, and nothing is leased. Fails without
-    the check after the read (docs/fleet.md, "The grant deadline"): the
-    claim then granted every row, past the deadline."""
+    after the last heartbeat). The claim gives the read up at the deadline
+    and is refused, ``not_granting``, while the service is still held, and
+    nothing is leased (docs/fleet.md, "The grant deadline"). Without the
+    checks after the read it granted every row past the deadline once the
+    service answered; without the read's bound it waited for the service."""
     import threading
 
     PostgresStore(pg_url).close()
@@ -172,6 +173,9 @@ def test_a_claim_whose_row_read_outlasts_the_grant_deadline_grants_nothing(tmp_p
                 except ClientError as exc:
                     outcome.append(exc)
 
+            # The read's own timeout (10 s) past this test's wait: only the
+            # deadline can end the held read in time.
+            local.claimer.store._ipc.timeout_s = 120.0
             claimer = threading.Thread(target=claim, daemon=True)
             held = [rows]
             rows.suspend()
@@ -182,11 +186,13 @@ def test_a_claim_whose_row_read_outlasts_the_grant_deadline_grants_nothing(tmp_p
                 wait_for(lambda: local.ready.remaining() < left, 10, "the claim's take")
                 keeper.suspend()
                 held.append(keeper)
-                wait_for(lambda: time.monotonic_ns() > local.ready.grant_until_ns, 10,
-                         "the grant deadline passed")  # fmt: skip
-                rows.resume()
+                # The read is given up at the deadline: the claim comes
+                # back while the service is still held.
                 claimer.join(30)
                 assert not claimer.is_alive(), "the claim never came back"
+                assert time.monotonic_ns() > local.ready.grant_until_ns
+                assert rows.status() == psutil.STATUS_STOPPED
+                rows.resume()
                 assert local.claimer.leases.live() == [], "leased past the grant deadline"
             finally:
                 for process in held:

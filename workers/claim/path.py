@@ -27,7 +27,10 @@ Hazards:
   row read and before its grants: on PostgreSQL that read is a round trip to
   the server through the row service, which a network fault can hold for
   seconds (``tcp_user_timeout``, 10 s), longer than the membership margin;
-  a grant after the deadline could be a key another node owns by then. The
+  a grant after the deadline could be a key another node owns by then. That
+  read is also given up at the deadline (``RowsClient.get_many_until``): a
+  claim held by a fault ends ``not_granting`` then, not at the read's 10 s
+  timeout. The
   C path reads SQLite, which no fleet node uses, and grants microseconds
   after its take's check.
 """
@@ -410,20 +413,24 @@ class Claimer:
         version. (``stop``: a test's stop between the read and the grant,
         shm/leases/test_stops.py's ``read``; None in production.)"""
         stats = self.stats
-        if len(entries) == 1:  # a point read costs a fifth less than get_many of one
-            key = entries[0].key
-            row = self.store.get(key)
-            rows = {} if row is None else {key: row}
-        else:
-            rows = self.store.get_many([entry.key for entry in entries])
+        until = self.ready.grant_until_ns
+        read_until = getattr(self.store, "get_many_until", None) if until else None
+        try:
+            if read_until is not None:  # the row service: given up at the deadline
+                rows = read_until([entry.key for entry in entries], until)
+            elif len(entries) == 1:  # a point read costs a fifth less than get_many of one
+                key = entries[0].key
+                row = self.store.get(key)
+                rows = {} if row is None else {key: row}
+            else:
+                rows = self.store.get_many([entry.key for entry in entries])
+        except StoreError:
+            self._refuse_past(until)  # a read cut short by the deadline: that is why
+            raise
         # The read may have outlasted the grant deadline (module docstring):
         # the take's check is then stale, and these entries wait for the
         # next set of whichever node owns them.
-        until = self.ready.grant_until_ns
-        if until:
-            now_ns = time.monotonic_ns()
-            if now_ns >= until:
-                raise not_granting(until, now_ns)
+        self._refuse_past(until)
         for entry in entries:
             row = rows.get(entry.key)
             if row is None or isinstance(row, BadRow):
@@ -453,6 +460,15 @@ class Claimer:
                     lease.misses,
                 )
             )
+
+    def _refuse_past(self, until: int) -> None:
+        """NotGranting when the grant deadline (``until``, as the take saw
+        it, or a later one a heartbeat wrote meanwhile) has passed."""
+        if until:
+            until = self.ready.grant_until_ns
+            now_ns = time.monotonic_ns()
+            if until and now_ns >= until:
+                raise not_granting(until, now_ns)
 
     def _grant(
         self, key: str, consumer: str, lease_s: float, now: float, cadence_s: float, version: int

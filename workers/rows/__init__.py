@@ -23,6 +23,7 @@ an HTTP worker 503 ``store_unavailable``. The next read connects again.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from node.core.errors import StoreError, StoreUnavailable
@@ -37,6 +38,9 @@ from node.store.values import stored_row
 # longer means the service is stuck (stopped with SIGSTOP, say): the claim
 # fails rather than holding its GPU process for the ledger client's 30 s.
 CALL_TIMEOUT_S = 10.0
+# The least a read bounded by the grant deadline is given (a deadline about
+# to pass: the claim's checks refuse it after the read anyway).
+MIN_CALL_S = 0.01
 # The outcome columns stored_row expects after the eight the service sends.
 _NO_OUTCOME = (None, None, None)
 
@@ -60,11 +64,23 @@ class RowsClient:
         return self.get_many([key]).get(key)
 
     def get_many(self, keys: Iterable[str]) -> dict[str, Row | BadRow]:
+        return self._rows(keys, None)
+
+    def get_many_until(self, keys: list[str], until_ns: int) -> dict[str, Row | BadRow]:
+        """``get_many``, given up (``StoreUnavailable``) at ``until_ns``
+        (CLOCK_MONOTONIC), the claim's grant deadline: rows read after it
+        could be granted no more (``workers/claim/path.py``), so a claim whose
+        read a network fault holds ends at the deadline, not at the call's
+        timeout (``CALL_TIMEOUT_S``)."""
+        left_s = (until_ns - time.monotonic_ns()) / 1e9
+        return self._rows(keys, min(CALL_TIMEOUT_S, max(MIN_CALL_S, left_s)))
+
+    def _rows(self, keys: Iterable[str], timeout_s: float | None) -> dict[str, Row | BadRow]:
         wanted = keys if isinstance(keys, list) else list(keys)
         if not wanted:
             return {}
         try:
-            reply = self._ipc.call("rows", keys=wanted)
+            reply = self._ipc.call("rows", timeout_s=timeout_s, keys=wanted)
         except IpcError as exc:
             # No service to ask (killed, restarting) or one that broke off:
             # nothing was read, the caller retries.
