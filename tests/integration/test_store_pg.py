@@ -375,6 +375,32 @@ def test_a_forked_child_that_drops_the_store_leaves_the_parents_sessions(pg_url)
 # -- the password ---------------------------------------------------------------------
 
 
+def test_a_read_on_a_connection_the_server_closed_runs_again_on_another(db, outside):
+    """The pool hands out its idle connection unchecked: once the server has
+    closed it (here ``pg_terminate_backend``; a restart or a healed network
+    cut does the same), a read runs once more on a new connection instead of
+    failing its caller (the ledger's intake answered 503 once after a cut).
+    A second failure is the caller's: the read is not retried twice."""
+    db.upsert([RowWrite("k1", "r", due_at=NOW)], now=NOW)
+
+    def terminate_the_pools_sessions() -> int:
+        return outside.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            " AND application_name = ''"
+        ).fetchone()[0]
+
+    for read in (
+        lambda: db.jobs_of(["k1"]),
+        lambda: db.get("k1"),
+        lambda: db.get_many(["k1"]),
+        lambda: db.claim_rows(["k1"]),
+    ):
+        assert terminate_the_pools_sessions() >= 1
+        assert read(), "the read came back empty"
+    assert db.jobs_of(["k1"]) == {"k1": ("default", None, "r")}
+
+
 def test_a_password_is_never_shown():
     url = "postgresql://someone:s3cret-pw@127.0.0.1:1/nowhere"
     assert check_store_url(url) == url
