@@ -85,7 +85,7 @@ CONNECT_TIMEOUT_S = 5.0
 # wait for a reply that keepalives find dead in about 11 s. Every process's
 # store (the ledger's write-backs, the row service's reads) then answers
 # with a store error its caller retries (docs/postgres.md).
-NETWORK_BOUNDS = {
+NETWORK_BOUNDS: dict[str, Any] = {
     "tcp_user_timeout": 10_000,
     "keepalives": 1,
     "keepalives_idle": 5,
@@ -296,6 +296,38 @@ class PostgresStore(Store):
         except (psycopg.Error, psycopg_pool.PoolTimeout) as exc:
             raise _wrap(exc, action) from exc
 
+    def _fetch(self, action: str, sql: Any, params: Any, one: bool = False) -> Any:
+        """A read's rows (``one``: its first row, or None).
+
+        The pool hands out an idle connection unchecked, so after the server
+        closed it (a restart, a network cut since healed,
+        ``pg_terminate_backend``) the first statement on it fails. A read
+        that fails on a connection then found ``broken`` runs once more on a
+        connection of its own, opened within ``CONNECT_TIMEOUT_S`` (a cut
+        still under way fails it that fast, not after another
+        ``tcp_user_timeout``); once that worked the server is back, and the
+        pool's other idle connections, closed with the first, are checked
+        and replaced. A read changes nothing, so running it again is safe;
+        writes are not retried here (their callers retry from evidence)."""
+        with self._conn(action) as conn:
+            try:
+                cursor = conn.execute(sql, params)
+                return cursor.fetchone() if one else cursor.fetchall()
+            except psycopg.OperationalError:
+                if not conn.broken:
+                    raise
+        try:
+            with psycopg.connect(
+                self._conninfo, autocommit=True, connect_timeout=int(CONNECT_TIMEOUT_S),
+                **NETWORK_BOUNDS,
+            ) as fresh:  # fmt: skip
+                cursor = fresh.execute(sql, params)
+                found = cursor.fetchone() if one else cursor.fetchall()
+            self._pool.check()
+        except (psycopg.Error, psycopg_pool.PoolTimeout) as exc:
+            raise _wrap(exc, action) from exc
+        return found
+
     @contextmanager
     def _write(self, action: str, origin: str | None) -> Iterator[Any]:
         """One write transaction, its origin set for the triggers first (SET
@@ -425,16 +457,14 @@ class PostgresStore(Store):
     # -- reads -----------------------------------------------------------------
 
     def get(self, key: str) -> Row | BadRow | None:
-        with self._conn("get") as conn:
-            stored = conn.execute(q.GET_ROW, (key,)).fetchone()
+        stored = self._fetch("get", q.GET_ROW, (key,), one=True)
         return None if stored is None else stored_row(stored)
 
     def get_many(self, keys: Iterable[str]) -> dict[str, Row | BadRow]:
         wanted = list(dict.fromkeys(keys))
         if not wanted:
             return {}
-        with self._conn("get_many") as conn:
-            found = conn.execute(q.GET_MANY, (wanted,)).fetchall()
+        found = self._fetch("get_many", q.GET_MANY, (wanted,))
         return {stored[0]: stored_row(stored) for stored in found}
 
     def claim_rows(self, keys: list[str]) -> list[tuple]:
@@ -443,15 +473,13 @@ class PostgresStore(Store):
         service (``workers/rows``) hands to claimers, which decode them."""
         if not keys:
             return []
-        with self._conn("claim_rows") as conn:
-            return conn.execute(q.CLAIM_ROWS, (keys,)).fetchall()
+        return self._fetch("claim_rows", q.CLAIM_ROWS, (keys,))
 
     def jobs_of(self, keys: Iterable[str]) -> dict[str, tuple[str, float | None, str]]:
         wanted = list(dict.fromkeys(keys))
         if not wanted:
             return {}
-        with self._conn("jobs_of") as conn:
-            found = conn.execute(q.JOBS_OF, (wanted,)).fetchall()
+        found = self._fetch("jobs_of", q.JOBS_OF, (wanted,))
         return {
             key: (job, cadence_s, route)
             for key, job, cadence_s, route, sitemap, due_at in found

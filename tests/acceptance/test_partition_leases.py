@@ -23,7 +23,7 @@ from keeper.owners import Ownership
 from node.core.ids import number_of
 from node.testing import NodeProcess, wait_for
 from shm.state import read_state
-from tests.acceptance.test_partition import (  # noqa: F401 - net and fleet are fixtures
+from tests.acceptance.test_partition import (  # noqa: F401 - fixtures
     KEYS,
     LAWS,
     _get,
@@ -107,7 +107,7 @@ def _poll_and_ack_all(node: NodeProcess, expected: int) -> list[dict]:
     return got
 
 
-def test_leases_held_across_a_cut_from_the_database(pg_url, net, fleet):
+def test_leases_held_across_a_cut_from_the_database(pg_url, net, fleet):  # noqa: F811
     hosts, a, b = fleet
     status, body = _post(a, "/claim", {"max": HELD, "consumer": "a", "lease_s": 600})
     assert status == 200 and len(body["leases"]) == HELD, (status, body)
