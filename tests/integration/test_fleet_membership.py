@@ -365,3 +365,75 @@ def test_the_trim_position_is_the_lowest_a_live_node_reported(db):
         wait_for(lambda: (a.heartbeat(applied_seq=80), "b" not in a.live())[1], 10, "b lapsed")
         assert a.trim_through() == 80
         assert a.trimmed_through() == 0  # nothing trimmed the log yet
+
+
+def test_a_heartbeat_whose_live_list_is_not_read_extends_no_deadline(db, ready_name):
+    """docs/delivery.md, "Two nodes, one key": the deadline a heartbeat earns
+    is written only once the live list read after it has been taken in
+    (``FleetMember.tick`` keeps it back, the keeper's tick ends with
+    ``grant``), so a node never goes on granting from a set made for an
+    older list. A real fault between the two statements: the node's
+    database role loses SELECT on the one column the live list reads and
+    the heartbeat does not (``address``). Its heartbeats go on succeeding, so
+    it stays in the list, and its deadline is not extended: it stops
+    granting at the deadline of its last full round. SELECT given back, the
+    next round extends it again."""
+    import psycopg
+
+    from keeper.fleet import FleetMember
+    from node.core.config import Config
+
+    role = f"qn_role_{uuid.uuid4().hex[:10]}"
+    observer = Membership(db, "observer", "o:1", membership_timeout_s=2.0)
+    observer.connect()
+    observer.join()  # makes the schema
+    with psycopg.connect(db, autocommit=True) as admin:
+        columns = [r[0] for r in admin.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_name = 'fleet_nodes'"
+        )]  # fmt: skip
+        admin.execute(f"CREATE ROLE {role} LOGIN")
+        admin.execute(f"GRANT USAGE ON SCHEMA public TO {role}")
+        admin.execute(f"GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO {role}")
+        admin.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}")
+        admin.execute(f"REVOKE SELECT ON fleet_nodes FROM {role}")
+        admin.execute(f"GRANT INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}")
+        admin.execute(f"GRANT SELECT ({', '.join(columns)}) ON fleet_nodes TO {role}")
+    ready = ReadySet.create(ready_name, capacity=10)
+    ready.publish([("k", 1, 0, 1, 1.0)], 0.0)
+    conninfo = db.replace("postgresql://postgres@", f"postgresql://{role}@")
+    config = Config(name="a", store=conninfo, membership_timeout_s=2.0, heartbeat_s=0.1)
+    member = FleetMember(config, ready, conninfo)
+
+    def round_() -> bool:
+        """One heartbeat round as the keeper runs it: tick, then grant."""
+        member.next_beat_ns = 0  # due now
+        read = member.tick()
+        member.grant()
+        return read
+
+    try:
+        assert round_() and member.live is not None and "a" in member.live.names
+        earned = ready.grant_until_ns
+        assert earned > time.monotonic_ns()
+        with psycopg.connect(db, autocommit=True) as admin:
+            admin.execute(f"REVOKE SELECT (address) ON fleet_nodes FROM {role}")
+        beats = member.heart.beats
+        while time.monotonic_ns() < earned:
+            assert round_() is False  # the heartbeat went through, the list did not
+            assert ready.grant_until_ns == earned, "a deadline without a list read after it"
+        assert member.heart.beats > beats + 3  # its heartbeats went on...
+        assert "a" in observer.live().names  # ...so it is still a member
+        with pytest.raises(NotGranting):
+            ready.take(1)  # and it stopped granting all the same
+        with psycopg.connect(db, autocommit=True) as admin:
+            admin.execute(f"GRANT SELECT (address) ON fleet_nodes TO {role}")
+        assert round_()
+        assert ready.grant_until_ns > time.monotonic_ns()
+        assert [e.key for e in ready.take(1)[1]] == ["k"]
+    finally:
+        member.membership.close()
+        observer.close()
+        ready.close()
+        with psycopg.connect(db, autocommit=True) as admin:
+            admin.execute(f"DROP OWNED BY {role}")
+            admin.execute(f"DROP ROLE {role}")
