@@ -136,8 +136,14 @@ class KeeperBase:
         # None: every key (no fleet).
         self.ownership: Ownership | None = None
         # Leased keys a membership change dropped (keeper/owned.py): in
-        # flight here, held by another node; not waiting here.
+        # flight here, held by another node (or held here again as a new
+        # occurrence, after this node lapsed and came back); not waiting here.
         self.fenced: set[str] = set()
+        # Fenced keys held here again whose lease ended with a result: the
+        # ledger's write-back of that result, when the feed applies it,
+        # takes out the occurrence held here (withdrawn), not the one the
+        # fenced lease ran (keeper/feed.py). Key -> when its lease was seen ended.
+        self.fenced_results: dict[str, float] = {}
         if shared_classes is BY_NAME:
             # The node's shared class table (shm/classes.py); a keeper run
             # without a node (tests, tools) has none and keeps its own limit.

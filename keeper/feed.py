@@ -66,6 +66,7 @@ class Feed(KeeperBase):
         buckets = self.buckets
         refused_due = self.refused_due
         owned = None if self.ownership is None else self._owned
+        fenced, fenced_results = self.fenced, self.fenced_results
         for _ in range(FEED_BATCHES_PER_TICK):
             batch = changes(self.feed_seq, FEED_BATCH)
             if not batch:
@@ -88,8 +89,22 @@ class Feed(KeeperBase):
                 # node's (its lease, granted before a membership change
                 # moved the key here, ending) reads as an outside write.
                 own_write_back = ch.origin == ORIGIN_WRITEBACK
+                # A fenced key held here again (keeper/owned.py): its lease
+                # is another list's, and the row held here a new occurrence,
+                # which any write, this node's write-back of that lease's
+                # result included, takes out as a withdrawal.
+                fenced_here = bool(fenced or fenced_results) and (
+                    ch.key in fenced or ch.key in fenced_results
+                )
+                if fenced_here and own_write_back:
+                    own_write_back = False
+                    fenced_results.pop(ch.key, None)
                 before = None if loading or own_write_back else get(ch.key)
-                leased = before is not None and self._leased_now(ch.key, before, exclude)
+                leased = (
+                    before is not None
+                    and not fenced_here
+                    and self._leased_now(ch.key, before, exclude)
+                )
                 if leased:
                     # A write to a row while it is leased: the lease's end
                     # may not follow it (docs/accounting.md, the edges).

@@ -37,6 +37,10 @@ MEMBERSHIP = "membership"  # the doubt a membership change leaves until its walk
 # node is paused fleet-wide (node/store/postgres.py, FLEET_META), and another
 # node's pause shows in every node's state (``now.paused_nodes``).
 PAUSE_READ_S = 1.0
+# How long a fenced key held here again keeps waiting for the write-back of
+# its lease's result (``fenced_results``): one that lost to a newer write
+# never comes.
+FENCED_RESULT_KEEP_S = 600.0
 
 
 class Owned(KeeperBase):
@@ -120,6 +124,7 @@ class Owned(KeeperBase):
         every row written up to it."""
         if self.ownership is not None and len(self.ownership.nodes) > 1:
             self._hold_handover("rejoined")  # its rows were another node's meanwhile
+            self._reown_after_lapse(now)
         if trimmed_through is not None and trimmed_through <= self.feed_seq:
             return  # nothing unread was trimmed: the feed goes on as it was
         log("keeper_lapsed_gap", feed_seq=self.feed_seq, trimmed_through=trimmed_through)
@@ -128,6 +133,24 @@ class Owned(KeeperBase):
             self.feed_seq = trimmed_through
         self._doubt_copy("gap", now)  # the next tick starts the walk (keeper/process.py)
 
+    def _reown_after_lapse(self, now: float) -> None:
+        """This node's membership lapsed and it came back: every other live
+        node read a list without it meanwhile, took its rows and may have
+        granted them, though this node never read such a list (it cannot,
+        cut off) and comes back under the same one. So it does what the two
+        changes would have made it do (``reown``): first the list without
+        it, every held row dropped (withdrawn when due and not leased, a
+        leased key fenced: its lease is the old list's, its key may have run
+        elsewhere), then the list read now, a walk adding the rows it owns
+        (received when due). Its books then say what the other nodes' say:
+        the rows were theirs in between (docs/fleet.md, "Ownership")."""
+        dropped = self._drop_unowned(now, keep=False)
+        self._reown_pending = True
+        self.next_publish = 0.0
+        self._doubt_copy(MEMBERSHIP, now)
+        log("keeper_reowned", dropped=dropped, nodes=len(self.ownership.nodes) if self.ownership
+            else 0, why="lapsed")  # fmt: skip
+
     def fenced_in_flight(self) -> int:
         """Leases still live on keys a membership change dropped: in
         flight here and not held here, so the input law's ``waiting`` (due
@@ -135,13 +158,23 @@ class Owned(KeeperBase):
         subtracts. A key whose lease ended leaves the set."""
         if self.fenced:
             ended = [key for key in self.fenced if not self._leased(key)]
+            get = self.buckets.get
             for key in ended:
                 self.fenced.discard(key)
                 if self._missed(key):
                     # Ended without a result: a requeue (``requeued`` counts
-                    # it) of a key no longer held here, so never waiting
-                    # here again: it went to its owner, withdrawn here.
+                    # it) of an occurrence not held here (its key went to its
+                    # owner, or is held here again as a new occurrence, which
+                    # waits on its own): withdrawn here.
                     self.withdrawn += 1
+                elif get(key) is not None:
+                    # A result, its key held here again: its write-back is
+                    # still to come through the feed (keeper/feed.py).
+                    self.fenced_results[key] = time.monotonic()
+        if self.fenced_results:
+            old = time.monotonic() - FENCED_RESULT_KEEP_S
+            for key in [k for k, at in self.fenced_results.items() if at < old]:
+                del self.fenced_results[key]  # its write-back lost, or never came
         return len(self.fenced)
 
     def _missed(self, key: str) -> bool:
@@ -150,11 +183,15 @@ class Owned(KeeperBase):
         found = self.leases.lookup(key) if self.leases is not None else None
         return found is not None and found[0] in ("held", "parked")
 
-    def _drop_unowned(self, now: float) -> int:
+    def _drop_unowned(self, now: float, keep: bool = True) -> int:
+        """Drop the held rows this node does not own (``keep`` False: every
+        held row, for a lapse); their number."""
         keys = [item[0] for item in self.buckets.items()]
         owned = self._owned(keys)
         if owned is None:
             return 0
+        if not keep:
+            owned = set()
         if self.leases is not None:
             # The excluded keys are followed at each publish only: a key
             # granted from the live set since then must be seen leased now,

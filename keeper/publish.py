@@ -48,6 +48,11 @@ class Publish(KeeperBase):
         keep_out = self.leases is not None
         if keep_out:
             self._follow_leases(now)
+            if self.fenced:
+                # A fenced lease that ended leaves the set before its key
+                # (held here again after a lapse) can be offered and leased
+                # anew: a new lease on it is this node's own.
+                self.fenced_in_flight()
             self._retire(self.ready.active_slot if ahead else None)
         # The best K straight from the class orders into the ready set: the
         # merge gives C arrays of slots, minutes, classes and ranks, and the

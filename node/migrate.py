@@ -47,7 +47,7 @@ from node.core.rows import ORIGIN_NODE
 from node.core.urls import redact_url
 
 # Rows per INSERT statement (ten arrays of this length), as the store's bulk
-# upsert (node/store/postgres.py, UPSERT_CHUNK).
+# upsert (node/store/postgres_values.py, UPSERT_CHUNK).
 CHUNK_ROWS = 5_000
 # ... and at most this many bytes of payload in one (a payload may be 1 MiB:
 # 5,000 of them would be 5 GiB in this process and in the statement).

@@ -25,7 +25,6 @@ Hazards this module handles:
 from __future__ import annotations
 
 import json
-import math
 import os
 import threading
 import time
@@ -37,8 +36,6 @@ from typing import Any
 from node.core.errors import StoreError, StoreUnavailable
 from node.core.names import host_node_name
 from node.core.rows import (
-    DEFAULT_JOB,
-    MISSING,
     ORIGIN_EXTERNAL,
     ORIGIN_NODE,
     ORIGIN_WRITEBACK,
@@ -60,7 +57,8 @@ from node.store.base import (
     due_or_none,
 )
 from node.store.postgres_feed import Horizon, Listener
-from node.store.values import bad_reason, encode_payload, stored_row
+from node.store.postgres_values import check_origin, columns, distinct_runs, due_value
+from node.store.values import bad_reason, stored_row
 
 try:
     import psycopg
@@ -92,8 +90,6 @@ NETWORK_BOUNDS: dict[str, Any] = {
     "keepalives_interval": 2,
     "keepalives_count": 3,
 }
-# Rows per multi-row upsert statement (seven arrays of this length).
-UPSERT_CHUNK = 5_000
 # How long ``last_seq`` waits for the writers that hold seqs below the top of
 # the log to finish; past it the store is reported unavailable.
 SETTLE_WAIT_S = 30.0
@@ -128,60 +124,6 @@ def _top_and_xid(conn: Any) -> tuple[int, int]:
             cur = conn.execute(q.TOP_AND_XID)
     _off, top, xid = cur.fetchone()
     return int(top), int(xid)
-
-
-def _check_origin(origin: str) -> None:
-    if origin not in ORIGINS:
-        raise ValueError(f"origin must be one of {ORIGINS}, not {origin!r}")
-
-
-def _integer(value: Any, name: str) -> Any:
-    """An INTEGER column's value as SQLite would keep it schedulable: a bool or
-    an integral float as an int; anything else non-integral is refused."""
-    if value is None or isinstance(value, int):
-        return None if value is None else int(value)
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    raise StoreError(f"PostgreSQL store: upsert: {name} must be an integer, not {value!r}")
-
-
-def _due(value: Any, action: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-        raise StoreError(f"PostgreSQL store: {action}: due_at must be a number, not {value!r}")
-    return float(value)
-
-
-def _columns(rows: Sequence[RowWrite], now: float) -> list[list[Any]]:
-    """The seven arrays of one upsert statement, checked before anything is
-    sent (a refused batch writes nothing)."""
-    cols: list[list[Any]] = [[], [], [], [], [], [], []]
-    for w in rows:
-        cols[0].append(w.key)
-        cols[1].append(w.route)
-        cols[2].append(None if w.cadence_s is MISSING else _integer(w.cadence_s, "cadence_s"))
-        cols[3].append(0 if w.sitemap is MISSING else _integer(w.sitemap, "sitemap"))
-        cols[4].append(now if w.due_at is MISSING else w.due_at)
-        cols[5].append(None if w.payload is MISSING else encode_payload(w.payload))
-        cols[6].append(DEFAULT_JOB if w.job is MISSING else w.job)
-    for due_at in cols[4]:
-        if due_at is not None:
-            _due(due_at, "upsert")
-    return cols
-
-
-def _distinct_runs(rows: list[RowWrite]) -> Iterator[list[RowWrite]]:
-    """``rows`` cut, in order, into runs of distinct keys (one statement may
-    not write a key twice)."""
-    run: list[RowWrite] = []
-    seen: set[str] = set()
-    for w in rows:
-        if w.key in seen or len(run) >= UPSERT_CHUNK:
-            yield run
-            run, seen = [], set()
-        run.append(w)
-        seen.add(w.key)
-    if run:
-        yield run
 
 
 def migrate(conn: Any, shown_url: str) -> None:
@@ -394,13 +336,13 @@ class PostgresStore(Store):
         Consecutive writes carrying the same fields go in multi-row
         statements, cut where a key repeats, so a later write of a key in
         the batch wins and seqs follow the batch's order."""
-        _check_origin(origin)
+        check_origin(origin)
         if not rows:
             return 0
         statements = [
-            (q.upsert_sql(present), _columns(run, now))
+            (q.upsert_sql(present), columns(run, now))
             for present, group in groupby(rows, key=RowWrite.present)
-            for run in _distinct_runs(list(group))
+            for run in distinct_runs(list(group))
         ]
         with self._write("upsert", origin) as conn:
             for sql, cols in statements:
@@ -408,7 +350,7 @@ class PostgresStore(Store):
         return len(rows)
 
     def delete(self, keys: Sequence[str], *, origin: str = ORIGIN_NODE) -> int:
-        _check_origin(origin)
+        check_origin(origin)
         if not keys:
             return 0
         with self._write("delete", origin) as conn:
@@ -420,13 +362,13 @@ class PostgresStore(Store):
         self, *, route: str | None = None, job: str | None = None, now: float,
         origin: str = ORIGIN_NODE,
     ) -> int:  # fmt: skip
-        _check_origin(origin)
+        check_origin(origin)
         sql, value = due_now_query(route, job, q.DUE_NOW_ROUTE, q.DUE_NOW_JOB)
         with self._write("due_now", origin) as conn:
-            return conn.execute(sql, (_due(now, "due_now"), value)).rowcount
+            return conn.execute(sql, (due_value(now, "due_now"), value)).rowcount
 
     def write_next_due(self, key: str, due_at: float, *, if_version: int) -> int | None:
-        due = _due(due_at, "write_next_due")
+        due = due_value(due_at, "write_next_due")
         with self._write("write_next_due", self._writeback_origin) as conn:
             found = conn.execute(q.WRITE_NEXT_DUE, (due, key, if_version)).fetchone()
         return None if found is None else found[0]
@@ -437,7 +379,7 @@ class PostgresStore(Store):
         its first write-back), and returns the new versions."""
         if not items:
             return []
-        dues = [_due(it.due_at, "write_back_many") for it in items]
+        dues = [due_value(it.due_at, "write_back_many") for it in items]
         params = (
             [it.key for it in items], dues, [it.if_version for it in items],
             [it.result_id for it in items], [it.finished_at for it in items],
