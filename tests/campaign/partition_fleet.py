@@ -56,6 +56,9 @@ OFFER_TIMEOUT_S = 3
 WORK_S = 0.3  # per item: the handlers hold leases long enough for a cut to catch them
 START_TIMEOUT_S = 90.0
 POLL_EVERY_S = 0.4  # the cluster poller's pace (two shared cores)
+# A keeper's input-law counters (keeper/report.py), logged as they change.
+COUNTERS = ("received", "requeued", "routed", "waiting", "withdrawn", "in_flight", "fenced",
+            "input_gap")  # fmt: skip
 
 SITECUSTOMIZE = '''\
 """The partition campaign's clock skew: time.time() and time.time_ns() of
@@ -139,6 +142,17 @@ class Fleet:
             "SELECT count(*), count(*) FILTER (WHERE due_at <= %s) FROM schedule", (now,)
         )
         return int(rows), int(due)
+
+    def activity(self) -> list[list[Any]]:
+        """The database's sessions of this run: pid, state, what it waits
+        on, which pids block it, its transaction's age, its query."""
+        rows = self._sql(
+            "SELECT pid, state, wait_event_type, wait_event, pg_blocking_pids(pid),"
+            " extract(epoch FROM now() - xact_start), left(query, 160)"
+            " FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        age = lambda x: None if x is None else round(float(x), 2)  # noqa: E731
+        return [[r[0], r[1], r[2], r[3], list(r[4]), age(r[5]), r[6]] for r in rows]
 
     def table(self) -> dict[str, float]:
         return {k: due for k, due in self._sql("SELECT key, due_at FROM schedule")}
@@ -579,6 +593,7 @@ class ClusterPoller(threading.Thread):
         self.history: list[tuple[float, int]] = []  # (time, rows in the table)
         self.changes: list[tuple[float, list[str]]] = []  # the live list, when it changed
         self.error: BaseException | None = None
+        self._counters: dict[str, dict[str, Any]] = {}
 
     def sample(self) -> tuple[list[str], int]:
         live = self.fleet.live_in_db()
@@ -586,15 +601,32 @@ class ClusterPoller(threading.Thread):
         rows, _ = self.fleet.row_counts(t)
         self.history.append((t, rows))
         if not self.changes or self.changes[-1][1] != live:
+            lost = bool(self.changes) and len(live) < len(self.changes[-1][1])
             self.changes.append((t, live))
             self.log.write("live", nodes=live)
+            if lost:  # who waits on what in the database when a node drops out
+                self.log.write("activity", rows=self.fleet.activity())
         return live, rows
+
+    def counters(self) -> None:
+        """Each running node's input counters (its segment), logged when
+        they change: the timeline a gap is read from."""
+        for i, name in enumerate(self.fleet.names):
+            try:
+                c = self.fleet.state(i).get("counters") or {}
+            except Exception:  # noqa: BLE001 - not up, or rewriting
+                continue
+            doc = {k: c.get(k) for k in COUNTERS}
+            if doc != self._counters.get(name):
+                self._counters[name] = doc
+                self.log.write("counters", node=name, **doc)
 
     def run(self) -> None:
         k = 0
         try:
             while not self.stop_event.wait(POLL_EVERY_S):  # the poll's pace
                 k += 1
+                self.counters()
                 node = self.fleet.nodes[k % len(self.fleet.nodes)]
                 live_before, rows_before = self.sample()
                 try:
