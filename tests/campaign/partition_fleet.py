@@ -356,7 +356,7 @@ class Fleet:
 
     def held(self, i: int) -> set[str]:
         reply = ask(self.names[i], {"op": "dump"}, timeout_s=10)
-        assert reply["ok"], reply
+        assert reply is not None and reply["ok"], reply
         return {row[0] for row in msgpack.unpackb(Path(reply["path"]).read_bytes())["rows"]}
 
     def exact(self, keys: list[str], why: list[str]) -> bool:
