@@ -80,7 +80,7 @@ class Fleet:
     start, so its log's times can be read back on the host's clock."""
 
     def __init__(
-        self, net: Net, pg_url: str, work: Path, names: list[str], token: str, items_env: dict
+        self, net: Net, pg_url: str, work: Path, names: list[str], token: str, extra_env: dict
     ) -> None:
         self.net, self.pg_url, self.token = net, pg_url, token
         self.names = names
@@ -100,7 +100,7 @@ class Fleet:
             "QN_CAMPAIGN_WORK_S": str(WORK_S),
             "PYTHONPATH": f"{skew_dir}:{ROOT}",
             "QN_SKEW_S": "0",
-            **items_env,
+            **extra_env,
         }
         self.nodes = [
             NsNode(host, work / name, name, "--store", net.db_url(pg_url), "--handler", HANDLER,

@@ -231,6 +231,7 @@ def _campaign(s: Settings, fleet: Fleet, work: Path) -> Outcome:
     drained_s = time.monotonic() - healed_at
     for t in threads:
         t.finish()
+        t.endpoint.close()  # every node's client, not only the last one used
     problems: list[str] = []
     table = fleet.table()
     why: list[str] = []
