@@ -192,6 +192,14 @@ class Net:
                 self._drop(host, other.address, add=True)
                 host.cut_from.add(other.address)
 
+    def cut_one_way(self, source: Host, dest: Host) -> None:
+        """Drop what ``source`` sends to ``dest`` (at ``dest``), not the
+        other way: ``dest``'s packets still reach ``source``. ``heal``
+        undoes it."""
+        if source.address not in dest.cut_from:
+            self._drop(dest, source.address, add=True)
+            dest.cut_from.add(source.address)
+
     def heal(self, a: Host, b: Host) -> None:
         """Let packets between ``a`` and ``b`` through again."""
         for host, other in ((a, b), (b, a)):

@@ -16,5 +16,11 @@ Four parts, each a module:
   recovered, and says pass or fail;
 - ``run``: puts them together (``scripts/campaign``, tests/campaign/test_campaign.py).
 
+The partition campaign (``scripts/partition-campaign``) is the same over a
+fleet in network namespaces: ``partition_fleet`` (the nodes, the cuts, the
+fleet's clients and the cluster poller), ``partition_nemesis``,
+``partition_checker`` (the rules extended for a fleet) and ``partition_run``
+(tests/campaign/test_partition_campaign.py).
+
 The whole story is in docs/reliability.md.
 """
