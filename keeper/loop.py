@@ -36,6 +36,10 @@ _flags = {"stop": False, "reload": False, "leave": False}
 # keeper within this, and so does anything the loop waits for that posts
 # nothing. Bounds for QUEUE_NODE_KEEPER_POLL_S.
 LISTEN_POLL_S = 0.5
+# A fleet keeper's wait for the change log's seqs to settle (PostgreSQL's
+# ``last_seq``), as a share of the membership timeout: the grant deadline
+# lapses 0.8 of it after a heartbeat, and a tick must not outlast that.
+SETTLE_WAIT_FRACTION = 0.25
 POLL_S_RANGE = (0.02, 600.0)
 ENV_LISTEN = "QUEUE_NODE_KEEPER_LISTEN"
 ENV_POLL_S = "QUEUE_NODE_KEEPER_POLL_S"
@@ -75,6 +79,18 @@ def _fleet_tick(fleet: Any, keeper: Any, leave: bool = False) -> None:
     if fleet.lapsed:
         fleet.lapsed = False
         keeper.rejoined(fleet.trimmed_through(), time.time())
+
+
+def _bound_settle_wait(store: Any, config: Any) -> None:
+    """A transaction left open on the server (any database there: a node cut
+    in the middle of a write) holds back the settling of the change log's
+    seqs (PostgreSQL's ``last_seq``). The heartbeat runs in this loop, so the
+    keeper's wait stays well inside its margin: past it the keeper serves
+    its copy through an outage and heartbeats on, instead of every node of
+    the fleet lapsing at once."""
+    if hasattr(store, "settle_wait_s"):
+        bound = config.membership_timeout_s * SETTLE_WAIT_FRACTION
+        store.settle_wait_s = min(store.settle_wait_s, bound)
 
 
 def _env_seconds(name: str, default: float, bounds: tuple[float, float]) -> float:
@@ -146,6 +162,7 @@ def main() -> int:
         state.heartbeat(time.time(), "stopped", False, "stopped")
         log.log("keeper_stop", rows=0, reason="stopped while waiting for the store")
         return RET_OK
+    _bound_settle_wait(store, config)
     asks = AskServer(config.name)
     leases = LeaseTable.attach(config.name)
     keeper = Keeper(

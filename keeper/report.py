@@ -228,7 +228,7 @@ class Report(KeeperBase):
         fenced = self.fenced_in_flight()
         waiting = due - (in_flight - fenced)
         try:
-            unapplied = max(0, self.store.last_seq() - self.feed_seq)
+            unapplied = max(0, self.store.top_seq() - self.feed_seq)
         except NodeError:
             unapplied = None
         out.update(

@@ -41,6 +41,8 @@ from node.fleet import queries as q
 # A host whose wall clock is further than this from the database's is
 # flagged (its heartbeats still count: only the database's clock judges).
 MAX_SKEW_S = 1.0
+# A skew that lasts is logged again this often (not at every heartbeat).
+SKEW_LOG_EVERY_S = 60.0
 # How long a node that names peers waits to see one live before it
 # publishes (issue 18: up to 2 minutes); then it goes on alone, with a warning.
 PEER_WAIT_S = 120.0
@@ -176,6 +178,9 @@ class Membership:
         self.number: int | None = None  # once joined
         self._conn: Any = None
         self._conn_pid = 0
+        # The skew warning: when it starts, then at most every SKEW_LOG_EVERY_S
+        # while it lasts, and when it ends (a heartbeat runs 1 to 5 times a second).
+        self._skew_logged_ns: int | None = None
 
     @property
     def grant_window_ns(self) -> int:
@@ -280,8 +285,7 @@ class Membership:
             raise NotAMember(f"node {self.name!r} has no live row in the fleet: join again")
         db_now, before = row
         skew = Skew(db_now - (wall_before + wall_after) / 2, (wall_after - wall_before) / 2)
-        if skew.flagged:
-            warn("fleet_clock_skew", node=self.name, skew_s=round(skew.skew_s, 3))
+        self._log_skew(skew)
         return Beat(
             db_now=db_now,
             sent_ns=sent_ns,
@@ -289,6 +293,19 @@ class Membership:
             skew=skew,
             lapsed=db_now - before >= self.membership_timeout_s,
         )
+
+    def _log_skew(self, skew: Skew) -> None:
+        now_ns = self.monotonic_ns()
+        if skew.flagged:
+            last = self._skew_logged_ns
+            if last is None or now_ns - last >= SKEW_LOG_EVERY_S * 1e9:
+                warn("fleet_clock_skew", node=self.name, skew_s=round(skew.skew_s, 3),
+                     note="the database's clock judges membership; logged again in "
+                     f"{SKEW_LOG_EVERY_S:g} s while it lasts")  # fmt: skip
+                self._skew_logged_ns = now_ns
+        elif self._skew_logged_ns is not None:
+            self._skew_logged_ns = None
+            warn("fleet_clock_skew_ended", node=self.name, skew_s=round(skew.skew_s, 3))
 
     def live(self) -> LiveList:
         """The live nodes: heartbeat younger than the membership timeout by

@@ -251,6 +251,11 @@ class Store(abc.ABC):
     def last_seq(self) -> int:
         """The highest seq ever assigned (0 when none); stays put after a trim."""
 
+    def top_seq(self) -> int:
+        """The highest seq assigned, without waiting for it to settle (a
+        store whose seqs commit in order: ``last_seq``)."""
+        return self.last_seq()
+
     @abc.abstractmethod
     def trim_changes(self, through_seq: int) -> int:
         """Drop consumed change-log entries with seq <= ``through_seq``."""

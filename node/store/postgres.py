@@ -182,6 +182,9 @@ class PostgresStore(Store):
         # key a membership change moved here: docs/fleet.md).
         self._writeback_origin = f"{ORIGIN_WRITEBACK}@{self.node_name}"
         self._pool_max = pool_max
+        # How long ``last_seq`` waits for older transactions to end: a
+        # keeper sets it below its heartbeat's margin (keeper/loop.py).
+        self.settle_wait_s = SETTLE_WAIT_S
         self._closed = False
         self._listener: Listener | None = None
         self._horizon = Horizon()
@@ -310,10 +313,12 @@ class PostgresStore(Store):
             return conn.execute(q.READ_SCHEMA_VERSION).fetchone()[0]
 
     def reopen(self) -> PostgresStore:
-        return PostgresStore(
+        store = PostgresStore(
             self._conninfo, durable=self.durable, node_name=self.node_name,
             pool_max=self._pool_max,
         )  # fmt: skip
+        store.settle_wait_s = self.settle_wait_s
+        return store
 
     def close(self) -> None:
         if self._closed:
@@ -517,7 +522,7 @@ class PostgresStore(Store):
         """The top of the log (0 when none; it stays put after a trim), once
         every seq up to it is settled: the writers that may hold one have
         all ended, so a walk started now sees each of their writes."""
-        deadline = time.monotonic() + SETTLE_WAIT_S
+        deadline = time.monotonic() + self.settle_wait_s
         delay = SETTLE_POLL_FIRST_S
         with self._conn("last_seq") as conn:
             top, xid = _top_and_xid(conn)
@@ -525,13 +530,19 @@ class PostgresStore(Store):
                 if time.monotonic() >= deadline:
                     raise StoreUnavailable(
                         f"PostgreSQL store: last_seq: a transaction older than xid {xid} "
-                        f"has been open for over {SETTLE_WAIT_S:.0f} s"
+                        f"has been open for over {self.settle_wait_s:g} s"
                     )
                 time.sleep(delay)  # polling the server's snapshot, bounded
                 delay = min(delay * 2, SETTLE_POLL_MAX_S)
         with self._lock:
             self._horizon.settled_through = max(self._horizon.settled_through, top)
         return top
+
+    def top_seq(self) -> int:
+        """The top of the log now, settled or not (no wait): for figures
+        (the keeper's ``unapplied``), never for a walk's position."""
+        with self._conn("top_seq") as conn:
+            return _top_and_xid(conn)[0]
 
     def skip_is_loss(self, after_seq: int, first_seq: int) -> bool:
         """Seqs commit out of order and a rolled-back (or crash-lost) one

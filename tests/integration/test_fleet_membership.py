@@ -304,15 +304,25 @@ def test_nodes_joining_at_once_on_an_empty_database_get_distinct_numbers(db, rou
         assert x.live().names == tuple(names)
 
 
-def test_clock_skew_is_measured_and_flagged(db):
+def test_clock_skew_is_measured_and_flagged(db, caplog):
     with Membership(db, "a", "a:1") as a:
         a.join()
         skew = a.heartbeat().skew
         assert abs(skew.skew_s) < 1.0 and not skew.flagged  # one host: one clock
         assert 0 <= skew.error_s < 1.0
-    with Membership(db, "a", "a:1", clock=lambda: time.time() + 30.0) as ahead:
+    offset = [30.0]
+    with Membership(db, "a", "a:1", clock=lambda: time.time() + offset[0]) as ahead:
         skew = ahead.heartbeat().skew
         assert -31.0 < skew.skew_s < -29.0 and skew.flagged
+        # Logged when it starts and when it ends, not at every heartbeat
+        # (five a second at a 0.2 s heartbeat filled a skewed node's log).
+        for _ in range(5):
+            assert ahead.heartbeat().skew.flagged
+        offset[0] = 0.0
+        assert not ahead.heartbeat().skew.flagged
+    said = [r.getMessage() for r in caplog.records if "fleet_clock_skew" in r.getMessage()]
+    assert len(said) == 2, said
+    assert "fleet_clock_skew " in said[0] and "fleet_clock_skew_ended" in said[1], said
 
 
 def test_a_node_with_peers_waits_for_one_and_a_node_alone_does_not(db):
