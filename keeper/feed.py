@@ -117,7 +117,10 @@ class Feed(KeeperBase):
                 if ch.op == OP_DELETE or not ch.valid:
                     remove(ch.key)
                     if before is not None and not leased:
+                        withdrawn = self.withdrawn
                         self._withdraw(before, None)
+                        if self.withdrawn != withdrawn:
+                            self._note_missed_out(ch.key)
                     if loading or self._reading:
                         tombstones[ch.key] = ch.seq
                     if ch.op == OP_DELETE:
@@ -140,7 +143,11 @@ class Feed(KeeperBase):
                             refused_due.add(ch.key)
                 else:
                     if before is not None and not leased:
+                        withdrawn = self.withdrawn
                         self._withdraw(before, get(ch.key))
+                        if self.withdrawn != withdrawn:
+                            # Held by a miss? A late result takes it back.
+                            self._note_missed_out(ch.key)
                 if ch.key in exclude:
                     # Inserted again while out (deleted and written back
                     # during its lease): it stays out.

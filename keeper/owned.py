@@ -41,6 +41,7 @@ PAUSE_READ_S = 1.0
 # its lease's result (``fenced_results``): one that lost to a newer write
 # never comes.
 FENCED_RESULT_KEEP_S = 600.0
+MISSED = ("held", "parked")  # a lease table slot's states after a miss
 
 
 class Owned(KeeperBase):
@@ -165,17 +166,54 @@ class Owned(KeeperBase):
                     # Ended without a result: a requeue (``requeued`` counts
                     # it) of an occurrence not held here (its key went to its
                     # owner, or is held here again as a new occurrence, which
-                    # waits on its own): withdrawn here.
+                    # waits on its own): withdrawn here, unless its result
+                    # still comes late (``missed_out``).
                     self.withdrawn += 1
+                    self._note_missed_out(key)
                 elif get(key) is not None:
                     # A result, its key held here again: its write-back is
                     # still to come through the feed (keeper/feed.py).
                     self.fenced_results[key] = time.monotonic()
+        if self.missed_out:
+            self._follow_missed_out()
         if self.fenced_results:
             old = time.monotonic() - FENCED_RESULT_KEEP_S
             for key in [k for k, at in self.fenced_results.items() if at < old]:
                 del self.fenced_results[key]  # its write-back lost, or never came
         return len(self.fenced)
+
+    def _note_missed_out(self, key: str) -> None:
+        """``key``, just withdrawn, is held by a miss (its last lease expired
+        or was released): remember that lease (``missed_out``)."""
+        found = self.leases.lookup(key) if self.leases is not None else None
+        if found is not None and found[0] in MISSED:
+            self.missed_out[key] = found[1].lease_id
+
+    def _follow_missed_out(self) -> None:
+        """A key withdrawn while a miss held it: once that lease's result is
+        accepted late (its slot idle, ended by a result, the same lease), the
+        requeue is taken back (``late_expired``, ``late_released``), and so
+        is the withdrawal; the key, held here again, then waits for that
+        result's write-back, which takes its new occurrence out
+        (``fenced_results``). Any other change of the slot (granted again,
+        gone) leaves the withdrawal. The slot's hold may be cleared by a
+        write meanwhile: the lease is still the one that missed."""
+        if self.leases is None:
+            self.missed_out.clear()
+            return
+        from shm.leases import Ended
+
+        missed = (Ended.EXPIRED, Ended.RELEASED)
+        for key, lease_id in list(self.missed_out.items()):
+            found = self.leases.lookup(key)
+            same = found is not None and found[1].lease_id == lease_id
+            if same and found[0] in (*MISSED, "idle") and found[1].ended in missed:
+                continue  # still missed (a write may have cleared its hold): it may yet come
+            del self.missed_out[key]
+            if same and found[0] == "idle" and found[1].ended == Ended.RESULT:
+                self.withdrawn -= 1
+                if self.buckets.get(key) is not None:
+                    self.fenced_results[key] = time.monotonic()
 
     def _missed(self, key: str) -> bool:
         """Whether ``key``'s lease ended without a result (its slot holds a
@@ -220,7 +258,10 @@ class Owned(KeeperBase):
             if key in exclude and self._leased(key):
                 self.fenced.add(key)  # in flight: its lease's end decides
             elif before is not None and counting:
+                withdrawn = self.withdrawn
                 self._withdraw(before, None)
+                if self.withdrawn != withdrawn:
+                    self._note_missed_out(key)
         if self.refused_due:  # received here, held nowhere, another node's now: it leaves
             kept = self._owned(list(self.refused_due)) or set()
             for key in [k for k in self.refused_due if k not in kept]:

@@ -48,7 +48,7 @@ class Publish(KeeperBase):
         keep_out = self.leases is not None
         if keep_out:
             self._follow_leases(now)
-            if self.fenced:
+            if self.fenced or self.missed_out:
                 # A fenced lease that ended leaves the set before its key
                 # (held here again after a lapse) can be offered and leased
                 # anew: a new lease on it is this node's own.

@@ -420,6 +420,9 @@ class Report(KeeperBase):
                 self.fenced.add(key)
             else:
                 took += 1
+                # Held by a miss (a lease saved over the restart expired)?
+                # A late result takes the withdrawal back (keeper/owned.py).
+                self._note_missed_out(key)
         return came, took
 
     def _leased_in_table(self, key: str) -> bool:

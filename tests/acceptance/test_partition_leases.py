@@ -127,6 +127,12 @@ def test_leases_held_across_a_cut_from_the_database(pg_url, net, fleet):  # noqa
     status, body = _post(a, "/claim", {"max": HELD, "consumer": "a", "lease_s": 600})
     assert status == 200 and len(body["leases"]) == HELD, (status, body)
     held = body["leases"]
+    # And 4 whose leases expire during the cut (a holder slower than its
+    # lease): B runs those keys too, and A's holders hand the results in
+    # late after the heal, accepted (the key not granted on A since).
+    status, body = _post(a, "/claim", {"max": 4, "consumer": "a", "lease_s": 1})
+    assert status == 200 and len(body["leases"]) == 4, (status, body)
+    expired = body["leases"]
     left_done, left_released = held[:4], held[4:8]
     ran_done, ran_released, ran_kept = held[8:12], held[12:16], held[16:]
     ran = ran_done + ran_released + ran_kept
@@ -136,7 +142,7 @@ def test_leases_held_across_a_cut_from_the_database(pg_url, net, fleet):  # noqa
     wait_for(lambda: not _live_in_db(pg_url, a.name), 15, "a out of the live list")
     wait_for(lambda: _exact(pg_url, [b]), 60, "b alone exact, holding every row")
     taken = _claim_all(b)
-    assert keys_of(held) <= keys_of(taken)  # a's leases are invisible to b
+    assert keys_of(held + expired) <= keys_of(taken)  # a's leases are invisible to b
     b_left = [lease for lease in taken if lease["key"] in keys_of(held[:8])]
     b_ran = [lease for lease in taken if lease["key"] not in keys_of(held[:8])]
     _release(b, b_left)
@@ -146,8 +152,8 @@ def test_leases_held_across_a_cut_from_the_database(pg_url, net, fleet):  # noqa
 
     net.heal(hosts[0], net.db)
     wait_for(lambda: _exact(pg_url, [a, b]), 90, "both exact again after the heal")
-    a_outcomes = _complete(a, left_done + ran_done)
-    assert all(o["outcome"] == "ok" for o in a_outcomes), a_outcomes  # accepted, once
+    a_outcomes = _complete(a, left_done + ran_done + expired)
+    assert all(o["outcome"] == "ok" for o in a_outcomes), a_outcomes  # accepted, once (late too)
     a_number = number_of(a_outcomes[0]["id"])
     _release(a, left_released + ran_released)
 
@@ -171,13 +177,13 @@ def test_leases_held_across_a_cut_from_the_database(pg_url, net, fleet):  # noqa
         assert rows[key] == (None, False), (key, rows[key])
 
     # Every result polled and acked through a: the keys both ran twice.
-    results = _poll_and_ack_all(a, len(b_ran) + len(left_done) + len(ran_done))
+    results = _poll_and_ack_all(a, len(b_ran) + len(left_done) + len(ran_done) + len(expired))
     per_key: dict[str, int] = {}
     for result in results:
         per_key[result["key"]] = per_key.get(result["key"], 0) + 1
-    assert {k for k, n in per_key.items() if n == 2} == keys_of(ran_done), per_key
+    assert {k for k, n in per_key.items() if n == 2} == keys_of(ran_done + expired), per_key
     assert not keys_of(left_released) & per_key.keys()
-    assert len(results) == len(b_ran) + len(left_done) + len(ran_done)
+    assert len(results) == len(b_ran) + len(left_done) + len(ran_done) + len(expired)
 
     since = time.time()
     try:
