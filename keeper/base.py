@@ -142,8 +142,11 @@ class KeeperBase:
         # Fenced keys held here again whose lease ended with a result: the
         # ledger's write-back of that result, when the feed applies it,
         # takes out the occurrence held here (withdrawn), not the one the
-        # fenced lease ran (keeper/feed.py). Key -> when its lease was seen ended.
-        self.fenced_results: dict[str, float] = {}
+        # fenced lease ran (keeper/feed.py). Key -> the top of the change log
+        # when its lease was seen ended: the write-back (committed before the
+        # lease ended) is at or below it; past it, a write-back is a later
+        # lease's.
+        self.fenced_results: dict[str, int] = {}
         # Keys withdrawn while a miss held them (their lease expired or was
         # released: requeued, and waiting until a write or a membership
         # change took them out), by that lease's id: a result for it

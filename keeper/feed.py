@@ -94,7 +94,7 @@ class Feed(KeeperBase):
                 # which any write, this node's write-back of that lease's
                 # result included, takes out as a withdrawal.
                 fenced_here = bool(fenced or fenced_results) and (
-                    ch.key in fenced or ch.key in fenced_results
+                    ch.key in fenced or ch.seq <= fenced_results.get(ch.key, -1)
                 )
                 if fenced_here and own_write_back:
                     own_write_back = False

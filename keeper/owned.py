@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 from keeper.base import KeeperBase
 from keeper.owners import Ownership
+from node.core.errors import NodeError
 from node.core.log import log
 
 MEMBERSHIP = "membership"  # the doubt a membership change leaves until its walk ends
@@ -37,10 +38,6 @@ MEMBERSHIP = "membership"  # the doubt a membership change leaves until its walk
 # node is paused fleet-wide (node/store/postgres.py, FLEET_META), and another
 # node's pause shows in every node's state (``now.paused_nodes``).
 PAUSE_READ_S = 1.0
-# How long a fenced key held here again keeps waiting for the write-back of
-# its lease's result (``fenced_results``): one that lost to a newer write
-# never comes.
-FENCED_RESULT_KEEP_S = 600.0
 MISSED = ("held", "parked")  # a lease table slot's states after a miss
 
 
@@ -171,16 +168,29 @@ class Owned(KeeperBase):
                     self.withdrawn += 1
                     self._note_missed_out(key)
                 elif get(key) is not None:
-                    # A result, its key held here again: its write-back is
-                    # still to come through the feed (keeper/feed.py).
-                    self.fenced_results[key] = time.monotonic()
+                    # A result, its key held here again: its write-back may
+                    # still come through the feed (keeper/feed.py).
+                    self._expect_result_write_back(key)
         if self.missed_out:
             self._follow_missed_out()
         if self.fenced_results:
-            old = time.monotonic() - FENCED_RESULT_KEEP_S
-            for key in [k for k, at in self.fenced_results.items() if at < old]:
-                del self.fenced_results[key]  # its write-back lost, or never came
+            # Once the feed is past a bound, that write-back came (and was
+            # taken) or lost to a newer write and never will.
+            done = self.feed_seq
+            for key in [k for k, bound in self.fenced_results.items() if bound <= done]:
+                del self.fenced_results[key]
         return len(self.fenced)
+
+    def _expect_result_write_back(self, key: str) -> None:
+        """A fenced lease on ``key``, held here again, ended by a result: its
+        write-back is committed by now (the ledger writes back before it ends
+        a lease), so at or below the log's top. Unknown when the store does
+        not answer: then not expected (that write-back counts as this node's
+        own, an edge of one)."""
+        try:
+            self.fenced_results[key] = self.store.top_seq()
+        except NodeError:
+            pass
 
     def _note_missed_out(self, key: str) -> None:
         """``key``, just withdrawn, is held by a miss (its last lease expired
@@ -213,7 +223,7 @@ class Owned(KeeperBase):
             if same and found[0] == "idle" and found[1].ended == Ended.RESULT:
                 self.withdrawn -= 1
                 if self.buckets.get(key) is not None:
-                    self.fenced_results[key] = time.monotonic()
+                    self._expect_result_write_back(key)
 
     def _missed(self, key: str) -> bool:
         """Whether ``key``'s lease ended without a result (its slot holds a
