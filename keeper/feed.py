@@ -79,6 +79,7 @@ class Feed(KeeperBase):
             flow = self._flow_minute(now)
             self._record_lag(batch)
             mine = batch
+            any_fenced = bool(fenced or fenced_results)  # the usual case: neither
             if owned is not None:  # a fleet node applies and counts only the keys it owns
                 keys = owned([ch.key for ch in batch]) or ()
                 mine = [ch for ch in batch if ch.key in keys]
@@ -93,7 +94,7 @@ class Feed(KeeperBase):
                 # is another list's, and the row held here a new occurrence,
                 # which any write, this node's write-back of that lease's
                 # result included, takes out as a withdrawal.
-                fenced_here = bool(fenced or fenced_results) and (
+                fenced_here = any_fenced and (
                     ch.key in fenced or ch.seq <= fenced_results.get(ch.key, -1)
                 )
                 if fenced_here and own_write_back:
@@ -117,10 +118,7 @@ class Feed(KeeperBase):
                 if ch.op == OP_DELETE or not ch.valid:
                     remove(ch.key)
                     if before is not None and not leased:
-                        withdrawn = self.withdrawn
-                        self._withdraw(before, None)
-                        if self.withdrawn != withdrawn:
-                            self._note_missed_out(ch.key)
+                        self._withdraw(ch.key, before, None)
                     if loading or self._reading:
                         tombstones[ch.key] = ch.seq
                     if ch.op == OP_DELETE:
@@ -143,11 +141,7 @@ class Feed(KeeperBase):
                             refused_due.add(ch.key)
                 else:
                     if before is not None and not leased:
-                        withdrawn = self.withdrawn
-                        self._withdraw(before, get(ch.key))
-                        if self.withdrawn != withdrawn:
-                            # Held by a miss? A late result takes it back.
-                            self._note_missed_out(ch.key)
+                        self._withdraw(ch.key, before, get(ch.key))
                 if ch.key in exclude:
                     # Inserted again while out (deleted and written back
                     # during its lease): it stays out.
@@ -182,15 +176,20 @@ class Feed(KeeperBase):
             self._set_exact(True, now)
         return applied
 
-    def _withdraw(self, before: tuple[int, int, int], after: tuple[int, int, int] | None) -> None:
+    def _withdraw(
+        self, key: str, before: tuple[int, int, int], after: tuple[int, int, int] | None
+    ) -> None:
         """Count ``withdrawn`` when a write took a row no lease holds out of
         the due state (``before`` and ``after``: its ``(minute, class,
         version)`` in the buckets; ``after`` None: removed). A held or parked
         key is waiting, so it counts; a leased one was routed, and its
-        lease's end decides (a result, or requeued): the caller leaves it out."""
+        lease's end decides (a result, or requeued): the caller leaves it out.
+        A key a miss holds is remembered: a late result takes the withdrawal
+        back (keeper/owned.py, ``missed_out``)."""
         through = self.buckets.due_through
         if before[0] <= through and (after is None or after[0] > through):
             self.withdrawn += 1
+            self._note_missed_out(key)
 
     def _record_lag(self, batch: list[Any]) -> None:
         """Each change's commit-to-applied lag into its origin's window, in

@@ -146,8 +146,8 @@ class Owned(KeeperBase):
         self._reown_pending = True
         self.next_publish = 0.0
         self._doubt_copy(MEMBERSHIP, now)
-        log("keeper_reowned", dropped=dropped, nodes=len(self.ownership.nodes) if self.ownership
-            else 0, why="lapsed")  # fmt: skip
+        nodes = len(self.ownership.nodes) if self.ownership is not None else 0
+        log("keeper_reowned", dropped=dropped, nodes=nodes, why="lapsed")
 
     def fenced_in_flight(self) -> int:
         """Leases still live on keys a membership change dropped: in
@@ -229,17 +229,16 @@ class Owned(KeeperBase):
         """Whether ``key``'s lease ended without a result (its slot holds a
         miss: held or parked); a completed lease leaves none."""
         found = self.leases.lookup(key) if self.leases is not None else None
-        return found is not None and found[0] in ("held", "parked")
+        return found is not None and found[0] in MISSED
 
     def _drop_unowned(self, now: float, keep: bool = True) -> int:
         """Drop the held rows this node does not own (``keep`` False: every
         held row, for a lapse); their number."""
-        keys = [item[0] for item in self.buckets.items()]
-        owned = self._owned(keys)
-        if owned is None:
+        if self.ownership is None:
             return 0
-        if not keep:
-            owned = set()
+        keys = [item[0] for item in self.buckets.items()]
+        owned = self._owned(keys) if keep else set()
+        assert owned is not None  # a fleet keeper's
         if self.leases is not None:
             # The excluded keys are followed at each publish only: a key
             # granted from the live set since then must be seen leased now,
@@ -268,10 +267,7 @@ class Owned(KeeperBase):
             if key in exclude and self._leased(key):
                 self.fenced.add(key)  # in flight: its lease's end decides
             elif before is not None and counting:
-                withdrawn = self.withdrawn
-                self._withdraw(before, None)
-                if self.withdrawn != withdrawn:
-                    self._note_missed_out(key)
+                self._withdraw(key, before, None)
         if self.refused_due:  # received here, held nowhere, another node's now: it leaves
             kept = self._owned(list(self.refused_due)) or set()
             for key in [k for k in self.refused_due if k not in kept]:

@@ -77,3 +77,23 @@ def pg_url() -> Iterator[str]:
     url = create_database()
     yield url
     drop_database(url)
+
+
+@pytest.fixture
+def net() -> Iterator[object]:
+    """A bridge for nodes in network namespaces of their own, the test
+    database behind it (tests/netns.py), closed after the test. Without
+    root or the tools it skips, and fails under ``CI=true``."""
+    from tests import pg
+    from tests.netns import Net, NetUnavailable
+
+    try:
+        made = Net(pg.SERVER).__enter__()
+    except NetUnavailable as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"network namespaces cannot be made: {exc}")
+        pytest.skip(f"network namespaces cannot be made: {exc}")
+    try:
+        yield made
+    finally:
+        made.close()

@@ -14,7 +14,6 @@ test skips on a laptop and fails under ``CI=true``.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
@@ -32,7 +31,7 @@ from node.testing import NodeProcess, finish, wait_for
 from shm.ready import ReadySet
 from shm.state import read_state
 from tests import pg
-from tests.netns import Host, Net, NetUnavailable, NsNode
+from tests.netns import Host, Net, NsNode
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -51,20 +50,6 @@ DUE, LATER = 300, 300
 REFUSAL_SLACK_S = 1.0
 
 FIGURES: dict[str, float] = {}  # what the test measured: printed at its end (-s)
-
-
-@pytest.fixture
-def net() -> Iterator[Net]:
-    try:
-        made = Net(pg.SERVER).__enter__()
-    except NetUnavailable as exc:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"network namespaces cannot be made: {exc}")
-        pytest.skip(f"network namespaces cannot be made: {exc}")
-    try:
-        yield made
-    finally:
-        made.close()
 
 
 def _seed(pg_url: str) -> None:

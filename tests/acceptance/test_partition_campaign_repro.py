@@ -22,7 +22,6 @@ which would upset any other test run sharing the server.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
@@ -35,7 +34,7 @@ from node.store.postgres import PostgresStore
 from node.testing import NodeProcess, finish, wait_for
 from shm.state import read_state
 from tests import pg
-from tests.netns import Host, Net, NetUnavailable, NsNode
+from tests.netns import Host, NsNode
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -51,20 +50,6 @@ DUE = 200
 LEASED = 20  # leases the first node holds across its cut
 KEPT = 5  # of which it still holds after the heal (in flight: to be fenced)
 FIGURES: dict[str, object] = {}
-
-
-@pytest.fixture
-def net() -> Iterator[Net]:
-    try:
-        made = Net(pg.SERVER).__enter__()
-    except NetUnavailable as exc:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"network namespaces cannot be made: {exc}")
-        pytest.skip(f"network namespaces cannot be made: {exc}")
-    try:
-        yield made
-    finally:
-        made.close()
 
 
 def _get(node: NodeProcess, path: str) -> tuple[int, dict]:

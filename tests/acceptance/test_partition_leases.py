@@ -26,7 +26,7 @@ from keeper.owners import Ownership
 from node.core.ids import number_of
 from node.testing import NodeProcess, wait_for
 from shm.state import read_state
-from tests.acceptance.test_partition import (  # noqa: F401 - fixtures
+from tests.acceptance.test_partition import (  # noqa: F401 - fleet is a fixture
     KEYS,
     LAWS,
     _get,
@@ -35,7 +35,6 @@ from tests.acceptance.test_partition import (  # noqa: F401 - fixtures
     _live_in_db,
     _post,
     fleet,
-    net,
 )
 
 pytestmark = pytest.mark.timeout(180)
