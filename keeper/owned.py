@@ -266,7 +266,7 @@ class Owned(KeeperBase):
                 self._left_out[key] = (before[0], before[2])
             if key in exclude and self._leased(key):
                 self.fenced.add(key)  # in flight: its lease's end decides
-            elif before is not None and counting:
+            elif before is not None and counting and not self._finished_unapplied(key, before[2]):
                 self._withdraw(key, before, None)
         if self.refused_due:  # received here, held nowhere, another node's now: it leaves
             kept = self._owned(list(self.refused_due)) or set()

@@ -16,6 +16,7 @@ from keeper.owners import Ownership
 from node.core import log
 from node.core.errors import NodeError
 from node.core.rows import OP_DELETE, ORIGIN_WRITEBACK
+from shm.leases.protocol import Ended
 
 # Class rows in the state document; more are summarised and flagged truncated.
 STATE_CLASS_ROWS = 1_000
@@ -434,6 +435,22 @@ class Report(KeeperBase):
         found = self.leases.lookup(key)
         return found is not None and found[0] in LEASED_NAMES
 
+    def _finished_unapplied(self, key: str, version: int) -> bool:
+        """Whether the occurrence of ``key`` held at ``version`` was routed
+        and its lease ended by a result whose write-back this keeper has not
+        applied: the key's slot is idle after a result, for a lease of that
+        very version. The write-back takes the row out of the due state
+        without a count (docs/accounting.md), so a drop before it counts no
+        withdrawal either: the occurrence left the books when it was
+        routed. (Found by the partition campaign: a keeper whose feed
+        stalled on a cut connection rejoined with the results of its last
+        leases written back and their leases ended, and counted each key
+        withdrawn too, −16 and −20.)"""
+        found = self.leases.lookup(key) if self.leases is not None else None
+        if found is None or found[0] != "idle":
+            return False
+        return found[1].ended == Ended.RESULT and found[1].version == version
+
     def _leased(self, key: str) -> bool:
         """Whether a lease (not a hold or a parking) keeps ``key`` out now."""
         if self.leases is None or key not in self.exclude:
@@ -450,7 +467,19 @@ class Report(KeeperBase):
         if self.leases is None or (key not in exclude and before[0] > self.buckets.due_through):
             return False
         found = self.leases.lookup(key)
-        return found is not None and found[0] in LEASED_NAMES
+        if found is None:
+            return False
+        if found[0] in LEASED_NAMES:
+            return True
+        # Ended by a result, for the very version held: the write came while
+        # that lease was live, and its result's write-back, which would have
+        # come first otherwise, lost to it (the version guard). A keeper
+        # whose feed was stalled (a cut connection) applies such a write
+        # after the lease ended; counted withdrawn, the occurrence routed
+        # there would be counted twice (found by the partition campaign:
+        # another node's write-back of a key both nodes ran, −7).
+        rec = found[1]
+        return found[0] == "idle" and rec.ended == Ended.RESULT and rec.version == before[2]
 
     def _ownership_saved_under(self, saved: dict[str, Any]) -> Ownership | None:
         """The ownership saved counts were taken under (their ``nodes``),

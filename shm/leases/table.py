@@ -340,6 +340,33 @@ class LeaseTable(Grants, Scans):
                 i += 1
         return out
 
+    def pin_late(self, key: str, lease_id: int, until: float) -> bool:
+        """Keep ``key`` from being granted again until ``until``, for a late
+        result of ``lease_id`` (its lease expired or was released, and the
+        key not granted since) that the ledger is making durable: the
+        result's ``complete`` after the write then finds that same lease
+        and ends it (LATE), where a grant in between would leave the result
+        durable with its lease counted expired too (docs/delivery.md). The
+        slot is held until ``until`` (a longer hold is kept); ``complete``
+        clears it. True when pinned; False when the slot no longer holds
+        that ended lease, or is parked (never granted by itself)."""
+        kb = _key_bytes(key)
+        held = self._hold_key(kb, _hash(kb))
+        if isinstance(held, Outcome):
+            return False
+        idx, own, rec = held
+        code = (own >> 4) & 15
+        if (
+            rec.lease_id != lease_id
+            or code not in (HELD, IDLE)
+            or rec.ended == Ended.RESULT
+            or (code == HELD and rec.held_until >= until)
+        ):
+            self._rollback(idx, own)
+            return code == HELD and rec.lease_id == lease_id and rec.held_until >= until
+        self._update(idx, own, rec._replace(held_until=until), HELD)
+        return True
+
     def release(self, key: str, lease_id: int, now: float, error: str | None = None) -> Outcome:
         """The holder hands the lease back without a result: a miss.
 

@@ -536,6 +536,89 @@ def test_a_key_granted_since_the_last_publish_stays_fenced_when_another_node_tak
         store.close()
 
 
+def test_a_lapse_drops_a_finished_key_whose_write_back_the_feed_has_not_applied_uncounted(
+    segments, node_name, tmp_path
+):
+    """A node comes back from a lapse while its feed is behind (it stalled
+    on a cut connection): keys whose leases ended by a result, their
+    write-backs not applied yet, are still held due. The lapse drops every
+    held row; those occurrences were routed, so they are not withdrawn too
+    (the partition campaign caught −16 and −20, one for each). A key leased
+    is fenced, a waiting one withdrawn, as before."""
+    from shm.leases import LeaseTable
+
+    store = open_store("memory://")
+    store.upsert([RowWrite(f"k{i}", "pages", due_at=NOW - 3600) for i in range(300)], now=NOW)
+    leases = LeaseTable.create(node_name, capacity=4096, max_misses=3)
+    claimer = ReadySet.attach(node_name)
+    try:
+        keeper = Keeper(_config(node_name, tmp_path), store, *segments, leases=leases)
+        assert keeper.reown([node_name, "other-node"], NOW)
+        keeper.start(NOW)
+        _run_until_live(keeper, NOW)
+        held = len(keeper.buckets)
+        keeper.publish(NOW)
+        taken = _take(claimer, 30)
+        assert len(taken) == 30
+        granted = {
+            key: leases.grant(key, "t", 600, NOW, 3600, version=keeper.buckets.get(key)[2])
+            for key in taken
+        }
+        finished, leased = taken[:20], taken[20:]
+        for key in finished:  # results durable, leases ended; no write-back applied yet
+            assert leases.complete(key, granted[key].lease_id, NOW).name == "COMPLETED"
+        before = keeper.withdrawn_total()
+        keeper.rejoined(None, NOW + 1)
+        assert keeper.fenced == set(leased)
+        assert keeper.withdrawn_total() - before == held - len(taken)
+    finally:
+        claimer.close()
+        leases.close()
+        LeaseTable.unlink(node_name)
+        store.close()
+
+
+def test_a_write_that_beat_a_finished_leases_write_back_is_a_leased_write_when_applied_late(
+    segments, node_name, tmp_path
+):
+    """Another writer moved a leased row away while the lease was live; the
+    lease then ended by a result, whose write-back lost to that write. A
+    keeper whose feed was stalled (a cut connection) applies the write only
+    after the lease ended: it is still a write to a leased row (an edge),
+    not a withdrawal, or the occurrence routed here counts twice (the
+    partition campaign: another node's write-back of a key both nodes ran).
+    A write to a key whose finished lease was of an older version (written
+    again since) is a withdrawal, as before."""
+    from shm.leases import LeaseTable
+
+    store = open_store("memory://")
+    store.upsert([RowWrite(f"k{i}", "pages", due_at=NOW - 3600) for i in range(50)], now=NOW)
+    leases = LeaseTable.create(node_name, capacity=4096, max_misses=3)
+    try:
+        keeper = Keeper(_config(node_name, tmp_path), store, *segments, leases=leases)
+        keeper.start(NOW)
+        _run_until_live(keeper, NOW)
+        beaten, later = "k1", "k2"
+        for key in (beaten, later):
+            version = keeper.buckets.get(key)[2]
+            lease = leases.grant(key, "t", 600, NOW, 3600, version=version)
+            assert leases.complete(key, lease.lease_id, NOW).name == "COMPLETED"
+        # k2 was written again since its lease ended (a new version, still due).
+        store.upsert([RowWrite(later, "pages", due_at=NOW - 60)], now=NOW)
+        keeper.tick(NOW)
+        before = (keeper.withdrawn_total(), keeper.leased_writes_total())
+        # The writes the stalled feed applies now: both rows moved to tomorrow.
+        store.upsert([RowWrite(k, "pages", due_at=NOW + 86_400) for k in (beaten, later)], now=NOW)
+        keeper.tick(NOW)
+        assert keeper.buckets.get(beaten)[0] > int(NOW // 60)  # applied
+        withdrawn, leased_writes = keeper.withdrawn_total(), keeper.leased_writes_total()
+        assert (withdrawn - before[0], leased_writes - before[1]) == (1, 1)  # k2, then k1
+    finally:
+        leases.close()
+        LeaseTable.unlink(node_name)
+        store.close()
+
+
 def test_a_membership_change_while_loading_counts_no_withdrawal(segments, node_name, tmp_path):
     """A fleet node whose live list changes while its load walk is under
     way (nodes starting at once: it saw itself alone, then a peer) drops

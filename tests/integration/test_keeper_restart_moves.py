@@ -318,3 +318,49 @@ def test_a_membership_change_during_the_restart_load_is_counted_once(fleet):
     b.settle(t0 + 10)
     a.start(both, t0 + 10)
     assert (a.gap(t0 + 10), b.gap(t0 + 10)) == (0, 0)
+
+
+def test_a_key_moved_out_whose_result_is_written_back_during_the_load_is_no_withdrawal(fleet):
+    """A node killed at a membership change restarts under the new list: a
+    key it owned at its save, now the other node's, was granted and its
+    result made durable before the kill. The restarted ledger's recovery
+    writes the result back and ends the lease while the keeper loads,
+    after the load read the row still due: the load's end drains the feed
+    and replays through it, so the write-back shows and the key, routed,
+    is not counted moved out as withdrawn too (a case the partition
+    campaign's kill at a membership change plays)."""
+    from node.store.base import WriteBack
+    from shm.leases import LeaseTable, Outcome
+
+    a, b, outside = fleet
+    t0 = time.time()
+    _seed(outside, t0)
+    # A second load chunk, read after the first: rows due tomorrow, keyed after the rest.
+    outside.upsert([RowWrite(key=f"z-{i:05d}", route="pages", due_at=t0 + DAY_S)
+                    for i in range(LOAD_CHUNK + 100)], now=t0)  # fmt: skip
+    leases = LeaseTable.create(a.name, capacity=4096, max_misses=3)
+    try:
+        a.start([a.name], t0)  # alone: every row is a's
+        a.save(t0)
+        both = [a.name, b.name]
+        moving = _of(both, b.name, _due_keys(outside, t0))
+        key = moving[0]
+        version = outside.get(key).version
+        lease = leases.grant(key, "gpu", 600, t0, 3600, version=version)
+        a.stop()  # kill -9: nothing more saved
+        keeper = a.keeper = Keeper(a.config, a.store, a.ready, a.state, leases=leases)
+        keeper.reown(both, t0 + 1)
+        keeper.start(t0 + 1)
+        keeper.tick(t0 + 1)  # the first chunk read: the key still due
+        assert keeper.status == "loading"
+        # The restarted ledger's recovery: written back, then the lease ended.
+        assert a.store.write_back_many([WriteBack(key, t0 + 3600, version, 1, t0 + 1)]) != [None]
+        assert leases.complete(key, lease.lease_id, t0 + 1) is Outcome.COMPLETED
+        a.settle(t0 + 1)
+        assert keeper.stats.load["moved_out"] == len(moving) - 1
+        # received = routed (the one lease) + waiting + withdrawn
+        due = keeper.buckets.counts(t0 + 1)["due"]["total"]
+        assert keeper.received() == 1 + due + keeper.withdrawn_total()
+    finally:
+        leases.close()
+        LeaseTable.unlink(a.name)

@@ -297,6 +297,28 @@ def test_a_new_write_clears_misses_hold_and_parking(table):
     assert _grant(table, "k", T0 + 1)
 
 
+def test_a_late_results_pin_holds_an_ended_lease_until_its_end_or_the_pin(table):
+    """``pin_late``: an expired or released lease (held, or cleared by a
+    write) keeps its key from any grant until ``until`` or its late result;
+    a live, parked, superseded or finished lease is left as it is."""
+    first = _grant(table, "k", T0)
+    assert table.pin_late("k", first.lease_id, T0 + 50) is False  # live: nothing to pin
+    [expired] = table.expire(T0 + 10)  # held until T0 + 10 + 20
+    assert table.pin_late("k", first.lease_id, T0 + 25) is True  # held longer already
+    assert table.pin_late("k", first.lease_id, T0 + 50) is True
+    assert _grant(table, "k", T0 + 40) == Refused(Refuse.HELD)
+    assert table.complete("k", first.lease_id, T0 + 41) is Outcome.LATE
+    assert table.lookup("k")[0] == "idle" and table.held() == []  # the end clears it
+    assert table.pin_late("k", first.lease_id, T0 + 60) is False  # ended by its result
+    second = _grant(table, "k", T0 + 42)
+    table.release("k", second.lease_id, T0 + 42)
+    assert table.clear_on_write("k")  # a write cleared its hold: grantable again
+    assert table.pin_late("k", second.lease_id, T0 + 70) is True
+    assert _grant(table, "k", T0 + 69) == Refused(Refuse.HELD)
+    assert _grant(table, "k", T0 + 71)  # the pin passed: granted as usual
+    assert table.pin_late("k", second.lease_id, T0 + 90) is False  # superseded
+
+
 def test_excluded_keys_are_leased_held_and_parked_only(node):
     with LeaseTable.create(node, capacity=64, max_misses=2) as t:
         _grant(t, "leased", T0)

@@ -24,7 +24,7 @@ from node.core.rows import RowWrite
 from node.ipc import AsyncIpcClient, IpcClient, IpcError, RemoteError
 from node.store import open_store
 from node.testing import wait_for
-from shm.leases import LeaseTable, Outcome
+from shm.leases import Lease, LeaseTable, Outcome
 from workers.ledger.process import LOG_DIR, Ledger, ledger_address
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -659,6 +659,77 @@ def test_a_grant_between_the_peek_and_the_lease_end_keeps_the_durable_result(tmp
             2, 1, 1, 1,
         )  # fmt: skip
         assert acct["balanced"] is False
+        ledger.close()
+    finally:
+        table.close()
+        LeaseTable.unlink(node_name)
+
+
+def test_a_late_result_keeps_its_key_from_a_grant_while_its_group_commits(tmp_path, node_name):
+    """A slow holder's result arrives just as the hold its lease's expiry
+    left ends (found by the partition campaign): a claimer waiting on the
+    key would take it during the group commit, and the result, durable,
+    could not end its lease (counted expired and finished: the output law
+    off by one). The ledger pins the key at the peek: no grant until the
+    lease is ended, the result accepted late, both laws balanced."""
+    from node.completion.memory import MemoryCompletionStore
+
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    config = Config(data_dir=data_dir, name=node_name, store="memory://")
+    table = LeaseTable.create(node_name, capacity=64)
+    store = open_store("memory://")
+    store.upsert([RowWrite("a", "r", cadence_s=CADENCE_S, job="j")], now=time.time())
+    first = table.grant("a", "gpu-0", 60, time.time(), CADENCE_S, store.get("a").version)
+    # Released long ago: its hold (two lease lengths) is over, the key grantable.
+    assert table.release("a", first.lease_id, time.time() - 1000) is Outcome.RELEASED
+    tried = []
+
+    class ClaimingLog(MemoryCompletionStore):
+        def _write(self, results, retires, first_id):
+            if results:  # meanwhile a claimer tries the key
+                tried.append(table.grant("a", "gpu-1", 60, time.time(), CADENCE_S))
+            return super()._write(results, retires, first_id)
+
+    ledger = Ledger(config, LeaseTable.attach(node_name), store, ClaimingLog())
+    try:
+
+        async def body():
+            ledger.recover(time.time())
+            committer = asyncio.create_task(ledger.run_committer())
+            reply = await ledger.complete({"items": [item(first)]})
+            committer.cancel()
+            return reply
+
+        (outcome,) = asyncio.run(body())["outcomes"]
+        assert outcome["status"] == "ok"
+        assert not isinstance(tried[0], Lease)  # refused: the key is held
+        assert ledger.stats.superseded_after_durable == 0
+        assert table.lookup("a")[0] == "idle"  # ended by the result, no hold left
+        acct = ledger.accounting()
+        assert (acct["routed"], acct["finished"], acct["released"], acct["in_flight"]) == (
+            1, 1, 0, 0,
+        )  # fmt: skip
+        assert acct["balanced"] is True
+        again = table.grant("a", "gpu-1", 60, time.time(), CADENCE_S)
+        assert isinstance(again, Lease)  # the next occurrence is granted as usual
+        ledger.close()
+    finally:
+        table.close()
+        LeaseTable.unlink(node_name)
+
+
+def test_a_late_result_whose_key_was_granted_again_is_refused_at_its_pin(tmp_path, node_name):
+    """The key of a late result was granted to another holder before the
+    result came: refused as a conflict, nothing written, nothing pinned."""
+    ledger, table = _memory_ledger(tmp_path, node_name)
+    try:
+        ledger.store.upsert([RowWrite("a", "r", cadence_s=CADENCE_S, job="j")], now=time.time())
+        first = table.grant("a", "gpu-0", 60, time.time(), CADENCE_S)
+        table.release("a", first.lease_id, time.time() - 1000)
+        second = table.grant("a", "gpu-1", 60, time.time(), CADENCE_S)
+        assert table.pin_late("a", first.lease_id, time.time() + 10) is False
+        assert table.peek("a", second.lease_id)[0] is Outcome.COMPLETED  # untouched
         ledger.close()
     finally:
         table.close()

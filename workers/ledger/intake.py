@@ -13,11 +13,13 @@ goes item by item.
 from __future__ import annotations
 
 import asyncio
+import time
 from itertools import repeat
 from operator import attrgetter, itemgetter
 from typing import Any
 
 from node.core.config import Config
+from node.core.errors import NodeError
 from shm.leases import Outcome
 
 # One accepted completion between its peek and its reply: key, lease id,
@@ -38,6 +40,11 @@ _first, _second = itemgetter(0), itemgetter(1)
 _key, _lease_id = itemgetter("key"), itemgetter("lease_id")
 _result, _encoding = itemgetter("result"), itemgetter("encoding")
 _version, _cadence = attrgetter("version"), attrgetter("cadence_s")
+# A late result's key is kept from being granted again this long while its
+# group commit runs (``LeaseTable.pin_late``): a commit that takes longer (a
+# disk stall, a store that refuses the write-back) reopens the window of
+# docs/delivery.md, "a result durable, but the key granted again".
+LATE_PIN_S = 10.0
 
 
 class Batch:
@@ -77,9 +84,13 @@ def check(
         pairs = [(keys[i], lease_ids[i]) for i in asked]
     # One call into C for the group (shm/_complete.c), peek item by item.
     peeks = leases.peek_many(pairs)
+    firsts = list(map(_first, peeks))
+    if Outcome.LATE in firsts:
+        peeks = _pin_late(leases, pairs, peeks)
+        firsts = list(map(_first, peeks))
     if (
         rids is None
-        and _taken(list(map(_first, peeks)))
+        and _taken(firsts)
         and len(set(pairs)) == n
         and inflight.keys().isdisjoint(pairs)
     ):
@@ -116,6 +127,28 @@ def check(
                       cadence_s))  # fmt: skip
         accepted.append(i)
     return outcomes, accepted, batch, dups
+
+
+def _pin_late(leases: Any, pairs: list[tuple[str, int]], peeks: list) -> list:
+    """Keep the keys of late results from being granted again while their
+    group commit runs (``LATE_PIN_S``): the hold their miss left may end in
+    between, and a claimer waiting on it would take the key (found by the
+    partition campaign: a slow holder's result arriving just as its key's
+    hold ended). An item whose slot changed since its peek is peeked again
+    (granted meanwhile: refused as a conflict). The peeks, updated."""
+    until = time.time() + LATE_PIN_S
+    late = Outcome.LATE
+    out = list(peeks)
+    for i, ((key, lease_id), (outcome, _lease)) in enumerate(zip(pairs, peeks, strict=True)):
+        if outcome is not late:
+            continue
+        try:
+            pinned = leases.pin_late(key, lease_id, until)
+        except NodeError:
+            continue  # sealed: the lease's end after the write says what it finds
+        if not pinned:
+            out[i] = leases.peek(key, lease_id)
+    return out
 
 
 def _taken(outcomes: list) -> bool:
