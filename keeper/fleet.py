@@ -16,8 +16,12 @@ while it runs, so the membership's connection is bounded:
   10 s timeout and 1 s heartbeat, 7 more tries). A database that slow would
   also stall the keeper's own reads. Half a second of the loop is half a
   publish interval: claimers go on taking from the set already published.
-- ``connect_timeout`` 2 s (libpq's least): only when the connection is being
-  (re)opened, after a failure; a refused connection fails at once.
+- ``connect_timeout`` 2 s (libpq's least), for the first connection only:
+  one lost later is replaced off the loop, by dials on threads of their own
+  (node/fleet/dialer.py), a new one at each heartbeat while none has answered,
+  so the first heartbeat after a short cut heals needs one round trip, not
+  the kernel's SYN retries (a 1.5 s cut had stopped grants for about a
+  second, docs/reliability.md, finding 4); each beat meanwhile fails at once.
 
 A SQLite node has no membership (``for_store`` answers None) and its
 deadline stays 0, as the supervisor set it.
@@ -52,6 +56,7 @@ class FleetMember:
             conninfo, config.name, config.http,
             membership_timeout_s=config.membership_timeout_s,
             connect_timeout_s=CONNECT_TIMEOUT_S, statement_timeout_s=STATEMENT_TIMEOUT_S,
+            reconnect_in_background=True,
         )  # fmt: skip
         self.heart = Heartbeat(self.membership, ready, config.heartbeat_s)
         self.number: int | None = None  # once joined

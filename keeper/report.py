@@ -361,7 +361,7 @@ class Report(KeeperBase):
                     came += 1  # the clock brought it due before this change
                 was_due = old is not None and old <= at
                 new = None if ch.op == OP_DELETE or ch.due_at is None else int(ch.due_at // 60)
-                leased = ch.origin != ORIGIN_WRITEBACK and self._leased(ch.key)
+                leased = ch.origin != ORIGIN_WRITEBACK and self._leased_at(ch, last, since)
                 edges += leased
                 if new is not None and new <= at:
                     came += not was_due
@@ -450,6 +450,30 @@ class Report(KeeperBase):
         if found is None or found[0] != "idle":
             return False
         return found[1].ended == Ended.RESULT and found[1].version == version
+
+    def _leased_at(self, ch: Any, last: Replayed | None, since: int) -> bool:
+        """Whether a lease held ``ch.key`` when the replayed write ``ch`` was
+        made, as the lease table shows at the load's end (the keys kept out
+        are not followed yet then): a lease live now and granted before the
+        write (its version below the write's seq), or one ended by a result
+        for the version the write replaced (no replayed change of the key
+        since that version) and granted after the saved counts' minute, so
+        that its result's write-back lost to this write, not a row that came
+        due again later. (Found by the partition campaign: a node restarted
+        while another ran its keys counted the other's write-backs as
+        withdrawals, −2 and −6.)"""
+        found = self.leases.lookup(ch.key) if self.leases is not None else None
+        if found is None or found[1].version >= ch.seq:
+            return False
+        state, rec = found
+        if state in LEASED_NAMES:
+            return True
+        return (
+            state == "idle"
+            and rec.ended == Ended.RESULT
+            and (last is None or last.seq <= rec.version)
+            and rec.granted_at >= since * 60
+        )
 
     def _leased(self, key: str) -> bool:
         """Whether a lease (not a hold or a parking) keeps ``key`` out now."""

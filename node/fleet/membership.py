@@ -37,6 +37,7 @@ from node.core.fleet import GRANT_MARGIN_FRACTION
 from node.core.log import warn
 from node.core.urls import redact_url
 from node.fleet import queries as q
+from node.fleet.dialer import Dialer
 
 # A host whose wall clock is further than this from the database's is
 # flagged (its heartbeats still count: only the database's clock judges).
@@ -161,12 +162,16 @@ class Membership:
         monotonic_ns: Callable[[], int] = time.monotonic_ns,
         connect_timeout_s: int = 10,
         statement_timeout_s: float | None = None,
+        reconnect_in_background: bool = False,
     ) -> None:
         """``statement_timeout_s``: every statement (lock waits included)
         and every unacknowledged send on the connection fails past it
         (``statement_timeout``, ``tcp_user_timeout``): a caller that must
         not block long, the keeper's loop, sets it. ``connect_timeout_s``:
-        libpq's, 2 s at the least."""
+        libpq's, 2 s at the least. ``reconnect_in_background``: after the
+        first connection, a lost one is replaced by dials on threads of
+        their own (node/fleet/dialer.py): a call meanwhile fails at once
+        (StoreUnavailable) instead of waiting on a connect."""
         self.conninfo = conninfo
         self.connect_timeout_s = max(2, int(connect_timeout_s))
         self.statement_timeout_s = statement_timeout_s
@@ -178,6 +183,10 @@ class Membership:
         self.number: int | None = None  # once joined
         self._conn: Any = None
         self._conn_pid = 0
+        self._dialer: Dialer | None = None
+        if reconnect_in_background:
+            self._dialer = Dialer(self._open, name=f"fleet-dial {name}")
+        self._connected_once = False
         # The skew warning: when it starts, then at most every SKEW_LOG_EVERY_S
         # while it lasts, and when it ends (a heartbeat runs 1 to 5 times a second).
         self._skew_logged_ns: int | None = None
@@ -189,23 +198,35 @@ class Membership:
 
     # -- the connection ------------------------------------------------------------
 
+    def _open(self) -> Any:
+        """A new connection, bounded as ``__init__`` says (psycopg's errors
+        raised as they come)."""
+        psycopg = _psycopg()
+        bounds: dict[str, Any] = {}
+        if self.statement_timeout_s is not None:
+            ms = max(1, int(self.statement_timeout_s * 1000))
+            bounds = {"options": f"-c statement_timeout={ms}", "tcp_user_timeout": ms}
+        return psycopg.connect(
+            self.conninfo, autocommit=True, connect_timeout=self.connect_timeout_s, **bounds
+        )
+
     def _connection(self) -> Any:
         if self._conn is not None and (self._conn_pid != os.getpid() or self._conn.closed):
             self._conn = None  # a parent's (never closed here) or a broken one
+        if self._conn is None and self._dialer is not None and self._connected_once:
+            conn = self._dialer.take()
+            if conn is None:
+                why = self._dialer.last_error or "no answer yet"
+                raise StoreUnavailable(f"the fleet's database: reconnecting ({why})")
+            self._conn, self._conn_pid = conn, os.getpid()
         if self._conn is None:
             psycopg = _psycopg()
             try:
-                bounds: dict[str, Any] = {}
-                if self.statement_timeout_s is not None:
-                    ms = max(1, int(self.statement_timeout_s * 1000))
-                    bounds = {"options": f"-c statement_timeout={ms}", "tcp_user_timeout": ms}
-                self._conn = psycopg.connect(
-                    self.conninfo, autocommit=True, connect_timeout=self.connect_timeout_s,
-                    **bounds,
-                )  # fmt: skip
+                self._conn = self._open()
             except psycopg.Error as exc:
                 raise StoreUnavailable(f"the fleet's database cannot be reached: {exc}") from exc
             self._conn_pid = os.getpid()
+            self._connected_once = True
         return self._conn
 
     def _run(self, what: str, steps: Callable[[Any], Any]) -> Any:
@@ -214,7 +235,7 @@ class Membership:
         try:
             return steps(self._connection())
         except psycopg.OperationalError as exc:
-            self.close()
+            self._drop()
             raise StoreUnavailable(f"fleet {what}: the database failed: {exc}") from exc
         except psycopg.Error as exc:
             raise FleetError(f"fleet {what}: {exc}") from exc
@@ -223,10 +244,16 @@ class Membership:
         """Open the connection now (otherwise the first call does)."""
         self._run("connect", lambda conn: None)
 
-    def close(self) -> None:
+    def _drop(self) -> None:
+        """Close the connection (a failed one); the next call opens another."""
         if self._conn is not None and self._conn_pid == os.getpid():
             self._conn.close()
         self._conn = None
+
+    def close(self) -> None:
+        self._drop()
+        if self._dialer is not None:
+            self._dialer.close()
 
     def __enter__(self) -> Membership:
         return self

@@ -229,6 +229,13 @@ def reclassify(ev: FleetEvidence, dups: list[Duplicate], tl: Any) -> list[Duplic
     node's own evidence (module docstring)."""
     starts = _ledger_starts(ev)
     touched = _first_claims(ev)
+    # When the poll that brought each offer was sent (the node offered it
+    # after that): an offer timeout is measured from there.
+    sent_at = {
+        (rec["rid"], rec["t"]): rec["sent"]
+        for rec in ev.consumer
+        if rec.get("ev") == "offer" and isinstance(rec.get("sent"), (int, float))
+    }
     out = []
     for d in dups:
         if d.what == "delivered twice":
@@ -245,8 +252,11 @@ def reclassify(ev: FleetEvidence, dups: list[Duplicate], tl: Any) -> list[Duplic
                         continue
                     if any(before < s < again for s in starts.get(name, [])):
                         window, why = W_LEDGER_RESTART, f"{name}'s ledger started in between"
-                    elif again - before >= ev.offer_timeout_s - checker.TIMEOUT_SLACK_S:
-                        window, why = W_OFFER_TIMEOUT, f"no ack answered for {again - before:.1f} s"
+                    elif again - sent_at.get((rid, before), before) >= (
+                        ev.offer_timeout_s - checker.TIMEOUT_SLACK_S
+                    ):
+                        since = again - sent_at.get((rid, before), before)
+                        window, why = W_OFFER_TIMEOUT, f"no ack answered for {since:.1f} s"
             out.append(Duplicate(d.item, d.what, d.rids, window, why))
             continue
         if d.window != UNEXPLAINED:

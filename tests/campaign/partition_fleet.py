@@ -553,11 +553,15 @@ class FleetReceiver(Receiver):
         self.endpoint = FleetEndpoint(dirs, token)  # type: ignore[assignment]
 
     def body(self) -> None:
+        sent = [0.0]
+
+        def poll(c: Any) -> Any:
+            sent[0] = time.time()  # this attempt's start: the offer came after it
+            return c.poll(None, max=200, wait_s=1, scope="cluster")
+
         while not self.stop_event.is_set():
             try:
-                results = self.endpoint.call(
-                    lambda c: c.poll(None, max=200, wait_s=1, scope="cluster"), self.stop_event
-                )
+                results = self.endpoint.call(poll, self.stop_event)
             except ClientError as exc:
                 if exc.code == "stopped":
                     return
@@ -565,8 +569,11 @@ class FleetReceiver(Receiver):
                 continue
             by_job: dict[str, list[int]] = defaultdict(list)
             for r in results:
+                # ``sent``: the node offered it after this, and its offer
+                # timeout runs from then, not from the answer's arrival (a
+                # fan-out through a slow peer can take seconds).
                 self.log.write("offer", rid=r["id"], key=r["key"], job=r["job"],
-                               result=r["result"])  # fmt: skip
+                               result=r["result"], sent=sent[0])  # fmt: skip
                 first = r["id"] not in self.seen
                 with self._lock:
                     self.seen[r["id"]] = r["key"]

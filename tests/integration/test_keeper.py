@@ -619,6 +619,44 @@ def test_a_write_that_beat_a_finished_leases_write_back_is_a_leased_write_when_a
         store.close()
 
 
+def test_a_restarts_replay_judges_a_write_by_the_lease_it_beat(segments, node_name, tmp_path):
+    """After the last save of the counts, a key was granted; another writer
+    (another node's write-back of a key both ran) moved its row away while
+    the lease was live, and the lease then ended by its result (its own
+    write-back lost). The keeper is killed and restarted: its replay of
+    that write sees the lease table as it is at the load's end, the lease
+    ended, and must still count a write to a leased row, not a withdrawal
+    (the partition campaign: −2 and −6 on restarted nodes). A write to a
+    row no lease held is a withdrawal, as before."""
+    from shm.leases import LeaseTable
+
+    store = open_store("memory://")
+    store.upsert([RowWrite(f"k{i}", "pages", due_at=NOW - 3600) for i in range(50)], now=NOW)
+    leases = LeaseTable.create(node_name, capacity=4096, max_misses=3)
+    config = _config(node_name, tmp_path, state_interval_s=1000)
+    try:
+        keeper = Keeper(config, store, *segments, leases=leases)
+        keeper.start(NOW)
+        _run_until_live(keeper, NOW)
+        keeper.write_state(NOW)  # the counts saved
+        saved = (keeper.withdrawn_total(), keeper.leased_writes_total())
+        version = keeper.buckets.get("k1")[2]
+        lease = leases.grant("k1", "t", 600, NOW + 1, 3600, version=version)
+        away = [RowWrite(k, "pages", due_at=NOW + 86_400) for k in ("k1", "k2")]
+        store.upsert(away, now=NOW + 2)  # k1 while leased, k2 waiting
+        assert leases.complete("k1", lease.lease_id, NOW + 3).name == "COMPLETED"
+        # kill -9: nothing more saved; a new keeper replays from the save.
+        again = Keeper(config, store, *segments, leases=leases)
+        again.start(NOW + 4)
+        _run_until_live(again, NOW + 4)
+        assert again.withdrawn_total() - saved[0] == 1  # k2
+        assert again.leased_writes_total() - saved[1] == 1  # k1
+    finally:
+        leases.close()
+        LeaseTable.unlink(node_name)
+        store.close()
+
+
 def test_a_membership_change_while_loading_counts_no_withdrawal(segments, node_name, tmp_path):
     """A fleet node whose live list changes while its load walk is under
     way (nodes starting at once: it saw itself alone, then a peer) drops
