@@ -615,12 +615,36 @@ def test_the_law_and_the_checkpoint_file(tmp_path):
     assert again.totals(fresh) == table and again.restores[0]["at"] == 170.0
 
 
+def _complete_while_writing(config: Config, node_name: str, store, lease, meanwhile) -> tuple:
+    """A ledger over an in-memory log whose write of a group runs
+    ``meanwhile`` first (between the peek and the lease's end); one
+    completion of ``lease`` through it: (the ledger, its outcome)."""
+    from node.completion.memory import MemoryCompletionStore
+
+    class Log(MemoryCompletionStore):
+        def _write(self, results, retires, first_id):
+            if results:
+                meanwhile()
+            return super()._write(results, retires, first_id)
+
+    ledger = Ledger(config, LeaseTable.attach(node_name), store, Log())
+
+    async def body():
+        ledger.recover(time.time())
+        committer = asyncio.create_task(ledger.run_committer())
+        reply = await ledger.complete({"items": [item(lease)]})
+        committer.cancel()
+        return reply
+
+    (outcome,) = asyncio.run(body())["outcomes"]
+    return ledger, outcome
+
+
 def test_a_grant_between_the_peek_and_the_lease_end_keeps_the_durable_result(tmp_path, node_name):
     """The one window of docs/delivery.md where a result is durable but its
     lease cannot be ended: the holder released it and the key was granted
     again while the group commit ran (a disk stall of two lease lengths).
     The result is kept and delivered, counted, and the law is off by one."""
-    from node.completion.memory import MemoryCompletionStore
 
     data_dir = tmp_path / "data"
     data_dir.mkdir()
@@ -631,25 +655,13 @@ def test_a_grant_between_the_peek_and_the_lease_end_keeps_the_durable_result(tmp
     first = table.grant("a", "gpu-0", 60, time.time(), CADENCE_S, store.get("a").version)
     second = []
 
-    class StallingLog(MemoryCompletionStore):
-        def _write(self, results, retires, first_id):
-            if results:  # meanwhile: released, unheld, granted to another holder
-                table.release("a", first.lease_id, time.time())
-                table.unhold(["a"])
-                second.append(table.grant("a", "gpu-1", 60, time.time(), CADENCE_S))
-            return super()._write(results, retires, first_id)
+    def meanwhile() -> None:  # released, unheld, granted to another holder
+        table.release("a", first.lease_id, time.time())
+        table.unhold(["a"])
+        second.append(table.grant("a", "gpu-1", 60, time.time(), CADENCE_S))
 
-    ledger = Ledger(config, LeaseTable.attach(node_name), store, StallingLog())
+    ledger, outcome = _complete_while_writing(config, node_name, store, first, meanwhile)
     try:
-
-        async def body():
-            ledger.recover(time.time())
-            committer = asyncio.create_task(ledger.run_committer())
-            reply = await ledger.complete({"items": [item(first)]})
-            committer.cancel()
-            return reply
-
-        (outcome,) = asyncio.run(body())["outcomes"]
         assert outcome["status"] == "ok"
         assert ledger.stats.superseded_after_durable == 1
         assert ledger.offer("j", 10, time.time())[0]["id"] == outcome["id"]
@@ -672,7 +684,6 @@ def test_a_late_result_keeps_its_key_from_a_grant_while_its_group_commits(tmp_pa
     could not end its lease (counted expired and finished: the output law
     off by one). The ledger pins the key at the peek: no grant until the
     lease is ended, the result accepted late, both laws balanced."""
-    from node.completion.memory import MemoryCompletionStore
 
     data_dir = tmp_path / "data"
     data_dir.mkdir()
@@ -685,23 +696,11 @@ def test_a_late_result_keeps_its_key_from_a_grant_while_its_group_commits(tmp_pa
     assert table.release("a", first.lease_id, time.time() - 1000) is Outcome.RELEASED
     tried = []
 
-    class ClaimingLog(MemoryCompletionStore):
-        def _write(self, results, retires, first_id):
-            if results:  # meanwhile a claimer tries the key
-                tried.append(table.grant("a", "gpu-1", 60, time.time(), CADENCE_S))
-            return super()._write(results, retires, first_id)
+    def meanwhile() -> None:  # a claimer tries the key
+        tried.append(table.grant("a", "gpu-1", 60, time.time(), CADENCE_S))
 
-    ledger = Ledger(config, LeaseTable.attach(node_name), store, ClaimingLog())
+    ledger, outcome = _complete_while_writing(config, node_name, store, first, meanwhile)
     try:
-
-        async def body():
-            ledger.recover(time.time())
-            committer = asyncio.create_task(ledger.run_committer())
-            reply = await ledger.complete({"items": [item(first)]})
-            committer.cancel()
-            return reply
-
-        (outcome,) = asyncio.run(body())["outcomes"]
         assert outcome["status"] == "ok"
         assert not isinstance(tried[0], Lease)  # refused: the key is held
         assert ledger.stats.superseded_after_durable == 0
