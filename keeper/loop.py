@@ -40,6 +40,15 @@ LISTEN_POLL_S = 0.5
 # ``last_seq``), as a share of the membership timeout: the grant deadline
 # lapses 0.8 of it after a heartbeat, and a tick must not outlast that.
 SETTLE_WAIT_FRACTION = 0.25
+# A fleet keeper's store connections fail this soon (a share of the
+# membership timeout) when the database stops answering, instead of after
+# about 10 s: a read in flight when the network is cut holds the loop, and
+# with it the heartbeat, until then (or until TCP's retransmissions get
+# through after the heal, seconds later); failed, the keeper serves its copy
+# through an outage and heartbeats on (keeper/outage.py reopens the store
+# off the loop).
+NETWORK_TIMEOUT_FRACTION = 0.25
+NETWORK_TIMEOUT_MAX_S = 10.0
 POLL_S_RANGE = (0.02, 600.0)
 ENV_LISTEN = "QUEUE_NODE_KEEPER_LISTEN"
 ENV_POLL_S = "QUEUE_NODE_KEEPER_POLL_S"
@@ -156,8 +165,10 @@ def main() -> int:
     wake = Wake.attach(config.name)
     # Never a new empty file for a store that went away: wait for it.
     store = open_when_there(
-        config.store_url, state, wake.wait, lambda: _flags["stop"], node_name=config.name
-    )
+        config.store_url, state, wake.wait, lambda: _flags["stop"], node_name=config.name,
+        network_timeout_s=min(NETWORK_TIMEOUT_MAX_S,
+                              config.membership_timeout_s * NETWORK_TIMEOUT_FRACTION),
+    )  # fmt: skip
     if store is None:
         state.heartbeat(time.time(), "stopped", False, "stopped")
         log.log("keeper_stop", rows=0, reason="stopped while waiting for the store")

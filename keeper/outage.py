@@ -31,8 +31,10 @@ and retried at its next interval; it starts no outage.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from keeper.base import KeeperBase
@@ -50,6 +52,8 @@ RETRY_FIRST_S = 0.1
 RETRY_MAX_S = 1.0
 # A retry is logged at most this often (the first and the last always).
 LOG_EVERY_S = 5.0
+# A reopen under way on its thread is looked at this often.
+REOPEN_LOOK_S = 0.05
 # The keeper's connection waits this long for another connection's lock (the
 # default is 5 s): its reads in WAL mode never wait, and its writes are
 # best-effort, so a long wait would only stall its loop.
@@ -69,6 +73,7 @@ class StoreOutage:
         self.error = error
         self.identity = identity  # the file the keeper read before the error
         self.attempts = 0
+        self.reopening: Future | None = None  # a reopen on its thread (_reopened)
         self.delay = RETRY_FIRST_S
         self.next_try = now + RETRY_FIRST_S
         self.logged_at = now
@@ -146,13 +151,13 @@ class Outage(KeeperBase):
         return RETRY_MAX_S
 
     def _try_reopen(self, outage: StoreOutage, now: float) -> bool:
-        outage.attempts += 1
-        self.stats.store["attempts"] = outage.attempts
         try:
-            store = self.store.reopen()
+            store = self._reopened(outage, now)
         except StoreError as exc:
             self._retry_later(outage, exc, now)
             return False
+        if store is None:
+            return False  # a reopen under way on its thread
         try:
             verdict, last = self._feed_verdict(store, outage)
         except StoreError as exc:
@@ -162,6 +167,27 @@ class Outage(KeeperBase):
         self.store = store
         self._store_back(outage, verdict, last, now)
         return True
+
+    def _reopened(self, outage: StoreOutage, now: float) -> Any | None:
+        """The store opened again; StoreError when that failed. A store
+        over the network (``reopen_off_loop``: PostgreSQL) is opened on a
+        thread of its own, since its connect waits on a network that may
+        still be cut, and the loop must go on heartbeating and publishing
+        meanwhile: None while that is under way (looked at again
+        ``REOPEN_LOOK_S`` later)."""
+        if not getattr(self.store, "reopen_off_loop", False):
+            outage.attempts += 1
+            self.stats.store["attempts"] = outage.attempts
+            return self.store.reopen()
+        if outage.reopening is None:
+            outage.attempts += 1
+            self.stats.store["attempts"] = outage.attempts
+            outage.reopening = _reopen_in_thread(self.store)
+        if not outage.reopening.done():
+            outage.next_try = now + REOPEN_LOOK_S
+            return None
+        reopening, outage.reopening = outage.reopening, None
+        return reopening.result()  # the store, or its StoreError raised here
 
     def _retry_later(self, outage: StoreOutage, exc: StoreError, now: float) -> None:
         outage.error = str(exc)
@@ -230,11 +256,26 @@ class Outage(KeeperBase):
         self.next_publish = 0.0
 
 
+def _reopen_in_thread(store: Any) -> Future:
+    """``store.reopen()`` on a daemon thread of its own: its future."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(store.reopen())
+        except BaseException as exc:  # noqa: BLE001 - handed to the loop, which raises it
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="keeper-reopen", daemon=True).start()
+    return future
+
+
 # -- a keeper that starts without its store ---------------------------------------
 
 
 def open_when_there(url: str, state: Any, wait: Callable[[float], Any],
-                    stopping: Callable[[], bool], node_name: str | None = None) -> Any:  # fmt: skip
+                    stopping: Callable[[], bool], node_name: str | None = None,
+                    network_timeout_s: float | None = None) -> Any:  # fmt: skip
     """The keeper's store at its start, never made anew (``create=False``,
     node/store/made.py): a keeper restarted while the store is away (its
     volume not mounted, its directory renamed) waits for it with the
@@ -245,7 +286,8 @@ def open_when_there(url: str, state: Any, wait: Callable[[float], Any],
     ``trust.store`` saying ``unreachable`` (the ledger's accounting goes on
     reading the counters in it; nobody vouches for them). None when
     ``stopping()`` turns true first. ``node_name``: whose meta a PostgreSQL
-    store keeps."""
+    store keeps; ``network_timeout_s``: how soon its connections fail when
+    the server stops answering (``open_store``)."""
     from node.store import open_store
 
     since = time.time()
@@ -255,8 +297,9 @@ def open_when_there(url: str, state: Any, wait: Callable[[float], Any],
     while not stopping():
         try:
             return open_store(
-                url, busy_timeout_s=KEEPER_BUSY_TIMEOUT_S, create=False, node_name=node_name
-            )
+                url, busy_timeout_s=KEEPER_BUSY_TIMEOUT_S, create=False, node_name=node_name,
+                network_timeout_s=network_timeout_s,
+            )  # fmt: skip
         except StoreError as exc:
             attempts += 1
             now = time.time()

@@ -42,6 +42,7 @@ def open_store(
     busy_timeout_s: float | None = None,
     create: bool | None = None,
     node_name: str | None = None,
+    network_timeout_s: float | None = None,
 ) -> Store:
     """``durable``: each commit synced to disk (SQLite FULL, PostgreSQL
     ``synchronous_commit``), else not (``Store.sync`` does it);
@@ -49,7 +50,9 @@ def open_store(
     does, ``Store.checkpoint_wal``); ``busy_timeout_s`` (SQLite): how long a
     statement waits for another connection's lock (None: the default, 5 s);
     ``node_name`` (PostgreSQL): whose meta the store keeps (the host's node
-    name by default).
+    name by default); ``network_timeout_s`` (PostgreSQL): a connection
+    whose server stops answering fails within about this long (default
+    about 10 s).
 
     ``create`` (SQLite): make a missing file (and its directory), or raise
     StoreUnavailable. None: make it, except in a node's child process (one
@@ -67,7 +70,9 @@ def open_store(
     if is_fleet_url(url):
         from node.store.postgres import PostgresStore
 
-        return PostgresStore(url, durable=durable, node_name=node_name)
+        return PostgresStore(
+            url, durable=durable, node_name=node_name, network_timeout_s=network_timeout_s
+        )
     from node.store.sqlite import SQLiteStore
 
     # sqlite:///relative.db and sqlite:////absolute.db, as SQLAlchemy spells them.

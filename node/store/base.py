@@ -321,6 +321,10 @@ class Store(abc.ABC):
     def check_fork(self) -> None:  # noqa: B027 - a no-op unless a backend holds a connection
         """Reopen connections if this object was created in another process."""
 
+    # A keeper reopens a store that says so on a thread of its own (one over
+    # the network: keeper/outage.py); a file's reopen is quick, on its loop.
+    reopen_off_loop = False
+
     def replaced(self) -> str | None:
         """Why the store at this object's address is no longer the one it
         reads (a file gone or replaced), or None; None where that cannot happen."""

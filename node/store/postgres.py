@@ -90,6 +90,22 @@ NETWORK_BOUNDS: dict[str, Any] = {
     "keepalives_interval": 2,
     "keepalives_count": 3,
 }
+
+
+def network_bounds(timeout_s: float | None) -> dict[str, Any]:
+    """NETWORK_BOUNDS, or bounds that fail a connection whose server stopped
+    answering within about ``timeout_s`` (a keeper's: its heartbeat waits
+    for its loop, keeper/loop.py)."""
+    if timeout_s is None:
+        return dict(NETWORK_BOUNDS)
+    seconds = max(1, int(timeout_s))
+    return {
+        "tcp_user_timeout": max(1, int(timeout_s * 1000)),
+        "keepalives": 1,
+        "keepalives_idle": seconds,
+        "keepalives_interval": 1,
+        "keepalives_count": 1,
+    }
 # How long ``last_seq`` waits for the writers that hold seqs below the top of
 # the log to finish; past it the store is reported unavailable.
 SETTLE_WAIT_S = 30.0
@@ -165,14 +181,19 @@ class PostgresStore(Store):
         durable: bool = True,
         node_name: str | None = None,
         pool_max: int = POOL_MAX,
+        network_timeout_s: float | None = None,
     ) -> None:
         """``url``: a libpq URL (``postgresql://user@host:port/db``; a password
         may come from ``PGPASSWORD``). ``durable`` False: a commit does not
         wait for its WAL flush (``synchronous_commit = off`` for the
         transaction), and ``sync`` makes every commit so far durable, as the
         SQLite store's NORMAL (the ledger's store). ``node_name``: whose meta
-        this store reads and writes (the host's node name by default)."""
+        this store reads and writes (the host's node name by default).
+        ``network_timeout_s``: a connection whose server stops answering
+        fails within about this long (default: NETWORK_BOUNDS, about 10 s)."""
         self._conninfo = url
+        self._network_timeout_s = network_timeout_s
+        self._bounds = network_bounds(network_timeout_s)
         self.durable = durable
         self.url = redact_url(url)
         self.node_name = node_name or host_node_name()
@@ -213,7 +234,7 @@ class PostgresStore(Store):
             self._conninfo,
             min_size=1,
             max_size=self._pool_max,
-            kwargs={"autocommit": True, **NETWORK_BOUNDS},
+            kwargs={"autocommit": True, **self._bounds},
             timeout=CONNECT_TIMEOUT_S,
             open=False,
             name="queue-node",
@@ -264,7 +285,7 @@ class PostgresStore(Store):
         try:
             with psycopg.connect(
                 self._conninfo, autocommit=True, connect_timeout=int(CONNECT_TIMEOUT_S),
-                **NETWORK_BOUNDS,
+                **self._bounds,
             ) as fresh:  # fmt: skip
                 cursor = fresh.execute(sql, params)
                 found = cursor.fetchone() if one else cursor.fetchall()
@@ -312,10 +333,14 @@ class PostgresStore(Store):
         with self._conn("schema_version") as conn:
             return conn.execute(q.READ_SCHEMA_VERSION).fetchone()[0]
 
+    # Reopened by a keeper off its loop (keeper/outage.py): the connect
+    # waits on a network that may still be cut.
+    reopen_off_loop = True
+
     def reopen(self) -> PostgresStore:
         store = PostgresStore(
             self._conninfo, durable=self.durable, node_name=self.node_name,
-            pool_max=self._pool_max,
+            pool_max=self._pool_max, network_timeout_s=self._network_timeout_s,
         )  # fmt: skip
         store.settle_wait_s = self.settle_wait_s
         return store

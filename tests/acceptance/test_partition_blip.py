@@ -108,3 +108,65 @@ def test_a_short_cut_blocks_no_heartbeat_and_the_first_after_the_heal_is_prompt(
     print(f"\ncut {CUT_S} s: in flight at the cut {during[first_failed]['took']:.3f} s, slowest "
           f"after it {slowest:.4f} s, first after the heal {after_heal:.3f} s, "
           f"longest without one {gap:.3f} s")  # fmt: skip
+
+
+READS = r"""
+import json, sys, time
+from node.core.errors import StoreError
+from node.store import open_store
+
+url, bound = sys.argv[1], float(sys.argv[2])
+store = open_store(url, node_name="blip-reader", network_timeout_s=bound)
+end = time.monotonic() + float(sys.argv[3])
+while time.monotonic() < end:
+    t0 = time.monotonic()
+    try:
+        store.last_seq()
+        ok = True
+    except StoreError:
+        ok = False
+    print(json.dumps({"t": time.time(), "ok": ok, "took": round(time.monotonic() - t0, 4)}),
+          flush=True)
+    if not ok:
+        break  # a keeper goes into its outage here: it reads this store no more
+    time.sleep(0.05)
+"""
+
+
+def test_a_keepers_store_read_in_a_cut_fails_within_its_bound(net, pg_url):
+    """A fleet keeper's store is opened with a network bound of a quarter of
+    the membership timeout (keeper/loop.py): a read in flight when the
+    database is cut off fails within about that long, and the keeper goes
+    into its outage (serving its copy, heartbeating on), instead of holding
+    its loop until TCP's retransmissions get through after the heal."""
+    host = net.add_host()
+    bound_s, cut_s = 1.0, 3.0
+    argv = host.exec_argv([sys.executable, "-c", READS, net.db_url(pg_url), str(bound_s), "15"])
+    proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    lines: list[dict] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(json.loads(line))
+            if len(lines) >= 5:
+                break
+        cut_at = time.time()
+        net.cut(host, net.db)
+        for line in proc.stdout:
+            lines.append(json.loads(line))
+            if not lines[-1]["ok"] or lines[-1]["t"] > cut_at + cut_s + 5:
+                break
+        net.heal(host, net.db)
+    finally:
+        proc.kill()
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    failed = [b for b in lines if not b["ok"]]
+    assert failed, f"no read failed in a {cut_s} s cut: {lines[-3:]}"
+    since_cut = failed[0]["t"] - cut_at
+    assert since_cut < bound_s + 1.2, f"the read failed {since_cut:.2f} s after the cut"
+    assert failed[0]["t"] < cut_at + cut_s  # inside the cut: not held until the heal
+    print(f"\nbound {bound_s} s, cut {cut_s} s: the read in flight failed {since_cut:.3f} s "
+          f"after the cut (it took {failed[0]['took']:.3f} s)")  # fmt: skip

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import threading
+import time
 
 import pytest
 
@@ -15,6 +17,7 @@ from keeper.outage import RETRY_FIRST_S, RETRY_MAX_S, STORE_CHECK_S, KeeperReloa
 from keeper.process import Keeper
 from node.core.rows import RowWrite
 from node.store import open_store
+from node.testing import wait_for
 from shm.ready import ReadySet
 from shm.state import StateBuffer
 from tests.integration.test_keeper import NOW, _config, _keeper_view, _rows, _table
@@ -166,3 +169,46 @@ def test_the_repair_walk_removes_what_the_table_lacks_but_not_a_row_written_afte
     assert keeper.stats.verify["last_repairs"] == 1
     assert _keeper_view(keeper) == _table(store)
     store.close()
+
+
+def test_a_store_over_the_network_is_reopened_off_the_loop(live):
+    """A store reopened over a network (PostgreSQL: ``reopen_off_loop``)
+    is reopened on a thread of its own: while its connect waits (a cut not
+    healed yet), every tick returns at once and the keeper goes on serving
+    its copy (a fleet keeper's heartbeat runs in that loop); one reopen is
+    under way at a time; once it answers, the feed resumes."""
+    keeper, path, t = live
+    gate = threading.Event()
+    store = keeper.store
+    real_reopen = store.reopen
+    calls: list[float] = []
+
+    def connect_into_the_cut():
+        calls.append(time.monotonic())
+        gate.wait(30)
+        return real_reopen()
+
+    store.reopen = connect_into_the_cut  # type: ignore[method-assign]
+    store.reopen_off_loop = True  # type: ignore[misc]
+    away = path.with_name("away.db")
+    os.rename(path, away)
+    t += STORE_CHECK_S
+    keeper.tick(t)
+    assert keeper._outage is not None
+    os.rename(away, path)
+    slowest = 0.0
+    for _ in range(20):
+        t = max(t + 0.05, keeper._outage.next_try)
+        began = time.monotonic()
+        keeper.tick(t)
+        slowest = max(slowest, time.monotonic() - began)
+        assert keeper._outage is not None and not keeper.exact
+    assert slowest < 0.5, f"a tick waited {slowest:.2f} s on the reopen"
+    assert len(calls) == 1  # one reopen under way, not one a tick
+    gate.set()
+    reopening = keeper._outage.reopening
+    assert reopening is not None
+    wait_for(reopening.done, 10, "the reopen on its thread")
+    _until(keeper, t, lambda: keeper.exact)
+    assert keeper.stats.store["last_verdict"] == "intact"
+    assert _keeper_view(keeper) == _table(keeper.store)
