@@ -94,18 +94,12 @@ NETWORK_BOUNDS: dict[str, Any] = {
 
 def network_bounds(timeout_s: float | None) -> dict[str, Any]:
     """NETWORK_BOUNDS, or bounds that fail a connection whose server stopped
-    answering within about ``timeout_s`` (a keeper's: its heartbeat waits
-    for its loop, keeper/loop.py)."""
+    answering within about ``timeout_s`` (a keeper's, keeper/loop.py)."""
     if timeout_s is None:
         return dict(NETWORK_BOUNDS)
-    seconds = max(1, int(timeout_s))
-    return {
-        "tcp_user_timeout": max(1, int(timeout_s * 1000)),
-        "keepalives": 1,
-        "keepalives_idle": seconds,
-        "keepalives_interval": 1,
-        "keepalives_count": 1,
-    }
+    idle = max(1, int(timeout_s))
+    return {"tcp_user_timeout": max(1, int(timeout_s * 1000)), "keepalives": 1,
+            "keepalives_idle": idle, "keepalives_interval": 1, "keepalives_count": 1}
 # How long ``last_seq`` waits for the writers that hold seqs below the top of
 # the log to finish; past it the store is reported unavailable.
 SETTLE_WAIT_S = 30.0
@@ -333,9 +327,7 @@ class PostgresStore(Store):
         with self._conn("schema_version") as conn:
             return conn.execute(q.READ_SCHEMA_VERSION).fetchone()[0]
 
-    # Reopened by a keeper off its loop (keeper/outage.py): the connect
-    # waits on a network that may still be cut.
-    reopen_off_loop = True
+    reopen_off_loop = True  # its connect may wait on a cut network (keeper/outage.py)
 
     def reopen(self) -> PostgresStore:
         store = PostgresStore(
