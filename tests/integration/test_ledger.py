@@ -615,6 +615,19 @@ def test_the_law_and_the_checkpoint_file(tmp_path):
     assert again.totals(fresh) == table and again.restores[0]["at"] == 170.0
 
 
+def _one_leased_row(tmp_path: Path, node_name: str) -> tuple:
+    """A memory store with row "a", a real lease table with "a" leased:
+    (the ledger's config, the table, the store, the lease)."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    config = Config(data_dir=data_dir, name=node_name, store="memory://")
+    table = LeaseTable.create(node_name, capacity=64)
+    store = open_store("memory://")
+    store.upsert([RowWrite("a", "r", cadence_s=CADENCE_S, job="j")], now=time.time())
+    lease = table.grant("a", "gpu-0", 60, time.time(), CADENCE_S, store.get("a").version)
+    return config, table, store, lease
+
+
 def _complete_while_writing(config: Config, node_name: str, store, lease, meanwhile) -> tuple:
     """A ledger over an in-memory log whose write of a group runs
     ``meanwhile`` first (between the peek and the lease's end); one
@@ -646,13 +659,7 @@ def test_a_grant_between_the_peek_and_the_lease_end_keeps_the_durable_result(tmp
     again while the group commit ran (a disk stall of two lease lengths).
     The result is kept and delivered, counted, and the law is off by one."""
 
-    data_dir = tmp_path / "data"
-    data_dir.mkdir()
-    config = Config(data_dir=data_dir, name=node_name, store="memory://")
-    table = LeaseTable.create(node_name, capacity=64)
-    store = open_store("memory://")
-    store.upsert([RowWrite("a", "r", cadence_s=CADENCE_S, job="j")], now=time.time())
-    first = table.grant("a", "gpu-0", 60, time.time(), CADENCE_S, store.get("a").version)
+    config, table, store, first = _one_leased_row(tmp_path, node_name)
     second = []
 
     def meanwhile() -> None:  # released, unheld, granted to another holder
@@ -685,13 +692,7 @@ def test_a_late_result_keeps_its_key_from_a_grant_while_its_group_commits(tmp_pa
     off by one). The ledger pins the key at the peek: no grant until the
     lease is ended, the result accepted late, both laws balanced."""
 
-    data_dir = tmp_path / "data"
-    data_dir.mkdir()
-    config = Config(data_dir=data_dir, name=node_name, store="memory://")
-    table = LeaseTable.create(node_name, capacity=64)
-    store = open_store("memory://")
-    store.upsert([RowWrite("a", "r", cadence_s=CADENCE_S, job="j")], now=time.time())
-    first = table.grant("a", "gpu-0", 60, time.time(), CADENCE_S, store.get("a").version)
+    config, table, store, first = _one_leased_row(tmp_path, node_name)
     # Released long ago: its hold (two lease lengths) is over, the key grantable.
     assert table.release("a", first.lease_id, time.time() - 1000) is Outcome.RELEASED
     tried = []
