@@ -175,13 +175,12 @@ class Outage(KeeperBase):
         still be cut, and the loop must go on heartbeating and publishing
         meanwhile: None while that is under way (looked at again
         ``REOPEN_LOOK_S`` later)."""
-        if not getattr(self.store, "reopen_off_loop", False):
+        off_loop = getattr(self.store, "reopen_off_loop", False)
+        if not off_loop or outage.reopening is None:
             outage.attempts += 1
             self.stats.store["attempts"] = outage.attempts
-            return self.store.reopen()
-        if outage.reopening is None:
-            outage.attempts += 1
-            self.stats.store["attempts"] = outage.attempts
+            if not off_loop:
+                return self.store.reopen()
             outage.reopening = _reopen_in_thread(self.store)
         if not outage.reopening.done():
             outage.next_try = now + REOPEN_LOOK_S

@@ -447,9 +447,7 @@ class Report(KeeperBase):
         leases written back and their leases ended, and counted each key
         withdrawn too, −16 and −20.)"""
         found = self.leases.lookup(key) if self.leases is not None else None
-        if found is None or found[0] != "idle":
-            return False
-        return found[1].ended == Ended.RESULT and found[1].version == version
+        return _ended_by_result(found, version)
 
     def _leased_at(self, ch: Any, last: Replayed | None, since: int) -> bool:
         """Whether a lease held ``ch.key`` when the replayed write ``ch`` was
@@ -465,12 +463,11 @@ class Report(KeeperBase):
         found = self.leases.lookup(ch.key) if self.leases is not None else None
         if found is None or found[1].version >= ch.seq:
             return False
-        state, rec = found
-        if state in LEASED_NAMES:
+        if found[0] in LEASED_NAMES:
             return True
+        rec = found[1]
         return (
-            state == "idle"
-            and rec.ended == Ended.RESULT
+            _ended_by_result(found, rec.version)
             and (last is None or last.seq <= rec.version)
             and rec.granted_at >= since * 60
         )
@@ -502,8 +499,7 @@ class Report(KeeperBase):
         # after the lease ended; counted withdrawn, the occurrence routed
         # there would be counted twice (found by the partition campaign:
         # another node's write-back of a key both nodes ran, −7).
-        rec = found[1]
-        return found[0] == "idle" and rec.ended == Ended.RESULT and rec.version == before[2]
+        return _ended_by_result(found, before[2])
 
     def _ownership_saved_under(self, saved: dict[str, Any]) -> Ownership | None:
         """The ownership saved counts were taken under (their ``nodes``),
@@ -601,3 +597,14 @@ class Report(KeeperBase):
             self._counts_retry_at = now + self.config.state_interval_s
             return
         self._counts_saved = events
+
+
+def _ended_by_result(found: Any, version: int) -> bool:
+    """Whether a key's slot (``LeaseTable.lookup``'s answer) is idle after a
+    result, for a lease of the row's ``version``."""
+    return (
+        found is not None
+        and found[0] == "idle"
+        and found[1].ended == Ended.RESULT
+        and found[1].version == version
+    )

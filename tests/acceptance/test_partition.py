@@ -80,9 +80,10 @@ def _held(node: NodeProcess) -> set[str]:
     return {row[0] for row in msgpack.unpackb(Path(reply["path"]).read_bytes())["rows"]}
 
 
-def _exact(nodes: list[NodeProcess], keys: list[str]) -> bool:
+def _exact(nodes: list[NodeProcess], keys: list[str], due: set[str] | None = None) -> bool:
     """Every node vouches, exact, with ``nodes`` as its live list, holds
-    exactly its rendezvous share of ``keys`` and counts its share's due rows."""
+    exactly its rendezvous share of ``keys`` and counts its share's due rows
+    (``due``: the keys due now; by default the first ``DUE`` of them)."""
     names = sorted(n.name for n in nodes)
     for node in nodes:
         try:
@@ -97,7 +98,8 @@ def _exact(nodes: list[NodeProcess], keys: list[str]) -> bool:
         mine = set(Ownership(names, node.name).mine(keys))
         if _held(node) != mine:
             return False
-        if state["now"]["due"]["total"] != sum(1 for k in mine if int(k[1:]) <= DUE):
+        due_here = len(mine & due) if due is not None else sum(1 for k in mine if int(k[1:]) <= DUE)
+        if state["now"]["due"]["total"] != due_here:
             return False
     return True
 

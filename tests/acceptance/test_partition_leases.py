@@ -22,13 +22,12 @@ import time
 import psycopg
 import pytest
 
-from keeper.owners import Ownership
 from node.core.ids import number_of
 from node.testing import NodeProcess, wait_for
-from shm.state import read_state
 from tests.acceptance.test_partition import (  # noqa: F401 - fleet is a fixture
     KEYS,
     LAWS,
+    _exact,
     _get,
     _held,
     _laws,
@@ -46,28 +45,6 @@ def _due_keys(pg_url: str) -> set[str]:
     with psycopg.connect(pg_url, autocommit=True) as conn:
         rows = conn.execute("SELECT key FROM schedule WHERE due_at <= extract(epoch FROM now())")
         return {row[0] for row in rows}
-
-
-def _exact(pg_url: str, nodes: list[NodeProcess]) -> bool:
-    """Every node vouches, exact, with ``nodes`` as its live list, holds
-    exactly its rendezvous share of the rows and counts its share's rows
-    due in the table now."""
-    names = sorted(n.name for n in nodes)
-    due = _due_keys(pg_url)
-    for node in nodes:
-        try:
-            state = read_state(node.name)
-        except Exception:  # noqa: BLE001 - not up, or rewriting
-            return False
-        trust = state.get("trust") or {}
-        if not (trust.get("vouched") and trust.get("exact")):
-            return False
-        if (trust.get("membership") or {}).get("live") != names:
-            return False
-        mine = set(Ownership(names, node.name).mine(KEYS))
-        if _held(node) != mine or state["now"]["due"]["total"] != len(mine & due):
-            return False
-    return True
 
 
 def _claim_all(node: NodeProcess) -> list[dict]:
@@ -139,7 +116,7 @@ def test_leases_held_across_a_cut_from_the_database(pg_url, net, fleet):  # noqa
 
     net.cut(hosts[0], net.db)
     wait_for(lambda: not _live_in_db(pg_url, a.name), 15, "a out of the live list")
-    wait_for(lambda: _exact(pg_url, [b]), 60, "b alone exact, holding every row")
+    wait_for(lambda: _exact([b], KEYS, _due_keys(pg_url)), 60, "b alone exact, holding every row")
     taken = _claim_all(b)
     assert keys_of(held + expired) <= keys_of(taken)  # a's leases are invisible to b
     b_left = [lease for lease in taken if lease["key"] in keys_of(held[:8])]
@@ -150,7 +127,7 @@ def test_leases_held_across_a_cut_from_the_database(pg_url, net, fleet):  # noqa
     b_number = number_of(b_outcomes[0]["id"])
 
     net.heal(hosts[0], net.db)
-    wait_for(lambda: _exact(pg_url, [a, b]), 90, "both exact again after the heal")
+    wait_for(lambda: _exact([a, b], KEYS, _due_keys(pg_url)), 90, "both exact again after the heal")
     a_outcomes = _complete(a, left_done + ran_done + expired)
     assert all(o["outcome"] == "ok" for o in a_outcomes), a_outcomes  # accepted, once (late too)
     a_number = number_of(a_outcomes[0]["id"])
