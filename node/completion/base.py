@@ -270,6 +270,12 @@ class CompletionConfig:
     # data, so that offering them reads nothing back from disk (the oldest go
     # first; an ack or a discard drops its own). 0: every offer reads the log.
     recent_bytes: int = 8 << 20
+    # Extend the active segment with zeros this far ahead of its writes
+    # (within ``segment_bytes``; 0: off): a write into bytes already on disk
+    # changes no file metadata, so its fsync has no journal commit to wait
+    # for (``segments/writer.py``). The ledger sets it (``log_preallocate_bytes``);
+    # recovery reads a zero-filled tail as the end of the records, whoever wrote it.
+    preallocate_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.fsync not in FSYNC_POLICIES:
@@ -278,6 +284,8 @@ class CompletionConfig:
             )
         if self.segment_bytes < 4096:
             raise ValueError(f"segment_bytes must be at least 4096, not {self.segment_bytes}")
+        if self.preallocate_bytes < 0:
+            raise ValueError(f"preallocate_bytes must be 0 or more, not {self.preallocate_bytes}")
         if self.recent_bytes < 0:
             raise ValueError(f"recent_bytes must be 0 or more, not {self.recent_bytes}")
         if not 0 <= self.keep_retired_s < float("inf"):

@@ -128,6 +128,10 @@ class Config:
     # at which a segment file rolls over (compaction removes whole segments).
     log_fsync: str = "batch"
     log_segment_bytes: int = 64 << 20
+    # How far ahead of its writes the active segment is filled with zeros,
+    # so that a group's fsync changes no file metadata (0: off; worth turning
+    # off on a copy-on-write filesystem, where the zeros are only writes).
+    log_preallocate_bytes: int = 4 << 20
     # Bounds on what callers can make an HTTP worker hold (docs/api.md,
     # "Bounds"): a claim answer stops growing past claim_answer_bytes (its
     # other leases are handed back); long polls waiting at once, per worker;
@@ -246,6 +250,7 @@ OPTIONS: dict[str, str] = {
     "handler_timeout_s": _DURATION,
     "log_fsync": _STR,
     "log_segment_bytes": _INT,
+    "log_preallocate_bytes": _INT,
     "claim_answer_bytes": _INT,
     "max_poll_waiters": _INT,
     "max_connections": _INT,
@@ -282,6 +287,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "batch_size": (1, 10_000),
     "handler_timeout_s": (1, 86_400),
     "log_segment_bytes": (4096, 1 << 34),
+    "log_preallocate_bytes": (0, 1 << 34),
     "claim_answer_bytes": (64 << 10, 1 << 30),
     "max_poll_waiters": (1, 65_536),
     "max_connections": (1, 1_000_000),

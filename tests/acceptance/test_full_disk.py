@@ -188,9 +188,44 @@ def _fill(directory: Path) -> Path:
 
 
 def test_a_full_disk_on_a_real_small_filesystem(nodes, small_log_fs):
-    node = nodes()
+    # Without the log's zeros ahead (below), a completion needs new space.
+    node = nodes(env={"QUEUE_NODE_LOG_PREALLOCATE_BYTES": "0"})
     fillers: list[Path] = []
     _full_then_space_again(
         node, lambda: fillers.append(_fill(small_log_fs)), lambda: fillers.pop().unlink()
     )
     assert "No space left on device" in node.log_path.read_text(errors="replace")
+
+
+def test_the_logs_zeros_ahead_take_completions_on_a_full_disk_then_refuse(nodes, small_log_fs):
+    """The default: the active segment is filled with zeros ahead of its
+    writes (``log_preallocate_bytes``), as far as the disk allows. Once the
+    disk is full, completions still go into those zeros; past them, 503."""
+    node = nodes(env={"QUEUE_NODE_LOG_PREALLOCATE_BYTES": str(1 << 20)})
+    client = Client(node.base_url)
+    grants = _seed_and_claim(client, 150)  # 150 results of 16 KB: more than 2 MiB
+    ids = {g.key: client.complete(g.lease_id, g.key, BIG) for g in grants[:3]}
+    [segment] = small_log_fs.glob("*.seg")
+    reserved = segment.stat().st_size
+    assert reserved > 1 << 20  # the zeros ahead, taken before the disk filled
+    filler = _fill(small_log_fs)
+    refused = 0
+    for g in grants[3:]:
+        try:
+            ids[g.key] = client.complete(g.lease_id, g.key, BIG)
+        except ClientError as exc:
+            assert (exc.status, exc.code) == (503, "log_unavailable"), exc
+            refused += 1
+    accepted = len(ids) - 3
+    assert accepted >= 40, "the zeros reserved before the disk filled took no completion"
+    assert refused > 0, "the disk never refused a completion"
+    _balanced(client, finished=len(ids), in_flight=refused)
+    filler.unlink()
+    client.close()
+    assert node.stop() == 0
+    node.start()
+    client = Client(node.base_url)
+    _drain_exactly_once(client, ids)  # every accepted one, once, after a restart
+    _balanced(client, finished=len(ids), acknowledged=len(ids), awaiting_ack=0)
+    client.close()
+    assert node.stop() == 0

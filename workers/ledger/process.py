@@ -1121,6 +1121,7 @@ def open_ledger(config: Config) -> Ledger:
             fsync=config.log_fsync,
             segment_bytes=config.log_segment_bytes,
             keep_retired_s=config.repeat_window_s,
+            preallocate_bytes=config.log_preallocate_bytes,
         ),
         file_ops=file_ops,
     )

@@ -95,6 +95,7 @@ import zlib
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
@@ -267,13 +268,31 @@ def _valid_frame_end(buf: memoryview, off: int, size: int) -> int:
     return end if zlib.crc32(buf[off + FRAME.size : end]) == crc else -1
 
 
+_ZERO_RUN = bytes(1 << 20)
+
+
+def _zeros_to_end(buf: Any, off: int, size: int) -> bool:
+    """Whether every byte in [off, size) is zero: the tail a preallocating
+    writer extends a segment with (``CompletionConfig.preallocate_bytes``), where
+    the records end. A length of zero is never written, so a record cannot
+    start there; a torn write leaves bytes that are not all zero."""
+    while off < size:
+        n = min(len(_ZERO_RUN), size - off)
+        if buf[off : off + n] != _ZERO_RUN[:n]:
+            return False
+        off += n
+    return True
+
+
 def _frames_from(buf: memoryview, off: int, size: int) -> int:
     """How many frames start in [off, size), following length fields as far
     as they stay plausible (at least 1: the bad one)."""
     n = 0
     while off + FRAME.size <= size:
-        n += 1
         ln = FRAME.unpack_from(buf, off)[0]
+        if ln == 0 and n:
+            break  # the zeros of a preallocated tail: no frame
+        n += 1
         if ln == 0 or ln > MAX_RECORD_BYTES:
             break
         off += FRAME.size + ln

@@ -63,6 +63,7 @@ from node.completion.segments.format import (
     _frames_from,
     _unpack_meta,
     _valid_frame_end,
+    _zeros_to_end,
     retire_time,
     segment_name,
     summary_name,
@@ -292,7 +293,9 @@ class SegmentRecovery(DeferredScan):
             report.segments += 1
             report.bytes_read += size
             if last and version == FORMAT_VERSION:
+                # Appends go on at ``end``; a zero tail (preallocation) stays.
                 self._fd, self._size, keep = fd, end, True
+                self._zeroed = self.ops.size(fd)
             else:
                 self._keep_reader(number, fd)
                 keep = True
@@ -352,6 +355,8 @@ class SegmentRecovery(DeferredScan):
                     if off >= size:
                         return off
                     continue
+                if _zeros_to_end(mm, off, size):
+                    return off  # the zeros a preallocating writer left ahead: the end
                 if end < 0:
                     end = self._frame_end(buf, off, size)
                     if not (0 < end < size and _valid_frame_end(buf, end, size) >= 0):

@@ -57,6 +57,11 @@ from node.core.log import log
 
 # Read-only descriptors kept open for read_result on older segments.
 MAX_READ_FDS = 64
+# The zeros of ``CompletionConfig.preallocate_bytes`` are written this much
+# at a time. A write into bytes already allocated changes no metadata, so the
+# group's fsync flushes data alone; the one fsync a step that follows the
+# extension pays the journal commit for all of them (docs/completion-log.md).
+_ZEROS = bytes(1 << 20)
 
 
 class SegmentWriter(BufferedLog):
@@ -75,6 +80,7 @@ class SegmentWriter(BufferedLog):
         self._size = 0  # end of its last durable record
         self._wedged = False  # a failed batch may still be on disk past _size
         self._unsynced = 0  # bytes written past _size, their fsync to come
+        self._zeroed = 0  # the active segment's length on disk: zeros past _size
         self._read_fds: dict[int, int] = {}
         super().__init__(config)
 
@@ -106,7 +112,30 @@ class SegmentWriter(BufferedLog):
             self._unsynced = 0
             self._put_back(exc)
         self._unsynced = len(data)
+        end = self._size + len(data)
+        if end > self._zeroed:
+            self._zeroed = end
+            if self.config.preallocate_bytes:
+                self._zero_ahead(end)
         return self._active, offsets
+
+    def _zero_ahead(self, end: int) -> None:
+        """Zeros from ``end`` (the end of the batch just written) up to
+        ``preallocate_bytes`` further, within ``segment_bytes``; made durable
+        by this batch's fsync. Best effort: a failure (a full disk) leaves
+        the file as far as it got, and later writes extend it as they go."""
+        assert self._fd is not None
+        target = min(end + self.config.preallocate_bytes, self.config.segment_bytes)
+        at, zeros = end, memoryview(_ZEROS)
+        try:
+            while at < target:
+                n = self.ops.pwrite(self._fd, zeros[: min(len(zeros), target - at)], at)
+                if n <= 0:
+                    break
+                at += n
+        except OSError:
+            pass
+        self._zeroed = max(self._zeroed, at)
 
     def _sync_written(self) -> None:
         if self.config.fsync != FSYNC_NEVER and self._fd is not None:
@@ -149,7 +178,7 @@ class SegmentWriter(BufferedLog):
             raise LogUnavailable(
                 f"completion log: cannot cut {self._active_path()} back to {self._size}: {exc}"
             ) from exc
-        self._wedged = False
+        self._wedged, self._zeroed = False, self._size
 
     def _active_path(self) -> Path:
         return self.path / segment_name(self._active)
@@ -171,8 +200,11 @@ class SegmentWriter(BufferedLog):
                 self._quietly(self.ops.unlink, path)
             raise LogUnavailable(f"completion log: cannot create {path}: {exc}") from exc
         if self._fd is not None:
+            if self._zeroed > self._size:  # the zeros past its last record go
+                self._quietly(self.ops.ftruncate, self._fd, self._size)
             self._keep_reader(self._active, self._fd)
         self._fd, self._size, self._wedged = fd, HEADER.size, False
+        self._zeroed = HEADER.size
         self._add_segment(number, first_id)
 
     def _quietly(self, call, *args) -> None:  # type: ignore[no-untyped-def]
@@ -298,7 +330,7 @@ class SegmentWriter(BufferedLog):
         self._read_fds.clear()
         if self._fd is not None:
             self._quietly(self.ops.close, self._fd)
-        self._fd, self._size, self._wedged = None, 0, False
+        self._fd, self._size, self._wedged, self._zeroed = None, 0, False, 0
 
     def _close(self) -> None:
         self._release_files()
