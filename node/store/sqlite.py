@@ -61,6 +61,7 @@ from node.store.base import (
 from node.store.queries import MIGRATIONS, SCHEMA_VERSION  # also read here by tests
 from node.store.sqlite_values import (
     BUSY_TIMEOUT_S,
+    _check_file,
     _check_origin,
     _params,
     _set_wal,
@@ -139,14 +140,20 @@ class SQLiteStore(Store):
         self._pid = os.getpid()
         self._lock = threading.RLock()
         try:
+            # No descriptor of a file this process may hold through SQLite:
+            # its close drops every POSIX lock of the process on the file
+            # (docs/schema.md, "No descriptor of the file outside SQLite").
             if self._create:
                 parent = os.path.dirname(os.path.abspath(self.path))
                 os.makedirs(parent, mode=0o700, exist_ok=True)
                 # Create the file ourselves so it never exists with umask's mode;
                 # SQLite gives the -wal and -shm files the database file's mode.
-                os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
+                try:
+                    os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+                except FileExistsError:
+                    _check_file(self.path)
             else:
-                os.close(os.open(self.path, os.O_RDWR))
+                _check_file(self.path)
         except OSError as exc:
             verb = "create" if self._create else "open"
             raise StoreUnavailable(f"SQLite store: cannot {verb} {self.path}: {exc}") from exc
@@ -474,21 +481,23 @@ class SQLiteStore(Store):
                 raise _wrap(exc, "checkpoint_wal") from exc
 
     def sync(self) -> None:
-        """fsync the WAL (the database file when there is none): every
+        """fsync the WAL (when there is one): every
         commit so far is on disk, the NORMAL ones of this connection
         included. A commit is appended to the WAL; a checkpoint copies it
         into the database file and, under NORMAL or FULL, syncs that file
         before the WAL is reused, so what has left the WAL is on disk."""
-        for path in (self.path + "-wal", self.path):
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
+        # The WAL alone: SQLite holds no lock on it, so this descriptor's
+        # close drops none. Without one, every commit was checkpointed into
+        # the database file, which the checkpoint synced.
+        try:
+            fd = os.open(self.path + "-wal", os.O_RDONLY)
+        except FileNotFoundError:
+            fd = -1
+        if fd >= 0:
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            break
         if _SNAPSHOT_HOOK is not None:
             self._snapshot(_SNAPSHOT_HOOK)
 

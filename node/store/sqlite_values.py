@@ -5,7 +5,10 @@ with its origin for the triggers. ``sqlite.py`` is the store."""
 
 from __future__ import annotations
 
+import errno
+import os
 import sqlite3
+import stat
 import time
 
 from node.core.errors import StoreError, StoreUnavailable
@@ -122,3 +125,15 @@ class _WriteTransaction:
                 raise
         if self.conn.in_transaction:
             self.conn.execute(q.ROLLBACK)
+
+
+def _check_file(path: str) -> None:
+    """Raise as opening ``path`` read-write would (missing, a directory, no
+    permission), without opening it: closing a descriptor of a file drops
+    every POSIX lock the process holds on it, its SQLite connections'
+    included ("How To Corrupt An SQLite Database File", 2.2.1)."""
+    st = os.stat(path)
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    if not os.access(path, os.R_OK | os.W_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)

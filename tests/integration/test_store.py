@@ -686,6 +686,52 @@ def test_an_unopenable_path_is_unavailable(tmp_path):
         SQLiteStore(tmp_path / "a-file" / "s.db")
 
 
+# Another process asks who holds SQLite's SHARED lock bytes of the file (a
+# connection in WAL mode keeps them for as long as it is open).
+_SHARED_LOCK_PROBE = """
+import fcntl, os, struct, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+probe = struct.pack("hhqqi", fcntl.F_WRLCK, 0, 0x40000002, 510, 0)
+kind, _, _, _, pid = struct.unpack("hhqqi", fcntl.fcntl(fd, fcntl.F_GETLK, probe))
+print(0 if kind == fcntl.F_UNLCK else pid)
+"""
+
+
+def _shared_lock_holder(path) -> int:
+    out = subprocess.run([sys.executable, "-c", _SHARED_LOCK_PROBE, str(path)],
+                         capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+    return int(out.stdout)
+
+
+@pytest.mark.timeout(60)
+def test_a_second_store_of_the_file_keeps_the_first_ones_lock(tmp_path):
+    """Closing any descriptor of a file drops every POSIX lock the process
+    holds on it, its SQLite connections' included: opening a second store of
+    the same file (an HTTP worker's two, a claimer's after a restart) must
+    not open and close one, or another process may take the file for its
+    last connection and reset the WAL under the first."""
+    path = tmp_path / "s.db"
+    with SQLiteStore(path) as first:
+        first.upsert([RowWrite("k", "r")], now=NOW)
+        assert _shared_lock_holder(path) == os.getpid()
+        with SQLiteStore(path, create=False) as second:
+            assert second.get("k") is not None
+            assert _shared_lock_holder(path) == os.getpid()
+        assert _shared_lock_holder(path) == os.getpid()
+        with SQLiteStore(path) as third:  # create=True on a file that is there
+            third.sync()
+        first.sync()
+        assert _shared_lock_holder(path) == os.getpid()
+        assert first.get("k") is not None
+
+
+def test_a_store_of_a_directory_or_a_missing_file_is_unavailable(tmp_path):
+    with pytest.raises(StoreUnavailable, match="Is a directory"):
+        SQLiteStore(tmp_path, create=False)
+    with pytest.raises(StoreUnavailable, match="No such file"):
+        SQLiteStore(tmp_path / "missing.db", create=False)
+
+
 def test_a_write_lock_held_too_long_is_unavailable(tmp_path, monkeypatch):
     monkeypatch.setattr(sqlite_store, "BUSY_TIMEOUT_S", 0.05)
     with SQLiteStore(tmp_path / "s.db") as s:
