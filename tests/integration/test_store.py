@@ -725,6 +725,35 @@ def test_a_second_store_of_the_file_keeps_the_first_ones_lock(tmp_path):
         assert first.get("k") is not None
 
 
+_READ_AND_CLOSE = (
+    "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]);"
+    " print(sorted(k for (k,) in c.execute('SELECT key FROM schedule'))); c.close()"
+)
+
+
+@pytest.mark.timeout(60)
+def test_a_write_after_a_second_store_is_opened_is_seen_by_other_processes(tmp_path):
+    """What the lock is for. Without it, another process that closes its
+    last connection takes the file as its last user: it checkpoints and
+    removes the WAL, and the first store's next commit goes to the removed
+    file, where no other process ever reads it (a write answered, lost)."""
+    path = tmp_path / "s.db"
+
+    def keys_seen_elsewhere() -> str:
+        return subprocess.run([sys.executable, "-c", _READ_AND_CLOSE, str(path)],
+                              capture_output=True, text=True, timeout=30,
+                              check=True).stdout.strip()  # fmt: skip
+
+    with SQLiteStore(path) as first:
+        first.upsert([RowWrite("a", "r")], now=NOW)
+        with SQLiteStore(path, create=False):
+            assert keys_seen_elsewhere() == "['a']"
+            first.upsert([RowWrite("b", "r")], now=NOW)
+            assert keys_seen_elsewhere() == "['a', 'b']"
+        first.upsert([RowWrite("c", "r")], now=NOW)
+        assert keys_seen_elsewhere() == "['a', 'b', 'c']"
+
+
 def test_a_store_of_a_directory_or_a_missing_file_is_unavailable(tmp_path):
     with pytest.raises(StoreUnavailable, match="Is a directory"):
         SQLiteStore(tmp_path, create=False)
