@@ -957,11 +957,14 @@ WRITER = textwrap.dedent(
     class PieceByPiece(FileOps):
         # Short writes of 4 KiB, as a kernel may make them. Once armed, the
         # third piece of a batch stops the writer inside a record until the
-        # test kills it.
+        # test kills it. Zeros ahead (argv[3], preallocate_bytes) are
+        # written whole and not counted.
         armed = False
         pieces = 0
 
         def pwrite(self, fd, data, offset):
+            if not any(bytes(data[:64])):
+                return super().pwrite(fd, data, offset)
             if self.armed:
                 self.pieces += 1
                 if self.pieces == 3:
@@ -970,7 +973,9 @@ WRITER = textwrap.dedent(
             return super().pwrite(fd, data[:4096], offset)
 
     ops = PieceByPiece()
-    store = SegmentStore(sys.argv[1], CompletionConfig(segment_bytes=1 << 20), ops)
+    ahead = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+    config = CompletionConfig(segment_bytes=1 << 20, preallocate_bytes=ahead)
+    store = SegmentStore(sys.argv[1], config, ops)
     store.recover()
     payload = bytes(range(256)) * 64  # 16 KiB
     n = 0
@@ -989,10 +994,11 @@ WRITER = textwrap.dedent(
 )
 
 
-def test_a_writer_killed_mid_append_loses_nothing_it_reported_durable(tmp_path):
-    path = tmp_path / "c"
+def kill_writer_mid_record(path: Path, batches: int, ahead: int = 0) -> list[int]:
+    """Run WRITER until it stops inside a record after ``batches`` batches,
+    SIGKILL it; the last id of each batch it reported durable."""
     with subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(path), "150"],
+        [sys.executable, "-c", WRITER, str(path), str(batches), str(ahead)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         cwd=ROOT,
@@ -1006,7 +1012,13 @@ def test_a_writer_killed_mid_append_loses_nothing_it_reported_durable(tmp_path):
             reported.append(int(line))
         os.kill(proc.pid, signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL
-    assert len(reported) == 150, "the writer stopped early"
+    assert len(reported) == batches, "the writer stopped early"
+    return reported
+
+
+def test_a_writer_killed_mid_append_loses_nothing_it_reported_durable(tmp_path):
+    path = tmp_path / "c"
+    reported = kill_writer_mid_record(path, 150)
     size_before = disk_bytes(path)
     store, report = reopen(path)
     # The batch it was writing is cut off at its first record; nothing else.

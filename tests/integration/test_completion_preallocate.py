@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from node.completion import CompletionConfig, LogUnavailable, Result
 from node.completion.segments import FRAME, HEADER, FileOps, SegmentStore, segment_name
+from tests.integration.test_completion import kill_writer_mid_record
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,6 +53,13 @@ def open_log(path: Path, config: CompletionConfig = PRE, ops: FileOps | None = N
 
 def pending_ids(store: SegmentStore) -> list[int]:
     return [p.id for p in store.pending()]
+
+
+def assert_reopens_whole(path: Path, ids: list[int]) -> None:
+    """Recovery cuts nothing and finds exactly ``ids`` pending."""
+    store, report = open_log(path)
+    assert report.cuts == [] and pending_ids(store) == ids
+    store.close()
 
 
 def test_the_segment_is_zeroed_ahead_and_read_back_without_a_cut(tmp_path):
@@ -104,22 +108,30 @@ def test_a_log_written_without_preallocation_reads_the_same(tmp_path):
     store.close()
 
 
-def test_a_rolled_segment_is_cut_back_to_its_last_record(tmp_path):
-    path = tmp_path / "c"
-    config = CompletionConfig(preallocate_bytes=ZERO_AHEAD_BYTES, segment_bytes=64 << 10)
-    store, _ = open_log(path, config)
+SMALL_SEGMENTS = CompletionConfig(preallocate_bytes=ZERO_AHEAD_BYTES, segment_bytes=64 << 10)
+
+
+def written_in_batches(path: Path, n: int) -> list[int]:
+    """``n`` results flushed 40 at a time into 64 KiB segments; their ids."""
+    store, _ = open_log(path, SMALL_SEGMENTS)
     ids: list[int] = []
-    for start in range(0, 1200, 40):
+    for start in range(0, n, 40):
         ids += store.append_results(batch(start, 40))
         store.flush()
     store.close()
+    return ids
+
+
+def test_a_rolled_segment_is_cut_back_to_its_last_record(tmp_path):
+    path = tmp_path / "c"
+    ids = written_in_batches(path, 1200)
     segs = sorted(path.glob("*.seg"))
     assert len(segs) >= 3
     for seg in segs[:-1]:
         assert seg.stat().st_size == records_end(seg)  # sealed: no zeros left
     last = segs[-1]
     assert records_end(last) < last.stat().st_size <= 64 << 10  # zeros within segment_bytes
-    store, report = open_log(path, config)
+    store, report = open_log(path, SMALL_SEGMENTS)
     assert report.cuts == [] and report.corrupt == [] and pending_ids(store) == ids
     store.close()
 
@@ -127,31 +139,30 @@ def test_a_rolled_segment_is_cut_back_to_its_last_record(tmp_path):
 def test_an_older_segment_still_holding_its_zeros_reads_clean(tmp_path):
     # A crash after a roll, before the old segment's cut reached the disk.
     path = tmp_path / "c"
-    config = CompletionConfig(preallocate_bytes=ZERO_AHEAD_BYTES, segment_bytes=64 << 10)
-    store, _ = open_log(path, config)
-    ids: list[int] = []
-    for start in range(0, 600, 40):
-        ids += store.append_results(batch(start, 40))
-        store.flush()
-    store.close()
+    ids = written_in_batches(path, 600)
     first = path / segment_name(1)
     with open(first, "ab") as f:
         f.write(bytes(20_000))
-    store, report = open_log(path, config)
+    store, report = open_log(path, SMALL_SEGMENTS)
     assert report.cuts == [] and report.corrupt == [] and report.exact
     assert pending_ids(store) == ids
     store.close()
 
 
-def test_a_torn_record_in_the_zeros_is_cut_and_the_zeros_with_it(tmp_path):
-    path = tmp_path / "c"
+def ten_results(path: Path) -> tuple[list[int], Path, int, bytes]:
+    """Ten results flushed and the log closed: their ids, the segment, the
+    end of its records and its bytes."""
     store, _ = open_log(path)
     ids = store.append_results(batch(0, 10))
     store.flush()
     store.close()
     seg = path / segment_name(1)
-    end = records_end(seg)
-    data = seg.read_bytes()
+    return ids, seg, records_end(seg), seg.read_bytes()
+
+
+def test_a_torn_record_in_the_zeros_is_cut_and_the_zeros_with_it(tmp_path):
+    path = tmp_path / "c"
+    ids, seg, end, data = ten_results(path)
     first_record = data[HEADER.size : HEADER.size + FRAME.size + 120]  # a record's first part
     with open(seg, "r+b") as f:
         f.seek(end)
@@ -164,22 +175,14 @@ def test_a_torn_record_in_the_zeros_is_cut_and_the_zeros_with_it(tmp_path):
     ids += store.append_results(batch(10, 5))
     store.flush()
     store.close()
-    store, report = open_log(path)
-    assert report.cuts == [] and pending_ids(store) == ids
-    store.close()
+    assert_reopens_whole(path, ids)
 
 
 def test_a_whole_record_beyond_a_run_of_zeros_is_never_read(tmp_path):
     # A batch whose later pages reached the disk and whose first did not
     # (unsynced pages after a power loss): what follows the gap is no result.
     path = tmp_path / "c"
-    store, _ = open_log(path)
-    ids = store.append_results(batch(0, 10))
-    store.flush()
-    store.close()
-    seg = path / segment_name(1)
-    end = records_end(seg)
-    data = seg.read_bytes()
+    ids, seg, end, data = ten_results(path)
     whole = data[HEADER.size : records_end_of_first(data)]
     with open(seg, "r+b") as f:
         f.seek(end + 4096)
@@ -230,9 +233,7 @@ def test_a_full_disk_while_zeroing_ahead_keeps_the_batch(tmp_path):
     store.flush()
     assert seg.stat().st_size > records_end(seg)
     store.close()
-    store, report = open_log(path)
-    assert report.cuts == [] and pending_ids(store) == ids
-    store.close()
+    assert_reopens_whole(path, ids)
 
 
 def test_a_failed_fsync_cuts_the_batch_and_its_zeros_back(tmp_path):
@@ -258,50 +259,8 @@ def test_a_failed_fsync_cuts_the_batch_and_its_zeros_back(tmp_path):
 
 
 # -- a real writer killed with SIGKILL inside a record written into the zeros -----------
-
-WRITER = textwrap.dedent(
-    """
-    import sys
-    from node.completion import CompletionConfig, Result
-    from node.completion.segments import FileOps, SegmentStore
-
-    class PieceByPiece(FileOps):
-        # Records written 4 KiB at a time; once armed, the third piece of a
-        # batch's records stops the writer inside a record until the test
-        # kills it. The zeros ahead are written whole and not counted.
-        armed = False
-        pieces = 0
-
-        def pwrite(self, fd, data, offset):
-            if not any(bytes(data[:64])):
-                return super().pwrite(fd, data, offset)
-            if self.armed:
-                self.pieces += 1
-                if self.pieces == 3:
-                    print("mid-write", flush=True)
-                    sys.stdin.read()
-            return super().pwrite(fd, data[:4096], offset)
-
-    ops = PieceByPiece()
-    config = CompletionConfig(segment_bytes=1 << 20, preallocate_bytes=4 << 20)
-    store = SegmentStore(sys.argv[1], config, ops)
-    store.recover()
-    payload = bytes(range(1, 256)) * 64  # about 16 KiB, no zero byte
-    n = 0
-    while True:
-        batch = [
-            Result(f"k{n + i}", "j", n + i, 1, 1.0 + n + i, 60, payload) for i in range(13)
-        ]
-        ids = store.append_results(batch)
-        store.flush()
-        if n % 4 == 0:
-            store.ack(ids[:3])
-        print(ids[-1], flush=True)
-        n += 13
-        ops.armed = n >= 13 * int(sys.argv[2])
-    """
-)
-
+# (test_completion's WRITER: 13 results of 16 KiB a batch, the first 3 of every
+# fourth batch acked.)
 
 # Batches of about 208 KiB, four to a 1 MiB segment: the one after the 22nd
 # is the third of its segment, written into the zeros its first left ahead.
@@ -310,22 +269,7 @@ BATCHES = 22
 
 def test_a_writer_killed_inside_a_record_in_the_zeros_loses_nothing_it_reported(tmp_path):
     path = tmp_path / "c"
-    with subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(path), str(BATCHES)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    ) as proc:
-        assert proc.stdout is not None
-        reported = []
-        for line in proc.stdout:
-            if line.strip() == b"mid-write":
-                break
-            reported.append(int(line))
-        os.kill(proc.pid, signal.SIGKILL)
-    assert proc.returncode == -signal.SIGKILL
-    assert len(reported) == BATCHES, "the writer stopped early"
+    reported = kill_writer_mid_record(path, BATCHES, ahead=4 << 20)
     last_seg = sorted(path.glob("*.seg"))[-1]
     chain_end = records_end(last_seg)  # by lengths alone, past the torn record into zeros
     config = CompletionConfig(segment_bytes=1 << 20, preallocate_bytes=4 << 20)
