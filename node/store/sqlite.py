@@ -140,20 +140,7 @@ class SQLiteStore(Store):
         self._pid = os.getpid()
         self._lock = threading.RLock()
         try:
-            # No descriptor of a file this process may hold through SQLite:
-            # its close drops every POSIX lock of the process on the file
-            # (docs/schema.md, "No descriptor of the file outside SQLite").
-            if self._create:
-                parent = os.path.dirname(os.path.abspath(self.path))
-                os.makedirs(parent, mode=0o700, exist_ok=True)
-                # Create the file ourselves so it never exists with umask's mode;
-                # SQLite gives the -wal and -shm files the database file's mode.
-                try:
-                    os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
-                except FileExistsError:
-                    _check_file(self.path)
-            else:
-                _check_file(self.path)
+            _check_file(self.path, self._create)
         except OSError as exc:
             verb = "create" if self._create else "open"
             raise StoreUnavailable(f"SQLite store: cannot {verb} {self.path}: {exc}") from exc
@@ -481,14 +468,11 @@ class SQLiteStore(Store):
                 raise _wrap(exc, "checkpoint_wal") from exc
 
     def sync(self) -> None:
-        """fsync the WAL (when there is one): every
-        commit so far is on disk, the NORMAL ones of this connection
-        included. A commit is appended to the WAL; a checkpoint copies it
-        into the database file and, under NORMAL or FULL, syncs that file
-        before the WAL is reused, so what has left the WAL is on disk."""
-        # The WAL alone: SQLite holds no lock on it, so this descriptor's
-        # close drops none. Without one, every commit was checkpointed into
-        # the database file, which the checkpoint synced.
+        """fsync the WAL: every commit so far is on disk, the NORMAL ones of
+        this connection included. A checkpoint copies commits into the
+        database file and, under NORMAL or FULL, syncs that file before the
+        WAL is reused (or removed: then there is nothing to sync). SQLite
+        holds no lock on the WAL, so closing this descriptor drops none."""
         try:
             fd = os.open(self.path + "-wal", os.O_RDONLY)
         except FileNotFoundError:

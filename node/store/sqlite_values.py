@@ -127,11 +127,20 @@ class _WriteTransaction:
             self.conn.execute(q.ROLLBACK)
 
 
-def _check_file(path: str) -> None:
+def _check_file(path: str, create: bool = False) -> None:
     """Raise as opening ``path`` read-write would (missing, a directory, no
     permission), without opening it: closing a descriptor of a file drops
     every POSIX lock the process holds on it, its SQLite connections'
-    included ("How To Corrupt An SQLite Database File", 2.2.1)."""
+    included (docs/schema.md, "No descriptor of the file outside SQLite").
+    ``create``: a missing file is created (with its directory), mode 0600,
+    never with umask's (SQLite gives the -wal and -shm files its mode)."""
+    if create:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+        try:
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+            return  # new: no process holds it
+        except FileExistsError:
+            pass
     st = os.stat(path)
     if stat.S_ISDIR(st.st_mode):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
