@@ -65,10 +65,14 @@ def _seed(data_dir: Path, rows: int) -> None:
         store.close()
 
 
-def _claim_loop(name: str, data_dir: str, index: int, total: int, go, out: str) -> None:
+def _claim_loop(
+    name: str, data_dir: str, index: int, total: int, go, first, out: str
+) -> None:
     """Claim in small batches until the node's table has granted ``total``
     leases (every row once) or nothing more comes for a while; write the
-    leases this process got."""
+    leases this process got. After its first grant each waits for every
+    other's (``first``, a barrier): on 2 cores the first process scheduled
+    could otherwise take all the rows before the others claim once."""
     got: list[tuple[str, int]] = []
     with LocalClaimer(name, data_dir=data_dir, consumer=f"c{index}") as local:
         go.wait(60)
@@ -76,6 +80,8 @@ def _claim_loop(name: str, data_dir: str, index: int, total: int, go, out: str) 
         while time.monotonic() - idle_since < 5.0:
             grants = local.claim(1 + index % 16, lease_s=3600, wait_s=0.2)
             if grants:
+                if not got:
+                    first.wait(60)
                 got.extend((g.key, g.lease_id) for g in grants)
                 idle_since = time.monotonic()
             elif local.leases.counters()["grants"] >= total:
@@ -89,11 +95,12 @@ def _exclusive_through_the_node(node: NodeProcess, tmp_path: Path, rows: int) ->
     wait_for(
         lambda: node.request("GET", "/readyz")[0] == 200, 30, "the keeper's first publish"
     )
-    go = SPAWN.Event()
+    go, first = SPAWN.Event(), SPAWN.Barrier(PROCS)
     outs = [tmp_path / f"claims-{i}.msgpack" for i in range(PROCS)]
     children = [
         SPAWN.Process(
-            target=_claim_loop, args=(node.name, str(node.data_dir), i, rows, go, str(out))
+            target=_claim_loop,
+            args=(node.name, str(node.data_dir), i, rows, go, first, str(out)),
         )
         for i, out in enumerate(outs)
     ]
