@@ -8,6 +8,7 @@ import random
 import sqlite3
 import time
 from collections import Counter
+from contextlib import contextmanager
 
 import pytest
 
@@ -99,6 +100,23 @@ def _live_keeper(store, segments, node_name: str, tmp_path, **kw) -> Keeper:
     keeper.start(NOW)
     _run_until_live(keeper, NOW)
     return keeper
+
+
+@contextmanager
+def _due_rows_and_leases(node_name: str, n: int):
+    """A memory store of ``n`` rows (k0, k1, ...) due an hour ago and the
+    node's lease table; both closed, the table unlinked, after."""
+    from shm.leases import LeaseTable
+
+    store = open_store("memory://")
+    store.upsert([RowWrite(f"k{i}", "pages", due_at=NOW - 3600) for i in range(n)], now=NOW)
+    leases = LeaseTable.create(node_name, capacity=4096, max_misses=3)
+    try:
+        yield store, leases
+    finally:
+        leases.close()
+        LeaseTable.unlink(node_name)
+        store.close()
 
 
 def test_load_equals_table_and_counts_match(store, segments, node_name, tmp_path):
@@ -498,42 +516,36 @@ def test_a_key_granted_since_the_last_publish_stays_fenced_when_another_node_tak
     publish has followed the lease table since) is in flight, fenced, not
     withdrawn. (A full-suite run caught it counted withdrawn.)"""
     from keeper.owners import Ownership
-    from shm.leases import LeaseTable
 
-    store = open_store("memory://")
-    store.upsert([RowWrite(f"k{i}", "pages", due_at=NOW - 3600) for i in range(400)], now=NOW)
-    leases = LeaseTable.create(node_name, capacity=4096, max_misses=3)
-    claimer = ReadySet.attach(node_name)
-    try:
-        keeper = Keeper(_config(node_name, tmp_path), store, *segments, leases=leases)
-        keeper.start(NOW)
-        _run_until_live(keeper, NOW)
-        keeper.publish(NOW)
-        taken = _take(claimer, 100)
-        assert len(taken) == 100
-        granted = {key: leases.grant(key, "t", 600, NOW, 3600) for key in taken}
-        assert all(granted.values())
-        names = [node_name, "other-node"]
-        moved = [key for key in taken if Ownership(names, "other-node").owns(key)]
-        assert moved
-        assert keeper.reown(names, NOW + 1)
-        assert keeper.fenced == set(moved)
-        lost = sum(1 for i in range(400) if Ownership(names, "other-node").owns(f"k{i}"))
-        assert keeper.withdrawn == lost - len(moved)
-        # A fenced lease that ends without a result is requeued, and its key
-        # is not held here: withdrawn here (it went to its owner). One
-        # completed is finished, nothing more.
-        released, completed = moved[0], moved[-1]
-        assert leases.release(released, granted[released].lease_id, NOW + 2, error="x")
-        assert leases.complete(completed, granted[completed].lease_id, NOW + 2)
-        keeper.publish(NOW + 2)  # the lease table followed
-        assert keeper.fenced_in_flight() == len(moved) - 2
-        assert keeper.withdrawn == lost - len(moved) + 1
-    finally:
-        claimer.close()
-        leases.close()
-        LeaseTable.unlink(node_name)
-        store.close()
+    with _due_rows_and_leases(node_name, 400) as (store, leases):
+        claimer = ReadySet.attach(node_name)
+        try:
+            keeper = Keeper(_config(node_name, tmp_path), store, *segments, leases=leases)
+            keeper.start(NOW)
+            _run_until_live(keeper, NOW)
+            keeper.publish(NOW)
+            taken = _take(claimer, 100)
+            assert len(taken) == 100
+            granted = {key: leases.grant(key, "t", 600, NOW, 3600) for key in taken}
+            assert all(granted.values())
+            names = [node_name, "other-node"]
+            moved = [key for key in taken if Ownership(names, "other-node").owns(key)]
+            assert moved
+            assert keeper.reown(names, NOW + 1)
+            assert keeper.fenced == set(moved)
+            lost = sum(1 for i in range(400) if Ownership(names, "other-node").owns(f"k{i}"))
+            assert keeper.withdrawn == lost - len(moved)
+            # A fenced lease that ends without a result is requeued, and its key
+            # is not held here: withdrawn here (it went to its owner). One
+            # completed is finished, nothing more.
+            released, completed = moved[0], moved[-1]
+            assert leases.release(released, granted[released].lease_id, NOW + 2, error="x")
+            assert leases.complete(completed, granted[completed].lease_id, NOW + 2)
+            keeper.publish(NOW + 2)  # the lease table followed
+            assert keeper.fenced_in_flight() == len(moved) - 2
+            assert keeper.withdrawn == lost - len(moved) + 1
+        finally:
+            claimer.close()
 
 
 def test_a_lapse_drops_a_finished_key_whose_write_back_the_feed_has_not_applied_uncounted(
@@ -545,37 +557,30 @@ def test_a_lapse_drops_a_finished_key_whose_write_back_the_feed_has_not_applied_
     held row; those occurrences were routed, so they are not withdrawn too
     (the partition campaign caught −16 and −20, one for each). A key leased
     is fenced, a waiting one withdrawn, as before."""
-    from shm.leases import LeaseTable
-
-    store = open_store("memory://")
-    store.upsert([RowWrite(f"k{i}", "pages", due_at=NOW - 3600) for i in range(300)], now=NOW)
-    leases = LeaseTable.create(node_name, capacity=4096, max_misses=3)
-    claimer = ReadySet.attach(node_name)
-    try:
-        keeper = Keeper(_config(node_name, tmp_path), store, *segments, leases=leases)
-        assert keeper.reown([node_name, "other-node"], NOW)
-        keeper.start(NOW)
-        _run_until_live(keeper, NOW)
-        held = len(keeper.buckets)
-        keeper.publish(NOW)
-        taken = _take(claimer, 30)
-        assert len(taken) == 30
-        granted = {
-            key: leases.grant(key, "t", 600, NOW, 3600, version=keeper.buckets.get(key)[2])
-            for key in taken
-        }
-        finished, leased = taken[:20], taken[20:]
-        for key in finished:  # results durable, leases ended; no write-back applied yet
-            assert leases.complete(key, granted[key].lease_id, NOW).name == "COMPLETED"
-        before = keeper.withdrawn_total()
-        keeper.rejoined(None, NOW + 1)
-        assert keeper.fenced == set(leased)
-        assert keeper.withdrawn_total() - before == held - len(taken)
-    finally:
-        claimer.close()
-        leases.close()
-        LeaseTable.unlink(node_name)
-        store.close()
+    with _due_rows_and_leases(node_name, 300) as (store, leases):
+        claimer = ReadySet.attach(node_name)
+        try:
+            keeper = Keeper(_config(node_name, tmp_path), store, *segments, leases=leases)
+            assert keeper.reown([node_name, "other-node"], NOW)
+            keeper.start(NOW)
+            _run_until_live(keeper, NOW)
+            held = len(keeper.buckets)
+            keeper.publish(NOW)
+            taken = _take(claimer, 30)
+            assert len(taken) == 30
+            granted = {
+                key: leases.grant(key, "t", 600, NOW, 3600, version=keeper.buckets.get(key)[2])
+                for key in taken
+            }
+            finished, leased = taken[:20], taken[20:]
+            for key in finished:  # results durable, leases ended; no write-back applied yet
+                assert leases.complete(key, granted[key].lease_id, NOW).name == "COMPLETED"
+            before = keeper.withdrawn_total()
+            keeper.rejoined(None, NOW + 1)
+            assert keeper.fenced == set(leased)
+            assert keeper.withdrawn_total() - before == held - len(taken)
+        finally:
+            claimer.close()
 
 
 def test_a_write_that_beat_a_finished_leases_write_back_is_a_leased_write_when_applied_late(
@@ -589,12 +594,7 @@ def test_a_write_that_beat_a_finished_leases_write_back_is_a_leased_write_when_a
     partition campaign: another node's write-back of a key both nodes ran).
     A write to a key whose finished lease was of an older version (written
     again since) is a withdrawal, as before."""
-    from shm.leases import LeaseTable
-
-    store = open_store("memory://")
-    store.upsert([RowWrite(f"k{i}", "pages", due_at=NOW - 3600) for i in range(50)], now=NOW)
-    leases = LeaseTable.create(node_name, capacity=4096, max_misses=3)
-    try:
+    with _due_rows_and_leases(node_name, 50) as (store, leases):
         keeper = Keeper(_config(node_name, tmp_path), store, *segments, leases=leases)
         keeper.start(NOW)
         _run_until_live(keeper, NOW)
@@ -613,10 +613,6 @@ def test_a_write_that_beat_a_finished_leases_write_back_is_a_leased_write_when_a
         assert keeper.buckets.get(beaten)[0] > int(NOW // 60)  # applied
         withdrawn, leased_writes = keeper.withdrawn_total(), keeper.leased_writes_total()
         assert (withdrawn - before[0], leased_writes - before[1]) == (1, 1)  # k2, then k1
-    finally:
-        leases.close()
-        LeaseTable.unlink(node_name)
-        store.close()
 
 
 def test_a_restarts_replay_judges_a_write_by_the_lease_it_beat(segments, node_name, tmp_path):
@@ -628,13 +624,8 @@ def test_a_restarts_replay_judges_a_write_by_the_lease_it_beat(segments, node_na
     ended, and must still count a write to a leased row, not a withdrawal
     (the partition campaign: −2 and −6 on restarted nodes). A write to a
     row no lease held is a withdrawal, as before."""
-    from shm.leases import LeaseTable
-
-    store = open_store("memory://")
-    store.upsert([RowWrite(f"k{i}", "pages", due_at=NOW - 3600) for i in range(50)], now=NOW)
-    leases = LeaseTable.create(node_name, capacity=4096, max_misses=3)
     config = _config(node_name, tmp_path, state_interval_s=1000)
-    try:
+    with _due_rows_and_leases(node_name, 50) as (store, leases):
         keeper = Keeper(config, store, *segments, leases=leases)
         keeper.start(NOW)
         _run_until_live(keeper, NOW)
@@ -651,10 +642,6 @@ def test_a_restarts_replay_judges_a_write_by_the_lease_it_beat(segments, node_na
         _run_until_live(again, NOW + 4)
         assert again.withdrawn_total() - saved[0] == 1  # k2
         assert again.leased_writes_total() - saved[1] == 1  # k1
-    finally:
-        leases.close()
-        LeaseTable.unlink(node_name)
-        store.close()
 
 
 def test_a_membership_change_while_loading_counts_no_withdrawal(segments, node_name, tmp_path):
