@@ -215,7 +215,7 @@ class Supervisor:
             self.name, self.config.max_classes, identity=self.identity
         )
         with open_store(self.config.store_url, node_name=self.name) as store:
-            found = [t for t in store.classes_in_use() if fits(t)]
+            found = [t for t in store.classes_in_use(self.config.max_classes) if fits(t)]
         taken = self.classes.reserve(found[: self.config.max_classes])
         if len(found) > taken:
             log.warn("classes_over_limit", classes=len(found), max_classes=self.config.max_classes)
@@ -324,9 +324,9 @@ class Supervisor:
         or LEDGER_FIRST_TIMEOUT_S has passed: said in the log). With the
         table reattached (a restart, the host up) nothing was lost, and all
         start at once."""
+        from node.core.config import LOG_DIR
         from node.core.names import ledger_address
         from node.ipc import IpcClient, IpcError
-        from workers.ledger.process import LOG_DIR
 
         if self.leases.segment.reattached or not any((self.data_dir / LOG_DIR).glob("*.seg")):
             return

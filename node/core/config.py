@@ -40,6 +40,9 @@ __all__ = [
 UNIX_PREFIX = "unix:"
 MAX_UNIX_PATH_BYTES = 107
 ENV_PREFIX = "QUEUE_NODE_"
+# Segments of the completion log live in <data-dir>/LOG_DIR (the ledger's; the
+# supervisor looks there too, without importing the ledger).
+LOG_DIR = "log"
 # A bearer token travels in an HTTP header: visible ASCII only (RFC 6750's
 # b64token is narrower still), so every client can send it byte for byte.
 TOKEN_RE = re.compile(r"[\x21-\x7e]{1,4096}")

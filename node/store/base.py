@@ -222,11 +222,13 @@ class Store(abc.ABC):
         bad = [r for r in found if isinstance(r, BadRow)]
         return rows, bad, (found[-1].key if len(found) >= limit else None)
 
-    def classes_in_use(self) -> list[tuple[str, int | None, bool]]:
+    def classes_in_use(self, limit: int | None = None) -> list[tuple[str, int | None, bool]]:
         """The classes of the schedulable rows, as rows carry them:
         ``(route, cadence_s or None, sitemap)`` (shm/classes.py), the class
-        of the oldest row (lowest version) first. Backends override this for
-        speed; this default walks the table."""
+        of the oldest row (lowest version) first; with ``limit``, in that
+        order only when there are more than ``limit`` (a store may skip the
+        ordering otherwise). Backends override this for speed; this default
+        walks the table."""
         oldest: dict[tuple[str, int | None, bool], int] = {}
         after: str | None = None
         while True:

@@ -481,7 +481,8 @@ class PostgresStore(Store):
         last = found[-1][0] if len(found) >= limit else None
         return rows, bad, last
 
-    def classes_in_use(self) -> list[tuple[str, int | None, bool]]:
+    def classes_in_use(self, limit: int | None = None) -> list[tuple[str, int | None, bool]]:
+        # (Always oldest first: PostgreSQL hashes the GROUP BY.)
         with self._conn("classes") as conn:
             found = conn.execute(q.CLASSES_IN_USE).fetchall()
         return list(dict.fromkeys(

@@ -226,6 +226,7 @@ WALK_AFTER = f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key > ? ORDER BY key LI
 WALK_SCHEDULE_ALL = f"SELECT {_SCHEDULE_COLUMNS} FROM schedule ORDER BY key LIMIT ?"
 WALK_SCHEDULE_AFTER = f"SELECT {_SCHEDULE_COLUMNS} FROM schedule WHERE key > ? ORDER BY key LIMIT ?"
 COUNT_ROWS = "SELECT count(*) FROM schedule"
+CLASSES_DISTINCT = "SELECT DISTINCT route, cadence_s, sitemap FROM schedule"
 CLASSES_IN_USE = (
     "SELECT route, cadence_s, sitemap, MIN(version) AS oldest FROM schedule "
     "GROUP BY route, cadence_s, sitemap ORDER BY oldest"

@@ -546,18 +546,21 @@ class SQLiteStore(Store):
         last = found[-1][0] if len(found) >= limit else None
         return rows, bad, last
 
-    def classes_in_use(self) -> list[tuple[str, int | None, bool]]:
+    def classes_in_use(self, limit: int | None = None) -> list[tuple[str, int | None, bool]]:
         # One pass over the table in SQLite, no row objects: the supervisor
-        # fills the shared class table with it at every start.
+        # fills the shared class table with it at every start. DISTINCT is a
+        # third of GROUP BY with MIN: the oldest first only past ``limit``.
         conn = self._c()
         with self._lock:
             try:
-                found = conn.execute(q.CLASSES_IN_USE).fetchall()
+                found = conn.execute(q.CLASSES_DISTINCT).fetchall()
+                if limit is None or len(found) > limit:
+                    found = conn.execute(q.CLASSES_IN_USE).fetchall()
             except sqlite3.Error as exc:
                 raise _wrap(exc, "classes") from exc
         return list(dict.fromkeys(
             (route, cadence_s, sitemap == 1)
-            for route, cadence_s, sitemap, _oldest in found
+            for route, cadence_s, sitemap, *_oldest in found
             if stored_row_is_valid(route, cadence_s, sitemap, 0.0)
         ))  # fmt: skip
 

@@ -380,6 +380,26 @@ def test_unschedulable_rows_come_back_as_bad_rows(store):
     assert isinstance(store.get_many(["inf"])["inf"], BadRow)
 
 
+def test_classes_in_use_come_oldest_first_past_the_limit_and_all_within_it(store):
+    store.upsert(
+        [
+            RowWrite("k1", "late"),
+            RowWrite("k2", "first", cadence_s=60),
+            RowWrite("k3", "mid", sitemap=True),
+            RowWrite("k4", "first", cadence_s=60),
+            RowWrite("bad", "never", cadence_s=0),
+        ],
+        now=NOW,
+    )
+    store.upsert([RowWrite("k1", "late")], now=NOW)  # its class's oldest row is now the newest
+    oldest_first = [("first", 60, False), ("mid", None, True), ("late", None, False)]
+    assert store.classes_in_use() == oldest_first
+    assert store.classes_in_use(2) == oldest_first  # past the limit: the order decides
+    assert sorted(store.classes_in_use(3)) == sorted(oldest_first)
+    store.delete(["k2", "k4"])
+    assert store.classes_in_use() == oldest_first[1:]
+
+
 def test_get_many_answers_present_keys_across_chunks(store):
     keys = [f"k{i:05d}" for i in range(1_200)]
     store.upsert([RowWrite(k, "r", due_at=float(i)) for i, k in enumerate(keys)], now=NOW)

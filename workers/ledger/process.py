@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from node.core import log
-from node.core.config import Config, load_run_config
+from node.core.config import LOG_DIR, Config, load_run_config
 from node.core.errors import NodeError
 from node.core.names import ledger_address
 from node.core.proc import RET_ERROR, RET_OK, child_signals, die_with_parent, set_title
@@ -53,8 +53,6 @@ from workers.ledger.requests import int_in as _int_in
 from workers.ledger.requests import job_or_none as _job_or_none
 from workers.ledger.requests import num_in as _num_in
 
-# Segments of the completion log live in <data-dir>/LOG_DIR.
-LOG_DIR = "log"
 # Expiry sweep, retries of write-backs and lease ends, accounting checkpoint.
 SWEEP_INTERVAL_S = 0.1
 # The schedule's WAL is checkpointed (on the checkpointer thread) once it
