@@ -46,6 +46,7 @@ CLAIM_PARTS = [
     "shm/_claim_take.c",  # its take from the ready set
     "shm/_claim_grant.c",  # its rows and grants
     "shm/_claim_sqlite.c",  # SQLite, from the library Python's sqlite3 loaded
+    "shm/_claim_walk.c",  # Walker: the keeper's load walk of a SQLite schedule
 ]
 
 atomic = Extension(

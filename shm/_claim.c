@@ -261,7 +261,7 @@ PyInit__claim(void)
     }
     if (PyModule_AddObjectRef(m, "Granter", (PyObject *)&GranterType) < 0 ||
         PyModule_AddIntConstant(m, "TEST_STOPS", LEASE_TEST_STOPS) < 0 ||
-        claim_path_add(m) < 0) {
+        claim_path_add(m) < 0 || claim_walk_add(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -105,5 +105,7 @@ INTERNAL PyObject *granter_peek_many(GranterObject *self, PyObject *const *args,
 
 /* Adds ClaimPath and RowError to the module (shm/_claim_path.c). */
 INTERNAL int claim_path_add(PyObject *m);
+/* shm._claim.Walker, the keeper's load walk (shm/_claim_walk.c), added to the module. */
+INTERNAL int claim_walk_add(PyObject *m);
 
 #endif

@@ -31,6 +31,7 @@ struct sqlite_api {
     int (*close_v2)(sqlite3 *);
     int (*prepare_v2)(sqlite3 *, const char *, int, sqlite3_stmt **, const char **);
     int (*bind_text)(sqlite3_stmt *, int, const char *, int, void (*)(void *));
+    int (*bind_int64)(sqlite3_stmt *, int, long long);
     int (*step)(sqlite3_stmt *);
     int (*reset)(sqlite3_stmt *);
     int (*finalize)(sqlite3_stmt *);

@@ -32,6 +32,7 @@ load_sqlite(const char *module)
     FIND(close_v2, "sqlite3_close_v2");
     FIND(prepare_v2, "sqlite3_prepare_v2");
     FIND(bind_text, "sqlite3_bind_text");
+    FIND(bind_int64, "sqlite3_bind_int64");
     FIND(step, "sqlite3_step");
     FIND(reset, "sqlite3_reset");
     FIND(finalize, "sqlite3_finalize");

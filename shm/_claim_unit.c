@@ -11,3 +11,4 @@
 #include "_claim_take.c"
 #include "_claim_grant.c"
 #include "_claim_sqlite.c"
+#include "_claim_walk.c"

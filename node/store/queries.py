@@ -225,6 +225,10 @@ WALK_AFTER = f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key > ? ORDER BY key LI
 # (key, version, route, cadence_s, sitemap, due_at, ok).
 WALK_SCHEDULE_ALL = f"SELECT {_SCHEDULE_COLUMNS} FROM schedule ORDER BY key LIMIT ?"
 WALK_SCHEDULE_AFTER = f"SELECT {_SCHEDULE_COLUMNS} FROM schedule WHERE key > ? ORDER BY key LIMIT ?"
+# The same walk read in C (node/store/sqlite_walk.py), which checks each row itself.
+_FAST_WALK = "SELECT key, version, route, cadence_s, sitemap, due_at FROM schedule"
+FAST_WALK_ALL = f"{_FAST_WALK} ORDER BY key LIMIT ?1"
+FAST_WALK_AFTER = f"{_FAST_WALK} WHERE key > ?1 ORDER BY key LIMIT ?2"
 COUNT_ROWS = "SELECT count(*) FROM schedule"
 CLASSES_DISTINCT = "SELECT DISTINCT route, cadence_s, sitemap FROM schedule"
 CLASSES_IN_USE = (
