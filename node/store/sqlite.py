@@ -474,8 +474,10 @@ class SQLiteStore(Store):
         """fsync the WAL: every commit so far is on disk, the NORMAL ones of
         this connection included. A checkpoint copies commits into the
         database file and, under NORMAL or FULL, syncs that file before the
-        WAL is reused (or removed: then there is nothing to sync). SQLite
-        holds no lock on the WAL, so closing this descriptor drops none."""
+        WAL is reused (or removed: then there is nothing to sync). SQLite holds
+        no lock on the WAL, so closing this descriptor drops none. Any thread."""
+        if _SNAPSHOT_HOOK is not None:  # (before: what the fsync covers at least)
+            self._snapshot(_SNAPSHOT_HOOK)
         try:
             fd = os.open(self.path + "-wal", os.O_RDONLY)
         except FileNotFoundError:
@@ -485,8 +487,6 @@ class SQLiteStore(Store):
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        if _SNAPSHOT_HOOK is not None:
-            self._snapshot(_SNAPSHOT_HOOK)
 
     def _snapshot(self, target: str) -> None:
         """Test hook (QUEUE_NODE_TEST_HOOKS=1, QUEUE_NODE_STORE_SYNCED=path):
@@ -495,7 +495,8 @@ class SQLiteStore(Store):
         tmp = target + ".tmp"
         dest = sqlite3.connect(tmp)
         try:
-            self._c().backup(dest)
+            with self._lock:
+                self._c().backup(dest)
         finally:
             dest.close()
         os.replace(tmp, target)

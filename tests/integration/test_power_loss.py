@@ -93,6 +93,59 @@ def test_after_a_power_loss_no_acked_or_pending_result_is_due_again(tmp_path, no
         world.close()
 
 
+def test_acks_made_while_write_backs_go_on_are_durable_only_after_theirs(tmp_path, node_name):
+    """Two processes complete while a third acks what it is offered, so acks
+    wait for syncs of the schedule made while other write-backs commit (the
+    syncs off the ledger's loop, at most every 20 ms). After a power loss,
+    every acknowledged result's write-back is in what the disk kept."""
+    import threading
+
+    synced = tmp_path / "synced.db"
+    world = World(tmp_path, node_name)
+    world.ledger.env.update(QUEUE_NODE_TEST_HOOKS="1", QUEUE_NODE_STORE_SYNCED=str(synced))
+    keys = [f"k{i:03d}" for i in range(240)]
+    try:
+        world.seed(keys)
+        _copy(world.store.path, synced)
+        seeded_due = world.store.get(keys[0]).due_at
+        leases = [world.grant(k) for k in keys]
+        world.ledger.start()
+        acked: dict[int, str] = {}  # result id -> key
+        done = threading.Event()
+
+        def complete(part: list) -> None:
+            with world.ledger.client() as c:
+                for lease in part:
+                    (out,) = c.call("complete", items=[item(lease)])["outcomes"]
+                    assert out["status"] == "ok"
+
+        def ack() -> None:
+            with world.ledger.client() as c:
+                while not done.is_set() or len(acked) < len(keys):
+                    offered = c.call("poll", job="j", max=7, wait_s=0.05)["results"]
+                    if offered:
+                        ids = [o["id"] for o in offered]
+                        assert c.call("ack", job="j", ids=ids)["acked"] == len(ids)
+                        acked.update((o["id"], o["key"]) for o in offered)
+
+        workers = [threading.Thread(target=complete, args=(leases[i::2],)) for i in range(2)]
+        acker = threading.Thread(target=ack)
+        for t in (*workers, acker):
+            t.start()
+        for t in workers:
+            t.join(60)
+        done.set()
+        acker.join(60)
+        assert len(acked) == len(keys)
+        _power_loss(world, synced)
+        rows = world.store.get_many(keys)
+        for rid, key in acked.items():
+            assert rows[key].due_at > seeded_due, key  # its write-back is on disk
+            assert rows[key].last_result_id == rid
+    finally:
+        world.close()
+
+
 def test_after_a_reboot_the_keeper_publishes_once_the_ledger_has_written_back(tmp_path, node_name):
     """A whole node, a power loss after a completion (kill -9 of every
     process, the shared memory gone, the schedule back to its last synced

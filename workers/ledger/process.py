@@ -42,6 +42,7 @@ from node.core.names import ledger_address
 from node.core.proc import RET_ERROR, RET_OK, child_signals, die_with_parent, set_title
 from node.ipc import MAX_FRAME, IpcError, RemoteError, pack, peer_uid, read_frame
 from node.store import WriteBack
+from workers.ledger.acks import HeldAcks
 from workers.ledger.fleet_number import FleetNumber
 from workers.ledger.intake import Batch as _Batch
 from workers.ledger.intake import Item as _Item
@@ -175,11 +176,12 @@ class Ledger:
         # An ack is durable only after the write-backs before it: a power loss
         # cannot leave a result acknowledged and its row due again, since the
         # write-back was written before the result was offered (a pending
-        # result's write-back is done again at start, from the log). On the
-        # loop, not the fsync thread: a hop there cost more than the fsync.
+        # result's write-back is done again at start, from the log). Acks wait
+        # for the schedule's sync on the fsync thread (workers/ledger/acks.py);
+        # other retires (retention's discards) sync it on the loop first.
         self.log.before_retires = self._sync_before_retires
-        self._written_gen = 0  # write-back transactions committed so far
-        self._synced_gen = 0  # ... of which the schedule has synced
+        self._retire_gen = 0  # the write-backs the log's retires so far need synced
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.delivery = Delivery(config.offer_timeout_s)
         # config.repeat_window_s: the log keeps the evidence as long
         # (keep_retired_s), so a restart answers the same (docs/delivery.md).
@@ -194,6 +196,7 @@ class Ledger:
         self._stopping = asyncio.Event()
         # The group commit's fsync runs here, off the event loop's thread.
         self._fsync = ThreadPoolExecutor(1, thread_name_prefix="ledger-fsync")
+        self.acks = HeldAcks(self.store.sync, self._fsync, self._kick_soon)
         self._fsync_slow_until = float("-inf")  # monotonic: the fsync thread until then
         # And the schedule's WAL checkpoints here (its commits run none).
         self._checkpointer = ThreadPoolExecutor(1, thread_name_prefix="ledger-checkpoint")
@@ -407,11 +410,29 @@ class Ledger:
 
     def _sync_before_retires(self) -> None:
         """The log's hook before it writes acks or discards: the schedule
-        synced if a write-back was committed since it last was."""
-        if self._synced_gen != self._written_gen:
-            gen = self._written_gen
-            self.store.sync()
-            self._synced_gen = gen
+        synced if they need a write-back it has not synced (acks come to the
+        log synced already: ``HeldAcks``)."""
+        if self._retire_gen > self.acks.synced_gen:
+            self.acks.sync_now()
+
+    def _kick_soon(self, delay: float) -> None:
+        """Wake the committer after ``delay`` seconds, from any thread."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        if delay > 0:
+            loop.call_soon_threadsafe(loop.call_later, delay, self._kick.set)
+        else:
+            loop.call_soon_threadsafe(self._kick.set)
+
+    def _release_acks(self) -> None:
+        """Hand the held acks whose write-backs are synced to the log: they
+        join the next group commit, and their callers hear after it."""
+        for ids, at, gen, waiter in self.acks.release():
+            self.log.ack(ids, at)
+            self._retire_gen = max(self._retire_gen, gen)
+            if waiter is not None:
+                self._waiters.append(waiter)
 
     def _write_backs(
         self, group: list[tuple[Any, _End | None]], now: float, fresh: bool = False
@@ -433,7 +454,7 @@ class Ledger:
 
         try:
             versions = self.store.write_back_many(list(map(_FIRST, group)))
-            self._written_gen += 1
+            self.acks.written_gen += 1
         except Exception as exc:  # noqa: BLE001 - nothing lost: every item is retried
             self.stats.writeback_failed += len(group)
             self._writebacks += group
@@ -541,11 +562,13 @@ class Ledger:
     async def run_committer(self) -> None:
         """Group commit: take what is queued (whole requests, up to
         GROUP_MAX_ITEMS results), one flush, replies; again."""
+        self._loop = asyncio.get_running_loop()
         while True:
             await self._kick.wait()
             self._kick.clear()
             if self.config.ledger_group_window_s > 0:
                 await asyncio.sleep(self.config.ledger_group_window_s)
+            self._release_acks()
             while self._queue or self._waiters:
                 batches: list[_Batch] = []
                 group: list[_Item] = []
@@ -585,6 +608,7 @@ class Ledger:
                 for waiter in waiters:
                     if not waiter.done():
                         waiter.set_result(None)
+                self._release_acks()  # those a sync finished for meanwhile
 
     # -- poll and ack ---------------------------------------------------------------
 
@@ -659,11 +683,16 @@ class Ledger:
             raise _NeverOfferedReply(exc) from None
         if check_only:
             return {"acked": 0, "checked": len(retired)}
-        self.log.ack(retired, now)
         self.repeats.retire(retired, now)
         self.stats.acks += 1
         self.stats.acked += len(retired)
-        await self.flushed()
+        if retired and self.acks.needs_sync():
+            waiter = asyncio.get_running_loop().create_future()
+            self.acks.hold(retired, now, waiter)  # until the schedule has synced
+            await waiter
+        else:
+            self.log.ack(retired, now)
+            await self.flushed()
         return {"acked": len(retired)}
 
     async def flushed(self) -> None:
@@ -892,6 +921,7 @@ class Ledger:
             ids = self.log.expired(job, now - keep_s, RETENTION_MAX_PER_SWEEP)
             if not ids:
                 continue
+            self._retire_gen = self.acks.written_gen  # synced before the discards are written
             dropped[job] = self.log.discard(ids, RETENTION_REASON, now)
             self.delivery.remove(ids, job)  # an offer out now: its ack counts 0
             self.repeats.retire(ids, now)
@@ -936,6 +966,8 @@ class Ledger:
 
         while not self._stopping.is_set():
             self.sweep(time.time())
+            if len(self.acks):  # held after a failed sync: the committer tries again
+                self._kick.set()
             try:
                 self.log.flush()  # acks whose flush failed; a no-op otherwise
             except LogUnavailable:
@@ -1072,6 +1104,14 @@ class Ledger:
         of the lease table (only the supervisor unlinks it)."""
         try:
             self.checkpoint(time.time())
+            if len(self.acks):  # held acks: synced now, then into the log's last flush
+                try:
+                    self.acks.sync_now()
+                except OSError as exc:
+                    log.warn("schedule_sync_failed", error=str(exc), acks=len(self.acks))
+                else:
+                    for ids, at, _gen, _waiter in self.acks.release():
+                        self.log.ack(ids, at)
         finally:
             try:
                 self.log.close()
