@@ -826,6 +826,42 @@ def test_retention_discards_only_what_outlived_it_and_drops_offers(tmp_path, nod
         LeaseTable.unlink(node_name)
 
 
+def test_retention_leaves_alone_a_result_whose_ack_waits_for_the_schedules_sync(
+    tmp_path, node_name
+):
+    """An ack waits, pending in the log, for a sync of the write-backs before
+    it (workers/ledger/acks.py): retention must not discard its result
+    meanwhile, or the log would count discarded what was answered acked."""
+    from node.completion import Result
+    from node.config import JobConfig
+
+    ledger, table = _memory_ledger(tmp_path, node_name, jobs={"short": JobConfig(retention_s=60.0)})
+    try:
+        now = time.time()
+        ids = ledger.log.append_results(
+            [Result(f"k{i}", "short", 1, 1, now - 120, 600, b"{}", "json") for i in range(3)]
+        )
+        ledger.log.flush()
+        for rid in ids:
+            ledger.delivery.add(rid, "short")
+        assert ledger.delivery.poll("short", 10, now) == ids
+        assert ledger.delivery.retire("short", ids[:2], now) == ids[:2]
+        ledger.acks.written_gen += 1  # a write-back not synced yet: the ack is held
+        assert ledger.acks.needs_sync()
+        ledger.acks.hold(ids[:2], now, None)  # type: ignore[arg-type]
+        assert ledger.retain(now) == {"short": 1}  # the third alone
+        released = wait_for(ledger.acks.release, 5, "the sync")
+        for acked, at, _gen, _waiter in released:
+            ledger.log.ack(acked, at)
+        ledger.log.flush()
+        acct = ledger.accounting()
+        assert (acct["acknowledged"], acct["discarded"]) == (2, 1)
+    finally:
+        ledger.close()
+        table.close()
+        LeaseTable.unlink(node_name)
+
+
 def test_an_accounting_file_an_earlier_build_wrote_is_read(tmp_path):
     """tests/data/accounting-before-layout.json is the file the build before
     the layout change (issue 15) wrote: its format tag and fields must still

@@ -67,6 +67,10 @@ class HeldAcks:
     def __len__(self) -> int:
         return len(self._held)
 
+    def holding(self) -> set[int]:
+        """The ids of the held acks (still pending in the log until released)."""
+        return {rid for ids, _at, _gen, _waiter in self._held for rid in ids}
+
     def needs_sync(self) -> bool:
         """Whether an ack made now would wait for a sync."""
         return bool(self._held) or self.written_gen > self.synced_gen

@@ -919,6 +919,9 @@ class Ledger:
         dropped: dict[str, int] = {}
         for job, keep_s in self._retention.items():
             ids = self.log.expired(job, now - keep_s, RETENTION_MAX_PER_SWEEP)
+            if ids and len(self.acks):  # acknowledged already, their records to come
+                held = self.acks.holding()
+                ids = [rid for rid in ids if rid not in held]
             if not ids:
                 continue
             self._retire_gen = self.acks.written_gen  # synced before the discards are written
