@@ -73,7 +73,10 @@ best = Extension(
 # back to its Python encoder, the same bytes, when this is not built: optional).
 records = Extension(
     "node.completion.segments._records",
-    sources=["node/completion/segments/_records.c"],
+    sources=[
+        "node/completion/segments/_records.c",
+        "node/completion/segments/_records_leases.c",  # compaction's read of a segment
+    ],
     extra_compile_args=["-O2"],
     libraries=["z"],  # crc32, the zlib Python's own zlib module uses
     optional=True,

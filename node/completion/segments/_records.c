@@ -5,6 +5,8 @@
  * plain_results(cls, results, limit) -> bool
  * plain_items(items, short_key, limit) -> bool
  * offer_dicts(ids, results) -> [dict]
+ * lease_entries(buffer, start, size, max_record) -> [(id, lease_id, key)] | None
+ *   (a segment's lease evidence for compaction: _records_leases.c)
  *
  * The last four take a step an item out of the ledger's Python (each has a
  * Python reference beside its caller, and tests/unit/test_records_c.py
@@ -476,6 +478,8 @@ fail:
     return NULL;
 }
 
+PyObject *records_lease_entries(PyObject *self, PyObject *args); /* _records_leases.c */
+
 static PyMethodDef methods[] = {
     {"encode_results", encode_results, METH_O,
      "A group's RESULT frames back to back and each one's size; None: encode it in Python."},
@@ -486,6 +490,9 @@ static PyMethodDef methods[] = {
      "result_checks.plain_results, for results of exactly cls."},
     {"plain_items", plain_items, METH_VARARGS, "requests.check_items' lean pass."},
     {"offer_dicts", offer_dicts, METH_VARARGS, "The ledger's offer of each id and its result."},
+    {"lease_entries", records_lease_entries, METH_VARARGS,
+     "(id, lease_id, key) of a segment's results, as SegmentRecovery._results_of reads them; "
+     "None: read it in Python."},
     {NULL, NULL, 0, NULL},
 };
 

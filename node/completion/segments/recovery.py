@@ -16,7 +16,9 @@ import logging
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
@@ -71,6 +73,12 @@ from node.completion.segments.format import (
 from node.completion.staging import Stage
 from node.core.log import log
 
+_lease_entries_in_c: Callable[..., list[LeaseEntry] | None] | None
+try:  # built by setup.py, optional: _results_of reads the same in Python
+    from node.completion.segments._records import lease_entries as _lease_entries_in_c
+except ImportError:  # pragma: no cover - a build without the extension
+    _lease_entries_in_c = None
+
 
 class SegmentRecovery(DeferredScan):
     """Everything the segment store reads back from its directory."""
@@ -118,6 +126,20 @@ class SegmentRecovery(DeferredScan):
             raise LogUnavailable(
                 f"completion log: cannot read {segment_name(segment)}: {exc}"
             ) from exc
+        if _lease_entries_in_c is not None:  # the same walk in C, or None: read it here
+            try:
+                found = _lease_entries_in_c(mm, HEADER.size, size, MAX_RECORD_BYTES)
+            except BaseException:
+                mm.close()
+                raise
+            if found is not None:
+                mm.close()
+                return found
+        return self._results_in(mm, size)
+
+    @staticmethod
+    def _results_in(mm: Any, size: int) -> list[LeaseEntry]:
+        """``_results_of``'s walk in Python (the reference of the C one)."""
         out: list[LeaseEntry] = []
         crc32, frame_head = zlib.crc32, FRAME_RESULT_HEAD.unpack_from
         try:
