@@ -481,12 +481,11 @@ class SQLiteStore(Store):
         try:
             fd = os.open(self.path + "-wal", os.O_RDONLY)
         except FileNotFoundError:
-            fd = -1
-        if fd >= 0:
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            return
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _snapshot(self, target: str) -> None:
         """Test hook (QUEUE_NODE_TEST_HOOKS=1, QUEUE_NODE_STORE_SYNCED=path):

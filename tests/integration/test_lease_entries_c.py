@@ -49,10 +49,10 @@ def _segments(path: Path, n: int, seed: int) -> list[Path]:
 
 
 def _both(data: bytes) -> tuple[list | None, list]:
-    mm = mmap.mmap(-1, len(data))  # (a map of the bytes, as compaction reads a segment)
-    mm.write(data)
-    got = lease_entries(mm, HEADER.size, len(data), MAX_RECORD_BYTES)
-    want = recovery.SegmentRecovery._results_in(mm, len(data))  # closes mm
+    with mmap.mmap(-1, len(data)) as mm:  # (a map of the bytes, as compaction reads one)
+        mm.write(data)
+        got = lease_entries(mm, HEADER.size, len(data), MAX_RECORD_BYTES)
+        want = recovery.SegmentRecovery._results_in(mm, len(data))
     return got, want
 
 

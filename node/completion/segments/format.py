@@ -268,7 +268,9 @@ def _valid_frame_end(buf: memoryview, off: int, size: int) -> int:
     return end if zlib.crc32(buf[off + FRAME.size : end]) == crc else -1
 
 
-_ZERO_RUN = bytes(1 << 20)
+# A run of zeros: what recovery compares a segment's tail with, and what the
+# writer extends the active segment with (``preallocate_bytes``), a MiB at a time.
+ZERO_RUN = bytes(1 << 20)
 
 
 def _zeros_to_end(buf: Any, off: int, size: int) -> bool:
@@ -277,8 +279,8 @@ def _zeros_to_end(buf: Any, off: int, size: int) -> bool:
     the records end. A length of zero is never written, so a record cannot
     start there; a torn write leaves bytes that are not all zero."""
     while off < size:
-        n = min(len(_ZERO_RUN), size - off)
-        if buf[off : off + n] != _ZERO_RUN[:n]:
+        n = min(len(ZERO_RUN), size - off)
+        if buf[off : off + n] != ZERO_RUN[:n]:
             return False
         off += n
     return True

@@ -126,46 +126,40 @@ class SegmentRecovery(DeferredScan):
             raise LogUnavailable(
                 f"completion log: cannot read {segment_name(segment)}: {exc}"
             ) from exc
-        if _lease_entries_in_c is not None:  # the same walk in C, or None: read it here
-            try:
+        try:
+            found = None
+            if _lease_entries_in_c is not None:  # the same walk in C, or None: read it here
                 found = _lease_entries_in_c(mm, HEADER.size, size, MAX_RECORD_BYTES)
-            except BaseException:
-                mm.close()
-                raise
-            if found is not None:
-                mm.close()
-                return found
-        return self._results_in(mm, size)
+            return self._results_in(mm, size) if found is None else found
+        finally:
+            mm.close()
 
     @staticmethod
     def _results_in(mm: Any, size: int) -> list[LeaseEntry]:
         """``_results_of``'s walk in Python (the reference of the C one)."""
         out: list[LeaseEntry] = []
         crc32, frame_head = zlib.crc32, FRAME_RESULT_HEAD.unpack_from
-        try:
-            off = HEADER.size
-            while off + HEAD_SIZE <= size:
-                ln, crc, kind, meta_len, meta_crc = frame_head(mm, off)
-                end = off + FRAME.size + ln
-                if ln == 0 or ln > MAX_RECORD_BYTES or end > size:
-                    break
-                try:
-                    if kind == K_RESULT:
-                        meta = mm[off + HEAD_SIZE : off + HEAD_SIZE + meta_len]
-                        if HEAD_SIZE + meta_len <= FRAME.size + ln and crc32(meta, ln) == meta_crc:
-                            rid, _, key, lease_id = _unpack_meta(meta)[:4]
-                            out.append((rid, lease_id, key))
-                    else:
-                        body = mm[off + FRAME.size : end]
-                        if crc32(body) == crc:
-                            rec = msgpack.unpackb(body, use_list=False)
-                            if rec[0] == K_RESULT:  # format 1
-                                out.append((rec[1], rec[4], rec[3]))
-                except (ValueError, TypeError, IndexError, msgpack.UnpackException):
-                    pass  # reported by the scan: only its lease evidence is lost
-                off = end  # a last record shorter than a result head is not one
-        finally:
-            mm.close()
+        off = HEADER.size
+        while off + HEAD_SIZE <= size:
+            ln, crc, kind, meta_len, meta_crc = frame_head(mm, off)
+            end = off + FRAME.size + ln
+            if ln == 0 or ln > MAX_RECORD_BYTES or end > size:
+                break
+            try:
+                if kind == K_RESULT:
+                    meta = mm[off + HEAD_SIZE : off + HEAD_SIZE + meta_len]
+                    if HEAD_SIZE + meta_len <= FRAME.size + ln and crc32(meta, ln) == meta_crc:
+                        rid, _, key, lease_id = _unpack_meta(meta)[:4]
+                        out.append((rid, lease_id, key))
+                else:
+                    body = mm[off + FRAME.size : end]
+                    if crc32(body) == crc:
+                        rec = msgpack.unpackb(body, use_list=False)
+                        if rec[0] == K_RESULT:  # format 1
+                            out.append((rec[1], rec[4], rec[3]))
+            except (ValueError, TypeError, IndexError, msgpack.UnpackException):
+                pass  # reported by the scan: only its lease evidence is lost
+            off = end  # a last record shorter than a result head is not one
         return out
 
     def _read_summary(self, number: int) -> tuple[float, bytes]:

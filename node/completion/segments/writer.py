@@ -44,6 +44,7 @@ from node.completion.segments.format import (
     SUMMARY_HEAD,
     SUMMARY_MAGIC,
     SUMMARY_VERSION,
+    ZERO_RUN,
     _frame,
     _packb,
     decode_result_record,
@@ -57,11 +58,6 @@ from node.core.log import log
 
 # Read-only descriptors kept open for read_result on older segments.
 MAX_READ_FDS = 64
-# The zeros of ``CompletionConfig.preallocate_bytes`` are written this much
-# at a time. A write into bytes already allocated changes no metadata, so the
-# group's fsync flushes data alone; the one fsync a step that follows the
-# extension pays the journal commit for all of them (docs/completion-log.md).
-_ZEROS = bytes(1 << 20)
 
 
 class SegmentWriter(BufferedLog):
@@ -122,11 +118,14 @@ class SegmentWriter(BufferedLog):
     def _zero_ahead(self, end: int) -> None:
         """Zeros from ``end`` (the end of the batch just written) up to
         ``preallocate_bytes`` further, within ``segment_bytes``; made durable
-        by this batch's fsync. Best effort: a failure (a full disk) leaves
-        the file as far as it got, and later writes extend it as they go."""
+        by this batch's fsync. A write into bytes already allocated changes no
+        metadata, so later groups' fsyncs flush data alone; this one pays the
+        journal commit for all of them (docs/completion-log.md). Best effort:
+        a failure (a full disk) leaves the file as far as it got, and later
+        writes extend it as they go."""
         assert self._fd is not None
         target = min(end + self.config.preallocate_bytes, self.config.segment_bytes)
-        at, zeros = end, memoryview(_ZEROS)
+        at, zeros = end, memoryview(ZERO_RUN)
         try:
             while at < target:
                 n = self.ops.pwrite(self._fd, zeros[: min(len(zeros), target - at)], at)
