@@ -13,8 +13,14 @@
   live): wall and CPU time, the longest tick and the longest publish;
 - lag: commit-to-applied lag p50/p99 while a producer writes through the
   node's HTTP API at --rate rows/s and another program writes the file
-  directly, as the keeper itself measures it (apply time minus the time the
-  change was logged), and the keeper's own µs per applied change under that
+  directly: as the keeper itself measures it (apply time minus the time the
+  change was logged, its statement's time, before the commit), and from the
+  writer's commit returning (``from_commit``): a probe writes one row every
+  --probe-ms through the node's own store code (the HTTP worker's write:
+  ``Store.upsert``, then the keeper's wake), reads its change's seq, and
+  polls the state buffer's ``applied_seq`` until the keeper has applied it
+  (polled every ~50 µs; a later change read as its seq makes a lag longer,
+  never shorter). Also the keeper's own µs per applied change under that
   load.
 
 Results are printed as JSON lines and appended to bench/results/keeper.jsonl.
@@ -252,6 +258,59 @@ def bench_load(args: argparse.Namespace) -> None:
             })
 
 
+def _lag_probe(db: Path, name: str, args: argparse.Namespace, now: float,
+               stop: threading.Event, lags: list[float]) -> None:
+    """One row every ``args.probe_ms`` written as the node's HTTP worker
+    writes it (``Store.upsert``, then the keeper's wake), timed from the
+    commit returning until the state buffer's ``applied_seq`` reaches its
+    change's seq (read after the commit: ``max(seq)``, its own or a later
+    one's, so never too short)."""
+    from node.core.rows import RowWrite
+    from node.store import open_store
+    from shm.state import StateBuffer
+    from shm.wake import Wake
+
+    store = open_store(f"sqlite:///{db}", node_name=name)
+    reader = sqlite3.connect(db, timeout=10)
+    state = StateBuffer.attach(name)
+    wake = Wake.attach(name)
+    rnd = random.Random(11)
+    interval = args.probe_ms / 1000
+    try:
+        while not stop.is_set():
+            key = key_of(rnd.randrange(args.rows))
+            write = RowWrite(key=key, route=rnd.choice(ROUTES),
+                             due_at=now + rnd.uniform(-86400, 86400))
+            store.upsert([write], now=time.time())
+            committed = time.perf_counter()
+            wake.post()
+            seq = reader.execute("SELECT max(seq) FROM changes").fetchone()[0]
+            deadline = committed + 5
+            while state.applied_seq < seq:
+                if time.perf_counter() > deadline:
+                    raise SystemExit(f"the keeper did not apply change {seq} in 5 s")
+                time.sleep(0.00005)  # polling the keeper's applied_seq
+            lags.append(time.perf_counter() - committed)
+            stop.wait(interval)
+    finally:
+        wake.close()
+        state.close()
+        reader.close()
+        store.close()
+
+
+def _lag_figures(lags: list[float]) -> dict | None:
+    if not lags:
+        return None
+    ordered = sorted(lags)
+
+    def at(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 3)
+
+    return {"samples": len(ordered), "p50_ms": at(0.50), "p90_ms": at(0.90),
+            "p99_ms": at(0.99), "max_ms": round(ordered[-1] * 1000, 3)}
+
+
 def bench_lag(args: argparse.Namespace) -> None:
     from keeper.ask import ask
     from node.core.errors import NodeError
@@ -294,8 +353,13 @@ def bench_lag(args: argparse.Namespace) -> None:
                     stop.wait(0.01)
                 conn.close()
 
+            probe_lags: list[float] = []
+            probe = threading.Thread(
+                target=_lag_probe, args=(db, name, args, now, stop, probe_lags)
+            )
             t = threading.Thread(target=outside_writer)
             t.start()
+            probe.start()
             rnd = random.Random(5)
             per_request = 100
             interval = per_request / args.rate
@@ -318,6 +382,7 @@ def bench_lag(args: argparse.Namespace) -> None:
                     time.sleep(delay)  # pacing the producer to the target rate
             stop.set()
             t.join()
+            probe.join()
             elapsed = args.seconds
             stats = None
             for _ in range(50):
@@ -328,6 +393,7 @@ def bench_lag(args: argparse.Namespace) -> None:
                 "bench": "lag", "rows": args.rows, "target_rate": args.rate,
                 "achieved_rate": round(sent["node"] / elapsed), "outside_writes": sent["outside"],
                 "lag": stats["lag"] if stats else None,
+                "from_commit": _lag_figures(probe_lags),
             })
         finally:
             _stop_node(proc)
@@ -342,6 +408,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--rate", type=int, default=15_000)
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--probe-ms", type=float, default=5.0,
+                        help="lag: the commit-to-applied probe's interval between writes")
     add_json_option(parser)
     args = parser.parse_args()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

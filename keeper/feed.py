@@ -168,6 +168,7 @@ class Feed(KeeperBase):
         else:
             self._caught_up = False
         if applied:
+            self.state.note_applied(self.feed_seq)  # for a writer timing commit to applied
             spent = time.perf_counter() - t0
             self.stats.apply["changes"] += applied
             self.stats.apply["feed_s"] += spent
@@ -232,6 +233,7 @@ class Feed(KeeperBase):
             self._loading = False
             self._tombstones = {}
             self.drain_feed(now)
+            self.state.note_applied(self.feed_seq)  # the whole table held through it
             self.stats.load["done_s"] = round(time.perf_counter() - self._t_start, 4)
             self.status = "live"
             self._start_received(now)

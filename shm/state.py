@@ -30,7 +30,9 @@ Layout (little-endian, every field naturally aligned)::
     80      32    phase              32s  UTF-8, NUL-padded; empty = none
     112     4     active_doc         I    index of the newest complete document slot
     116     4     doc_capacity       I    bytes a document slot holds
-    120     8     reserved
+    120     8     applied_seq        Q    the last change the keeper applied from the
+                                          store's feed (0 before any); stored
+                                          with release, loaded with acquire
     128           document slot 0, then slot 1 at 128 + doc_stride
 
     document slot (doc_stride = 16 + doc_capacity, a multiple of 8)
@@ -79,6 +81,7 @@ FIELDS_OFFSET = 32
 FIELDS = struct.Struct("<ddddQII32s")
 DOC_INFO_OFFSET = 112
 DOC_INFO = struct.Struct("<II")  # active_doc, doc_capacity
+APPLIED_SEQ_OFFSET = 120
 FIRST_DOC = 128
 DOC_HEADER = struct.Struct("<IId")  # seq, length, counts_at
 DOC_FIELDS = struct.Struct("<Id")  # length, counts_at: what the seqlock covers at +4
@@ -114,6 +117,7 @@ class StateBuffer:
         self.doc_capacity = DOC_INFO.unpack_from(seg.mm, DOC_INFO_OFFSET)[1]
         self._doc_stride = DOC_HEADER.size + self.doc_capacity
         self._stamped_pid = 0
+        self._view: Any = None  # _atomic.View, for the keeper's applied_seq stores
 
     # -- lifecycle (the supervisor creates and unlinks; everyone else attaches) --
 
@@ -178,6 +182,7 @@ class StateBuffer:
         return segment.unlink(shm_segment_name(node, KIND))
 
     def close(self) -> None:
+        self._view = None  # its export of the mapping first, or the close fails
         self.segment.close()
 
     def __enter__(self) -> StateBuffer:
@@ -235,6 +240,20 @@ class StateBuffer:
         )
         if code != old_code or int(exact) != old_exact:
             self._bump_status_gen()
+
+    def note_applied(self, seq: int) -> None:
+        """The keeper has applied the store's changes up to ``seq``: a
+        program that wrote a change and read its seq sees when the keeper
+        holds it (``bench/bench_keeper.py lag`` times commit to applied so)."""
+        view = self._view
+        if view is None:
+            view = self._view = _atomic.View(self.segment.mm)
+        view.store64(APPLIED_SEQ_OFFSET, seq)
+
+    @property
+    def applied_seq(self) -> int:
+        """The last change the keeper applied from the store's feed."""
+        return _atomic.acquire64(self.segment.mm, APPLIED_SEQ_OFFSET)
 
     def write_doc(self, doc: dict, now: float) -> None:
         """Write the counts document (msgpack), taken at ``now``, signed with

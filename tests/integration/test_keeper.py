@@ -253,6 +253,24 @@ def test_outside_program_write_is_seen(segments, node_name, tmp_path):
     store.close()
 
 
+def test_the_state_buffer_says_which_change_the_keeper_has_applied(
+    store, segments, node_name, tmp_path
+):
+    """``applied_seq``, read through a second mapping as another process
+    reads it: the store's last seq once live, unchanged by a write until the
+    keeper applies it, then that write's seq."""
+    store.upsert(_rows(300), now=NOW)
+    keeper = _live_keeper(store, segments, node_name, tmp_path)
+    with StateBuffer.attach(node_name, read_only=True) as reader:
+        assert reader.applied_seq == store.last_seq() > 0
+        loaded = reader.applied_seq
+        store.upsert([RowWrite("late", "pages", due_at=NOW)], now=NOW)
+        assert store.last_seq() > loaded
+        assert reader.applied_seq == loaded
+        keeper.tick(NOW)
+        assert reader.applied_seq == store.last_seq() == keeper.feed_seq
+
+
 def test_ready_set_is_rank_order_and_leaves_out_paused(store, segments, node_name, tmp_path):
     store.upsert(_rows(2000, seed=6), now=NOW)
     config = _config(node_name, tmp_path)
