@@ -40,7 +40,7 @@ from node.core.errors import (
 )
 from node.core.names import ledger_address
 from node.core.proc import ENV_CONFIG
-from node.core.rows import Grant, check_key
+from node.core.rows import Grant, check_key, result_bytes
 from shm.leases import SlotTakenOver
 from workers.claim import (
     Claimer,
@@ -102,11 +102,10 @@ def refusal(exc: WorkRefused | ValidationError) -> ClientError:
 
 
 def _encode(result: Any) -> tuple[bytes, str]:
-    """A result as the ledger takes it: bytes raw, anything else as JSON text."""
-    if isinstance(result, bytes | bytearray | memoryview):
-        return bytes(result), "bytes"
+    """A result as the ledger takes it: bytes raw, anything else as JSON text
+    (``result_bytes``: what JSON or msgpack cannot carry is refused)."""
     try:
-        return json.dumps(result, separators=(",", ":"), allow_nan=False).encode(), "json"
+        return result_bytes(result)
     except (TypeError, ValueError, RecursionError) as exc:
         raise ClientError(400, "invalid_result", f"not a JSON value: {exc}", "result") from None
 

@@ -17,12 +17,25 @@ def encode_payload(payload: Any) -> str | None:
     return json.dumps(payload, separators=(",", ":"), allow_nan=False)
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+# JSON as the node writes it: ``NaN`` and ``Infinity`` are text Python's json
+# reads, but no JSON answer may carry them, so a payload holding one is
+# handed out as stored (its text), as any other that is not JSON. The claim
+# path's C grant runs this decoder's scanner (workers/claim/path.py).
+PAYLOAD_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+
+
 def decode_payload(stored: Any) -> Any:
     """Parsed JSON; what another program stored that is not JSON comes back raw."""
     if stored is None:
         return None
     try:
-        return json.loads(stored)
+        if isinstance(stored, str):
+            return PAYLOAD_DECODER.decode(stored)
+        return json.loads(stored, parse_constant=_no_constant)  # a blob
     except (ValueError, TypeError):
         return stored
 

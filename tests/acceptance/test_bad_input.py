@@ -391,6 +391,27 @@ def test_row_fields_out_of_range(world: World, row: dict, code: str, field: str)
         assert_error(answer, 400, code, field)
 
 
+@pytest.mark.parametrize(
+    "value",
+    [1 << 64, -(1 << 63) - 1, 10**30, "\ud800", {"a": [1, {"b": 1 << 70}]}],
+    ids=["2**64", "below -2**63", "10**30", "a lone surrogate", "nested"],
+)
+def test_a_payload_or_result_msgpack_cannot_carry_is_refused(world: World, value: Any) -> None:
+    """Every answer comes in JSON or msgpack, as the caller asks: what only
+    JSON carries is refused where it comes in. (Was accepted; then every
+    msgpack claim or poll that reached it answered 500, and the claim's
+    other leases stayed leased to nobody: test_unsendable_payloads.py.)"""
+    body = json.dumps([{"key": "a", "route": "r", "payload": value}]).encode()
+    answer = unchanged(world, partial(send, world.node, "POST", "/rows", body))
+    error = assert_error(answer, 400, "invalid_payload", "rows[0].payload")
+    assert "msgpack cannot carry" in error["message"]
+    key, lease_id = next(iter(world.leases.items()))
+    body = json.dumps({"lease_id": lease_id, "key": key, "result": value}).encode()
+    answer = unchanged(world, partial(send, world.node, "POST", "/complete", body))
+    error = assert_error(answer, 400, "invalid_result", "result")
+    assert "msgpack cannot carry" in error["message"]
+
+
 def test_the_limits_themselves_are_accepted(world: World) -> None:
     """The boundaries of the refusals above: a key of exactly 1,024 bytes and
     a payload of exactly 1 MiB encoded go in (and are deleted again)."""

@@ -37,7 +37,6 @@ Hazards:
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable
@@ -49,6 +48,7 @@ from node.core.errors import NodeRestarted, NotGranting, NotReady, StoreError
 from node.core.log import warn
 from node.core.rows import MAX_CADENCE_S, MAX_DUE_AT, MIN_CADENCE_S, MIN_DUE_AT, Grant, Row
 from node.store.base import BadRow, ClaimSource
+from node.store.values import PAYLOAD_DECODER
 from shm.leases import (
     C_STOP,
     CONSUMER_BYTES,
@@ -251,7 +251,7 @@ class Claimer:
                 source.decode_payload,
                 self._route_cadence,
                 self._cadence_of,
-                json.decoder.JSONDecoder().scan_once,  # type: ignore[attr-defined]
+                PAYLOAD_DECODER.scan_once,  # type: ignore[attr-defined]
                 source.row_sql,
                 source.rows_sql,
             )

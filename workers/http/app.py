@@ -59,6 +59,8 @@ from workers.http.errors import (
     auth_middleware,
     error_middleware,
     reply,
+    unsendable,
+    wants_msgpack,
 )
 
 # Limits from the contract.
@@ -412,6 +414,10 @@ async def get_row(request: web.Request) -> web.Response:
         row_doc: dict[str, Any] = {"key": row.key, "version": row.version, "invalid": row.reason}
     else:
         row_doc = row.to_json()
+        problem = unsendable(row_doc["payload"], wants_msgpack(request))
+        if problem is not None:  # a payload another program stored: say why, not 500
+            row_doc["payload"] = None
+            row_doc["payload_error"] = f"the payload is stored, but {problem}"
     loop = asyncio.get_running_loop()
     view = await loop.run_in_executor(request.app[ASK_POOL], _safely, "explain", ctx.explain, key)
     lease = None

@@ -263,6 +263,20 @@ def wants_msgpack(request: web.Request) -> bool:
     return any(t in accept for t in MSGPACK_TYPES)
 
 
+def unsendable(value: Any, raw: bool) -> str | None:
+    """Why ``value`` cannot go into an answer in msgpack (``raw``) or in JSON
+    (strict: no NaN), or None. Only what another program stored in the file
+    can be such a value: the node refuses it where it comes in."""
+    try:
+        if raw:
+            msgpack.packb(value, use_bin_type=True)
+        else:
+            json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, OverflowError) as exc:  # (UnicodeEncodeError too)
+        return f"it cannot be sent in {'msgpack' if raw else 'JSON'}: {exc}"
+    return None
+
+
 def reply(
     request: web.Request,
     obj: Any,

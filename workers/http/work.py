@@ -103,6 +103,12 @@ WAITERS_RETRY_AFTER_S = 1
 # The error a handed-back lease is released with (its key is then unheld).
 NOT_SENT = "not sent: the claim answer was full"
 
+
+class Unsendable(Exception):
+    """A granted lease the claim answer's encoding cannot carry: a payload
+    another program stored that only one of JSON and msgpack carries (a
+    blob, a number JSON has no text for, an integer past 64 bits)."""
+
 routes = web.RouteTableDef()
 
 
@@ -262,9 +268,17 @@ class _LeaseAnswer:
         return len(self.pieces)
 
     def add(self, grant: Grant) -> bool:
-        """Add the lease, or say False (and add nothing) when it would pass the bound."""
+        """Add the lease, or say False (and add nothing) when it would pass
+        the bound; Unsendable (nothing added) when the encoding cannot carry it."""
         doc = _lease_json(grant)
-        piece = msgpack.packb(doc, use_bin_type=True) if self.raw else json.dumps(doc).encode()
+        try:
+            if self.raw:
+                piece = msgpack.packb(doc, use_bin_type=True)
+            else:
+                piece = json.dumps(doc, allow_nan=False).encode()
+        except (TypeError, ValueError, OverflowError) as exc:  # (UnicodeEncodeError too)
+            encoding = "msgpack" if self.raw else "JSON"
+            raise Unsendable(f"its payload cannot be sent in {encoding}: {exc}") from None
         size = self.size + len(piece) + (0 if self.raw else 2)  # ", " between JSON items
         if self.pieces and size > self.limit:
             return False
@@ -295,8 +309,11 @@ def _claim_into(
     until the ready set runs out or the answer is full. A lease granted past
     the bound never reaches a holder: it is handed back at once, so its key
     is claimable again at the keeper's next publish instead of sitting
-    leased for ``lease_s`` and then counting a miss. Runs on the claimer's
-    own thread."""
+    leased for ``lease_s`` and then counting a miss. A lease the answer
+    cannot carry (``Unsendable``) is released with that error: a miss, so a
+    row no claimer can be sent ends parked, as an item that always fails
+    does, and the rest of the claim is answered. Runs on the claimer's own
+    thread."""
     granted = 0
     while granted < max_n:
         want = min(CLAIM_CHUNK, max_n - granted)
@@ -310,7 +327,13 @@ def _claim_into(
             return
         granted += len(grants)
         for i, grant in enumerate(grants):
-            if not answer.add(grant):
+            try:
+                added = answer.add(grant)
+            except Unsendable as exc:
+                outcome = claimer.release(grant.key, grant.lease_id, now, str(exc))
+                log.warn("claim_unsendable", key=grant.key, outcome=outcome.value, error=str(exc))
+                continue
+            if not added:
                 _hand_back(claimer, leases, grants[i:], now)
                 return
         if len(grants) < want:

@@ -1,0 +1,163 @@
+"""Acceptance: payloads a claim answer's encoding cannot carry (a real node).
+
+Every answer comes in JSON or in msgpack, as the request asks. Another
+program may store in the file what only one of them carries: a blob (msgpack
+carries bytes, JSON does not), an integer past 64 bits (JSON carries it,
+msgpack does not), the text ``NaN`` (which Python's json reads as a float no
+JSON answer may hold). Before: the claim that granted such a row answered
+500, and every lease it had granted (the others' too) stayed leased to
+nobody until it expired. Now the claim answers the others; the row that
+cannot be sent is released with the reason (a miss, so it ends parked like
+an item that always fails, shown in ``GET /held``); ``NaN`` is handed out as
+its text, as any stored payload that is not JSON. Through the node's own
+writes such payloads are refused (tests/acceptance/test_bad_input.py).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+
+from node.testing import NodeProcess, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+BIG = 1 << 70
+CONFIG = "max_misses = 2\n"
+
+
+def _post(node: NodeProcess, path: str, body: Any, accept: str = "application/json") -> Any:
+    request = urllib.request.Request(
+        f"http://{node.info['http']}{path}", data=json.dumps(body).encode(), method="POST",
+        headers={"Content-Type": "application/json", "Accept": accept},
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=30) as resp:  # raises for any 4xx or 5xx
+        raw = resp.read()
+    return msgpack.unpackb(raw) if accept == "application/msgpack" else json.loads(raw)
+
+
+def _get(node: NodeProcess, path: str, accept: str = "application/json") -> Any:
+    request = urllib.request.Request(f"http://{node.info['http']}{path}",
+                                     headers={"Accept": accept})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        raw = resp.read()
+    return msgpack.unpackb(raw) if accept == "application/msgpack" else json.loads(raw)
+
+
+def _write_outside(db: Path, rows: list[tuple[str, Any]]) -> None:
+    """Rows due now, written as another program writes the file."""
+    conn = sqlite3.connect(db)
+    with conn:
+        conn.executemany(
+            "INSERT INTO schedule (key, route, due_at, payload) VALUES (?, 'r', ?, ?)",
+            [(key, time.time() - 60, payload) for key, payload in rows],
+        )
+    conn.close()
+
+
+def _held(node: NodeProcess) -> dict[str, dict]:
+    return {hold["key"]: hold for hold in _get(node, "/held")["held"]}
+
+
+@pytest.fixture
+def node(tmp_path: Path, node_name: str):
+    config = tmp_path / "node.toml"
+    config.write_text(CONFIG)
+    data = tmp_path / "data"
+    data.mkdir()
+    proc = NodeProcess(data, node_name, config=config).start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def test_a_payload_json_cannot_carry_is_released_with_the_reason_and_parks(node) -> None:
+    _write_outside(node.data_dir / "schedule.db", [
+        ("blob", b"\x00\xff"), ("nan", "NaN"), ("big", json.dumps({"n": BIG})),
+        ("plain", json.dumps({"x": 1})),
+    ])  # fmt: skip
+    sent: dict[str, Any] = {}
+
+    def claimed_the_rest() -> bool:
+        for lease in _post(node, "/claim", {"max": 10, "consumer": "j", "lease_s": 1})["leases"]:
+            sent[lease["key"]] = lease["payload"]
+        return {"nan", "big", "plain"} <= set(sent) and "blob" in _held(node)
+
+    wait_for(claimed_the_rest, 30, "the other rows claimed, the blob held")
+    assert "blob" not in sent
+    assert sent["nan"] == "NaN"  # not JSON: handed out as its text
+    assert sent["big"] == {"n": BIG} and sent["plain"] == {"x": 1}
+    hold = _held(node)["blob"]
+    assert hold["misses"] == 1 and not hold["parked"]
+    assert "cannot be sent in JSON" in hold["last_error"]
+    # Explaining the row says so too (was a 500), and msgpack carries it.
+    row = _get(node, "/rows?key=blob")["row"]
+    assert row["payload"] is None and "cannot be sent in JSON" in row["payload_error"]
+    assert _get(node, "/rows?key=blob", "application/msgpack")["row"]["payload"] == b"\x00\xff"
+
+    def parked() -> bool:
+        leases = _post(node, "/claim", {"max": 10, "consumer": "j", "lease_s": 1})["leases"]
+        assert "blob" not in {lease["key"] for lease in leases}
+        return _held(node)["blob"]["parked"]
+
+    wait_for(parked, 30, "the blob parked after its second miss (max_misses 2)")
+    assert _held(node)["blob"]["misses"] == 2
+    accounting = _get(node, "/accounting")
+    assert accounting["balanced"], accounting
+    assert accounting["released"] == 2
+
+
+def test_a_payload_msgpack_cannot_carry_is_released_and_a_blob_is_sent_as_bytes(node) -> None:
+    _write_outside(node.data_dir / "schedule.db", [
+        ("blob", b"\x00\xff"), ("big", json.dumps([BIG])), ("plain", "[1]"),
+    ])  # fmt: skip
+    sent: dict[str, Any] = {}
+
+    def claimed_the_rest() -> bool:
+        body = {"max": 10, "consumer": "m", "lease_s": 1}
+        for lease in _post(node, "/claim", body, "application/msgpack")["leases"]:
+            sent[lease["key"]] = lease["payload"]
+        return {"blob", "plain"} <= set(sent) and "big" in _held(node)
+
+    wait_for(claimed_the_rest, 30, "the other rows claimed, the big integer held")
+    assert "big" not in sent
+    assert sent["blob"] == b"\x00\xff" and sent["plain"] == [1]
+    hold = _held(node)["big"]
+    assert hold["misses"] == 1 and "cannot be sent in msgpack" in hold["last_error"]
+    row = _get(node, "/rows?key=big", "application/msgpack")["row"]
+    assert row["payload"] is None and "cannot be sent in msgpack" in row["payload_error"]
+    assert _get(node, "/rows?key=big")["row"]["payload"] == [BIG]
+    # The same row goes out in JSON once its hold has passed.
+    lease = wait_for(
+        lambda: next((x for x in _post(node, "/claim", {"max": 10, "consumer": "j"})["leases"]
+                      if x["key"] == "big"), None),
+        30, "the big integer claimed in JSON after its hold",
+    )  # fmt: skip
+    assert lease["payload"] == [BIG]
+    assert _get(node, "/accounting")["balanced"]
+
+
+def test_a_local_claimer_refuses_a_result_msgpack_cannot_carry(node) -> None:
+    """A LocalClaimer's results are polled over HTTP, in either encoding:
+    the same refusal as POST /complete's, and nothing reaches the ledger."""
+    from node.client import ClientError
+    from node.local import LocalClaimer
+
+    _write_outside(node.data_dir / "schedule.db", [("plain", "[1]")])
+    with LocalClaimer(node.name, data_dir=node.data_dir, consumer="local") as local:
+        (grant,) = wait_for(lambda: local.claim(1, 60), 30, "the row granted")
+        for bad in ({"n": BIG}, ["\ud800"]):
+            with pytest.raises(ClientError) as refused:
+                local.complete(grant.lease_id, grant.key, bad)
+            assert (refused.value.status, refused.value.code) == (400, "invalid_result")
+            assert "msgpack cannot carry" in refused.value.message
+        assert _get(node, "/accounting")["finished"] == 0
+        assert local.complete(grant.lease_id, grant.key, {"n": 1}) > 0
