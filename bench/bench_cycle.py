@@ -14,10 +14,11 @@ characters (``bench/claims_external.py``'s keys, due times and payloads).
 - ``node_local``: a node (``python -m node run``, embedded SQLite, a fresh
   data directory per run); each claimer a ``LocalClaimer``: ``claim(batch,
   wait_s=0.05)`` then ``complete_many`` of the batch.
-- ``node_http``: the same node over HTTP: ``POST /claim`` with ``max`` =
-  batch, then ``POST /complete {"items": [...]}`` when the node takes the
-  batch form (probed once before the clock: a 400 means it does not) and one
-  ``POST /complete`` per result otherwise; the output says which.
+- ``node_http``: the same node over HTTP through ``node.client.Client`` on
+  the ``--wire`` (msgpack, its default, or JSON): ``claim(batch)``, then
+  ``complete_many`` (``POST /complete {"items": [...]}``) when the node takes
+  the batch form (probed once before the clock: a 400 means it does not) and
+  one ``POST /complete`` per result otherwise; the output says which.
 - the node's receiver: ``GET /jobs/j/results?max=1000&wait_s=0.2``, then
   ``POST /jobs/j/ack`` of their ids. After the window the receiver drains
   what was completed, and the run checks that every completion answered ok
@@ -111,10 +112,21 @@ def _node_local_claimer(cfg: dict, idx: int, batch: int, result: bytes) -> Any:
     return cycle, local.close
 
 
-def _node_http_claimer(cfg: dict, idx: int, batch: int, result: bytes) -> Any:
-    from node.client import Client, ClientError
+def _client(cfg: dict) -> Any:
+    """The node's Python client on the run's wire (``--wire``; a build
+    before the wire option speaks JSON)."""
+    from node.client import Client
 
-    client = Client(f"http://{cfg['http']}")
+    try:
+        return Client(f"http://{cfg['http']}", wire=cfg["wire"])
+    except TypeError:  # no wire option: JSON
+        return Client(f"http://{cfg['http']}")
+
+
+def _node_http_claimer(cfg: dict, idx: int, batch: int, result: bytes) -> Any:
+    from node.client import ClientError
+
+    client = _client(cfg)
     consumer = f"cycle-{idx}"
     client.request("GET", "/healthz")  # connected before the clock starts
     mode = cfg["complete_mode"]
@@ -128,6 +140,10 @@ def _node_http_claimer(cfg: dict, idx: int, batch: int, result: bytes) -> Any:
             except ClientError:
                 pass  # refused: counted as not completed
         return ids
+
+    def complete_many(grants: list) -> list[int]:
+        done = client.complete_many([(g.lease_id, g.key, result) for g in grants])
+        return [d for d in done if type(d) is int]
 
     def complete_batch(grants: list) -> list[int]:
         items = [{"lease_id": g.lease_id, "key": g.key, **item_result} for g in grants]
@@ -143,16 +159,19 @@ def _node_http_claimer(cfg: dict, idx: int, batch: int, result: bytes) -> Any:
         if not grants:
             time.sleep(HTTP_EMPTY_WAIT_S)  # no long poll on /claim
             return 0, 0, []
-        ids = complete_each(grants) if mode == "single" else complete_batch(grants)
+        if mode == "single":
+            ids = complete_each(grants)
+        elif mode == "batch" and hasattr(client, "complete_many"):
+            ids = complete_many(grants)  # what a user calls: bytes raw on the msgpack wire
+        else:
+            ids = complete_batch(grants)
         return len(grants), len(ids), ids
 
     return cycle, client.close
 
 
 def _node_receiver(cfg: dict) -> Any:
-    from node.client import Client
-
-    client = Client(f"http://{cfg['http']}")
+    client = _client(cfg)
     client.request("GET", "/healthz")
 
     def take() -> tuple[int, list[int]]:
@@ -442,12 +461,16 @@ def _figures(kind: str, claimers: list[dict], receiver: dict, seconds: float) ->
 def run_node(kind: str, db: Path, rows: int, batch: int, args: Any) -> dict:
     node = Node(db, workers=args.workers, ready_size=args.ready_size)
     try:
-        cfg = {"name": node.name, "dir": str(node.dir), "http": node.http}
+        cfg = {"name": node.name, "dir": str(node.dir), "http": node.http, "wire": args.wire}
         cfg["complete_mode"], why = "local", "LocalClaimer.complete_many (one ledger request)"
         if kind == "node_http":
             cfg["complete_mode"], why = probe_complete_form(node.http)
+            if cfg["complete_mode"] == "batch":
+                how = "raw bytes in msgpack" if args.wire == "msgpack" else "base64 bytes in JSON"
+                why = f"Client.complete_many: POST /complete {{items}} a batch, results as {how}"
         res = measure(kind, cfg, batch, args.procs, args.seconds, node.proc.pid)
-        res.update(rows=rows, complete=why, workers=args.workers, ready_size=args.ready_size)
+        res.update(rows=rows, complete=why, workers=args.workers, ready_size=args.ready_size,
+                   wire=args.wire)  # fmt: skip
         return res
     finally:
         node.stop()
@@ -585,6 +608,8 @@ def main(argv: list[str] | None = None) -> int:
         help="rounds, each peer once a round: the median of the rounds' ratios",
     )  # fmt: skip
     p.add_argument("--workers", type=int, default=2, help="the node's HTTP workers")
+    p.add_argument("--wire", choices=["msgpack", "json"], default="msgpack",
+                   help="node.client.Client's wire (the HTTP claimers and the receiver)")
     p.add_argument("--ready-size", type=int, default=5000)
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     p.add_argument(

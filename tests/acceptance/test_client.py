@@ -40,9 +40,10 @@ def _claim_all(claim, n: int, what: str = "claims") -> list:
     return got
 
 
-def test_client_claims_renews_releases_and_explains(node):
+@pytest.mark.parametrize("wire", ["msgpack", "json"])
+def test_client_claims_renews_releases_and_explains(node, wire):
     node.start()
-    client = Client(node.base_url)
+    client = Client(node.base_url, wire=wire)
     keys = [f"https://example.com/c/{i}" for i in range(5)]
     assert client.upsert(_rows(keys)) == 5
     grants = _claim_all(lambda: client.claim(10, lease_s=120, consumer="gpu-a"), 5)
@@ -79,9 +80,10 @@ def test_client_claims_renews_releases_and_explains(node):
     assert node.stop() == 0
 
 
-def test_client_completes_polls_and_acks(node):
+@pytest.mark.parametrize("wire", ["msgpack", "json"])
+def test_client_completes_polls_and_acks(node, wire):
     node.start()
-    client = Client(node.base_url)
+    client = Client(node.base_url, wire=wire)
     keys = ["a/1", "a/2", "a/3"]
     client.upsert(_rows(keys, job="render"))
     grants = {g.key: g for g in _claim_all(lambda: client.claim(3, consumer="w"), 3)}
