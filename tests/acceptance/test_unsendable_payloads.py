@@ -161,3 +161,33 @@ def test_a_local_claimer_refuses_a_result_msgpack_cannot_carry(node) -> None:
             assert "msgpack cannot carry" in refused.value.message
         assert _get(node, "/accounting")["finished"] == 0
         assert local.complete(grant.lease_id, grant.key, {"n": 1}) > 0
+
+
+def test_a_result_msgpack_cannot_carry_already_in_the_log_is_polled_in_json(node) -> None:
+    """A result accepted before such results were refused (put straight into
+    the ledger here, as the node took it then): a msgpack poll that reaches
+    it is answered in JSON, its content type saying so, instead of a 500 on
+    every poll; the Python client reads either and acks it."""
+    from node.client import Client
+    from node.local import LocalClaimer
+
+    _write_outside(node.data_dir / "schedule.db", [("old-1", "[1]"), ("old-2", "[2]")])
+    with LocalClaimer(node.name, data_dir=node.data_dir, consumer="local") as local:
+        grants: list = []
+        wait_for(lambda: grants.extend(local.claim(2, 60)) or len(grants) == 2, 30, "two grants")
+        text = json.dumps({"n": BIG}).encode()
+        items = [{"lease_id": g.lease_id, "key": g.key, "result": text, "encoding": "json"}
+                 for g in grants]  # fmt: skip
+        outcomes = local.ledger.call("complete", items=items)["outcomes"]
+        assert [o["status"] for o in outcomes] == ["ok", "ok"], outcomes
+    # A poll offers each result to one receiver: one here, one to the client.
+    request = urllib.request.Request(f"http://{node.info['http']}/results?max=1",
+                                     headers={"Accept": "application/msgpack"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        assert resp.headers["Content-Type"].startswith("application/json")
+        (result,) = json.loads(resp.read())["results"]
+    assert result["result"] == {"n": BIG}
+    with Client(f"http://{node.info['http']}") as client:
+        (polled,) = client.poll(None, max=10)
+        assert polled["result"] == {"n": BIG} and polled["id"] != result["id"]
+        assert client.ack("default", [result["id"], polled["id"]]) == 2

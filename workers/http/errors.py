@@ -283,12 +283,19 @@ def reply(
     status: int = 200,
     headers: dict[str, str] | None = None,
 ) -> web.Response:
-    """Answer ``obj`` as JSON, or as msgpack when the request accepts it."""
+    """Answer ``obj`` as JSON, or as msgpack when the request accepts it. An
+    answer msgpack cannot carry (a result with an integer past 64 bits,
+    accepted before such results were refused) goes as JSON, its content
+    type saying so, rather than as a 500 on every poll that reaches it."""
     if wants_msgpack(request):
-        body = msgpack.packb(obj, use_bin_type=True)
-        return web.Response(
-            body=body, status=status, content_type=MSGPACK_TYPES[0], headers=headers
-        )
+        try:
+            body = msgpack.packb(obj, use_bin_type=True)
+        except (OverflowError, ValueError, TypeError):  # (UnicodeEncodeError too)
+            pass
+        else:
+            return web.Response(
+                body=body, status=status, content_type=MSGPACK_TYPES[0], headers=headers
+            )
     return web.json_response(obj, status=status, headers=headers)
 
 
