@@ -1,4 +1,5 @@
-"""Acceptance: payloads a claim answer's encoding cannot carry (a real node).
+"""Acceptance: rows another program wrote that the node cannot hand out as
+they are, and values only one of JSON and msgpack carries (a real node).
 
 Every answer comes in JSON or in msgpack, as the request asks. Another
 program may store in the file what only one of them carries: a blob (msgpack
@@ -11,6 +12,12 @@ cannot be sent is released with the reason (a miss, so it ends parked like
 an item that always fails, shown in ``GET /held``); ``NaN`` is handed out as
 its text, as any stored payload that is not JSON. Through the node's own
 writes such payloads are refused (tests/acceptance/test_bad_input.py).
+
+A row whose ``job`` another program set to what is not a job name (``my
+job``, ``é``, a blob) was granted, and its result offered under that job,
+where no ack could name it (every job in a path is checked): awaiting ack
+for good. Now such a row is released with the reason, as above; a row whose
+job became one during its lease delivers its result to the default job.
 """
 
 from __future__ import annotations
@@ -191,3 +198,46 @@ def test_a_result_msgpack_cannot_carry_already_in_the_log_is_polled_in_json(node
         (polled,) = client.poll(None, max=10)
         assert polled["result"] == {"n": BIG} and polled["id"] != result["id"]
         assert client.ack("default", [result["id"], polled["id"]]) == 2
+
+
+def test_a_row_whose_job_is_not_a_job_name_is_released_and_never_stuck(node) -> None:
+    from node.client import Client
+    from node.local import LocalClaimer
+
+    db = node.data_dir / "schedule.db"
+    conn = sqlite3.connect(db)
+    with conn:
+        conn.executemany(
+            "INSERT INTO schedule (key, route, due_at, job) VALUES (?, 'r', ?, ?)",
+            [(key, time.time() - 60, job) for key, job in
+             (("space", "my job"), ("accent", "é"), ("blob", b"\xff"), ("good", "render"))],
+        )  # fmt: skip
+    conn.close()
+    bad = {"space", "accent", "blob"}
+    with Client(f"http://{node.info['http']}") as client, LocalClaimer(
+        node.name, data_dir=node.data_dir, consumer="local"
+    ) as local:
+        granted: dict[str, Any] = {}
+
+        def claimed() -> bool:
+            for grant in [*client.claim(10, 1, "http"), *local.claim(10, 1)]:
+                granted[grant.key] = grant
+            return "good" in granted and bad <= set(_held(node))
+
+        wait_for(claimed, 30, "the good row granted, the others held")
+        assert set(granted) == {"good"}, granted
+        for key in bad:
+            assert "is not a job name" in _held(node)[key]["last_error"]
+        # A job that stops being a job name during a lease: its result goes
+        # to the default job, where it can be acked.
+        lease = wait_for(lambda: local.claim(1, 60) or None, 30, "the good row again")[0]
+        conn = sqlite3.connect(db)
+        with conn:
+            conn.execute("UPDATE schedule SET job = 'not one' WHERE key = 'good'")
+        conn.close()
+        result_id = local.complete(lease.lease_id, lease.key, {"done": 1})
+        (result,) = client.poll("default", max=10, wait_s=10)
+        assert (result["id"], result["job"], result["key"]) == (result_id, "default", "good")
+        assert client.ack("default", [result_id]) == 1
+    accounting = _get(node, "/accounting")
+    assert accounting["balanced"] and accounting["awaiting_ack"] == 0, accounting

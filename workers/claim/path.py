@@ -41,12 +41,21 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, Protocol
 
 from node.core.config import Config
 from node.core.errors import NodeRestarted, NotGranting, NotReady, StoreError
 from node.core.log import warn
-from node.core.rows import MAX_CADENCE_S, MAX_DUE_AT, MIN_CADENCE_S, MIN_DUE_AT, Grant, Row
+from node.core.rows import (
+    MAX_CADENCE_S,
+    MAX_DUE_AT,
+    MIN_CADENCE_S,
+    MIN_DUE_AT,
+    Grant,
+    Row,
+    not_jobs,
+)
 from node.store.base import BadRow, ClaimSource
 from node.store.values import PAYLOAD_DECODER
 from shm.leases import (
@@ -63,6 +72,8 @@ from shm.leases.test_stops import Stop
 from shm.leases.test_stops import stop as test_stop
 from shm.ready.take import not_granting
 from shm.segment import SnapshotUnstable
+
+_JOB = itemgetter(3)  # Grant.job
 
 try:
     from shm import _claim  # type: ignore[attr-defined]  # C, built by setup.py
@@ -275,7 +286,26 @@ class Claimer:
         overdue first; fewer (or none) when the ready set runs out. Raises
         NotReady before the keeper's first publish since the node started,
         NotGranting once the grant deadline has passed (and nothing was
-        granted before it)."""
+        granted before it).
+
+        A row another program gave a job that is not a job name is not
+        handed out: its result could be polled but never acked. Its lease is
+        released with the reason (a miss: the row ends parked, as an item
+        that always fails does) until the row is written with a job."""
+        grants = self._claim(max_n, lease_s, consumer, now)
+        if grants and (bad := not_jobs(set(map(_JOB, grants)))):
+            grants = self._release_bad_jobs(grants, bad, now)
+        return grants
+
+    def _release_bad_jobs(self, grants: list[Grant], bad: set[Any], now: float) -> list[Grant]:
+        for grant in grants:
+            if grant.job in bad:
+                error = f"the row's job {grant.job!r} is not a job name: write the row with one"
+                outcome = self.release(grant.key, grant.lease_id, now, error)
+                warn("claim_bad_job", key=grant.key, job=repr(grant.job), outcome=outcome.value)
+        return [grant for grant in grants if grant.job not in bad]
+
+    def _claim(self, max_n: int, lease_s: float, consumer: str, now: float) -> list[Grant]:
         if not self.ready_now():
             raise NotReady("the keeper has not published since the node started")
         path = self._path if self._path_forks == _forks[0] else self._claim_path()

@@ -20,6 +20,7 @@ from typing import Any
 
 from node.core.config import Config
 from node.core.errors import NodeError
+from node.core.rows import not_jobs
 from shm.leases import Outcome
 
 # One accepted completion between its peek and its reply: key, lease id,
@@ -98,7 +99,8 @@ def check(
         found = list(map(rows.get, keys))
         leases_of = list(map(_second, peeks))
         cadences = list(map(_cadence, leases_of))
-        if all(found) and all(cadences):  # every row there, every lease with its cadence
+        # Every row there with a job name, every lease with its cadence.
+        if all(found) and all(cadences) and not not_jobs(set(map(_first, found))):
             inflight.update(zip(pairs, zip(repeat(batch), range(n)), strict=True))
             batch.items += zip(keys, lease_ids, map(_result, items), map(_encoding, items),
                                map(_first, found), map(_version, leases_of),
@@ -160,11 +162,15 @@ def _taken(outcomes: list) -> bool:
 def job_and_cadence(
     row: tuple[str, float | None, str] | None, lease_cadence_s: float, config: Config
 ) -> tuple[str, float]:
-    """``row``: (job, cadence_s, route), as ``Store.jobs_of`` answers."""
+    """``row``: (job, cadence_s, route), as ``Store.jobs_of`` answers. A row
+    gone, or given a job that is not a job name by another program during
+    the lease (its result could never be acked), delivers to the default job."""
     from node.core.rows import DEFAULT_JOB
 
     if row is None:  # deleted (or unschedulable) while leased: the result is still kept
         return DEFAULT_JOB, lease_cadence_s or config.defaults.cadence_s
     job, row_cadence_s, route = row
+    if not_jobs({job}):
+        job = DEFAULT_JOB
     cadence_s = lease_cadence_s or row_cadence_s or config.route(route).cadence_s
     return job, float(cadence_s)
