@@ -209,22 +209,22 @@ def check_due_at(value: Any, field: str = "due_at") -> float:
     return value
 
 
-# Job names seen valid, so that a claim checks its grants' jobs with one set
-# operation (another program may write any text, or a blob, into ``job``).
-_JOBS_SEEN: set[str] = set()
-_JOBS_SEEN_MAX = 4096
+# Job names seen valid, so that a claim checks its grants' jobs with a set
+# lookup (another program may write any text, or a blob, into ``job``).
+JOBS_SEEN: set[str] = set()
+JOBS_SEEN_MAX = 4096
 
 
 def not_jobs(jobs: set[Any]) -> set[Any]:
     """Those of ``jobs`` that are not job names (a result for such a row
     could be polled but never acked: every job in a path is checked)."""
-    if jobs <= _JOBS_SEEN:
+    if jobs <= JOBS_SEEN:
         return set()
     bad = set()
-    for job in jobs - _JOBS_SEEN:
+    for job in jobs - JOBS_SEEN:
         if isinstance(job, str) and JOB_RE.fullmatch(job):
-            if len(_JOBS_SEEN) < _JOBS_SEEN_MAX:
-                _JOBS_SEEN.add(job)
+            if len(JOBS_SEEN) < JOBS_SEEN_MAX:
+                JOBS_SEEN.add(job)
         else:
             bad.add(job)
     return bad

@@ -48,6 +48,7 @@ from node.core.config import Config
 from node.core.errors import NodeRestarted, NotGranting, NotReady, StoreError
 from node.core.log import warn
 from node.core.rows import (
+    JOBS_SEEN,
     MAX_CADENCE_S,
     MAX_DUE_AT,
     MIN_CADENCE_S,
@@ -293,7 +294,13 @@ class Claimer:
         released with the reason (a miss: the row ends parked, as an item
         that always fails does) until the row is written with a job."""
         grants = self._claim(max_n, lease_s, consumer, now)
-        if grants and (bad := not_jobs(set(map(_JOB, grants)))):
+        if not grants or (
+            grants[0][3] in JOBS_SEEN
+            if len(grants) == 1
+            else JOBS_SEEN.issuperset(map(_JOB, grants))
+        ):
+            return grants  # every job seen a job name before: the usual claim, one set lookup
+        if bad := not_jobs(set(map(_JOB, grants))):
             grants = self._release_bad_jobs(grants, bad, now)
         return grants
 
