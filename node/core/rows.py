@@ -283,6 +283,17 @@ def parse_row(obj: Any, where: str = "") -> RowWrite:
     return RowWrite(**fields)
 
 
+def stored_key_is_valid(key: Any) -> bool:
+    """Whether a key read back from the table is one the node can hold, lease
+    and name in an answer: text, not empty, at most MAX_KEY_BYTES in UTF-8
+    (another program may store a blob, a number, an empty or a longer text)."""
+    if type(key) is not str or key == "":
+        return False
+    if len(key) <= MAX_KEY_BYTES // 4:  # at most 4 bytes a character
+        return True
+    return len(key.encode("utf-8", "surrogatepass")) <= MAX_KEY_BYTES
+
+
 def stored_row_is_valid(route: Any, cadence_s: Any, sitemap: Any, due_at: Any) -> bool:
     """Whether values read back from the table (possibly written by another
     program) describe a row the keeper can schedule."""

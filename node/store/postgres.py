@@ -43,6 +43,7 @@ from node.core.rows import (
     Change,
     Row,
     RowWrite,
+    stored_key_is_valid,
     stored_row_is_valid,
 )
 from node.core.urls import redact_url
@@ -472,12 +473,12 @@ class PostgresStore(Store):
                 found = conn.execute(q.WALK_SCHEDULE_AFTER, (after, limit)).fetchall()
         rows: list[tuple] = []
         bad: list[BadRow] = []
-        valid = stored_row_is_valid
+        valid, key_ok = stored_row_is_valid, stored_key_is_valid
         for key, version, route, cadence_s, sitemap, due_at in found:
-            if valid(route, cadence_s, sitemap, due_at):
+            if key_ok(key) and valid(route, cadence_s, sitemap, due_at):
                 rows.append((key, version, route, cadence_s, sitemap == 1, due_at))
             else:
-                bad.append(BadRow(key, version, bad_reason(route, cadence_s, sitemap, due_at)))
+                bad.append(BadRow(key, version, bad_reason(key, route, cadence_s, sitemap, due_at)))
         last = found[-1][0] if len(found) >= limit else None
         return rows, bad, last
 
@@ -518,11 +519,11 @@ class PostgresStore(Store):
                         _top, xid = _top_and_xid(conn)
                         horizon.wait_on(found[-1][0], xid)
             self._fed_through = found[n - 1][0] if n else after_seq
-        valid = stored_row_is_valid
+        valid, key_ok = stored_row_is_valid, stored_key_is_valid
         origin_of = self._origin_of
         return [
             Change(seq, op, key, origin_of(origin), route, cadence_s, sitemap == 1, due_at, at)
-            if op == "D" or valid(route, cadence_s, sitemap, due_at)
+            if op == "D" or (key_ok(key) and valid(route, cadence_s, sitemap, due_at))
             else Change(seq, op, key, origin_of(origin), None, None, False, None, at, False)
             for seq, op, key, origin, route, cadence_s, sitemap, due_at, at, _x, _t in found[:n]
         ]

@@ -358,8 +358,10 @@ TRIM_CHANGES = """WITH gone AS (DELETE FROM changes WHERE seq <= LEAST(%s,
         UPDATE changes_trimmed
         SET through = GREATEST(through, COALESCE((SELECT MAX(seq) FROM gone), 0))
         RETURNING (SELECT count(*) FROM gone)"""
+# (A key the node cannot hold, empty or over 1,024 bytes, was never received.)
 DUE_HISTORY = """SELECT seq, op, key, origin, due_at, old_due_at, at FROM changes
-        WHERE seq > %s AND seq <= %s ORDER BY seq LIMIT %s"""
+        WHERE seq > %s AND seq <= %s AND key <> '' AND octet_length(key) <= 1024
+        ORDER BY seq LIMIT %s"""
 
 # -- meta ---------------------------------------------------------------------------
 

@@ -140,16 +140,21 @@ _ROW_COLUMNS = (
     "key, route, cadence_s, sitemap, due_at, payload, job, version,"
     " last_result_id, last_finished_at, last_error"
 )
-# Whether a stored row is schedulable: the rules of node.rows.stored_row_is_valid.
+# Whether a stored key is one the node can hold, lease and name in an answer
+# (node.rows.stored_key_is_valid): another program may store a blob, a number,
+# an empty or a longer text. Blobs sort after every text, numbers before.
+_VALID_KEY = "(typeof(key) = 'text' AND key <> '' AND length(CAST(key AS BLOB)) <= 1024)"
+# Whether a stored row is schedulable: the rules of node.rows.stored_row_is_valid,
+# and its key's.
 _VALID_ROW = (
-    "(typeof(route) = 'text' AND route <> ''"
+    f"({_VALID_KEY} AND typeof(route) = 'text' AND route <> ''"
     " AND (cadence_s IS NULL OR (typeof(cadence_s) = 'integer'"
     " AND cadence_s BETWEEN 60 AND 31536000))"
     " AND sitemap IN (0, 1)"
     " AND typeof(due_at) IN ('real', 'integer') AND due_at BETWEEN 0 AND 32503680000.0)"
 )
 _SCHEDULE_COLUMNS = "key, version, route, cadence_s, sitemap = 1, due_at, " + _VALID_ROW
-_CHANGE_COLUMNS = "seq, op, key, origin, route, cadence_s, sitemap, due_at, at"
+_CHANGE_COLUMNS = "seq, op, key, origin, route, cadence_s, sitemap, due_at, at, " + _VALID_KEY
 
 # -- the node's own tables ---------------------------------------------------------
 
@@ -276,8 +281,9 @@ def upsert_sql(present: tuple[str, ...]) -> str:
 CHANGES_AFTER = f"SELECT {_CHANGE_COLUMNS} FROM changes WHERE seq > ? ORDER BY seq LIMIT ?"
 LAST_SEQ = "SELECT seq FROM sqlite_sequence WHERE name = 'changes'"
 TRIM_CHANGES = "DELETE FROM changes WHERE seq <= ?"
-DUE_HISTORY = """SELECT seq, op, key, origin, due_at, old_due_at, at FROM changes
-        WHERE seq > ? AND seq <= ? ORDER BY seq LIMIT ?"""
+# (A key the node cannot hold was never received: its changes are not replayed.)
+DUE_HISTORY = f"""SELECT seq, op, key, origin, due_at, old_due_at, at FROM changes
+        WHERE seq > ? AND seq <= ? AND {_VALID_KEY} ORDER BY seq LIMIT ?"""
 
 # -- the claim path (shm/_claim_path.c, on its own connection) -------------------------
 

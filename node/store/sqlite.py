@@ -546,8 +546,8 @@ class SQLiteStore(Store):
                 if stored[6]:
                     rows.append(stored[:6])
                 else:
-                    key, version, route, cadence_s, sitemap, due_at, _ok = stored
-                    bad.append(BadRow(key, version, bad_reason(route, cadence_s, sitemap, due_at)))
+                    key, version, *values, _ok = stored
+                    bad.append(BadRow(key, version, bad_reason(key, *values)))
         last = found[-1][0] if len(found) >= limit else None
         return rows, bad, last
 
@@ -594,9 +594,9 @@ class SQLiteStore(Store):
         valid = stored_row_is_valid
         return [
             Change(seq, op, key, origin, route, cadence_s, sitemap == 1, due_at, at)
-            if op == "D" or valid(route, cadence_s, sitemap, due_at)
+            if op == "D" or (key_ok and valid(route, cadence_s, sitemap, due_at))
             else Change(seq, op, key, origin, None, None, False, None, at, False)
-            for seq, op, key, origin, route, cadence_s, sitemap, due_at, at in found
+            for seq, op, key, origin, route, cadence_s, sitemap, due_at, at, key_ok in found
         ]
 
     def last_seq(self) -> int:

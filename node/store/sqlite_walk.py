@@ -41,8 +41,8 @@ class FastWalk:
     def walk(self, after: str | None, limit: int) -> tuple[list[tuple], str | None] | None:
         """The chunk after ``after`` as ``walk_schedule``'s rows and last key
         (its bad rows none), or None: read it with the SQL."""
-        if self.off is not None or limit <= 0:
-            return None
+        if self.off is not None or limit <= 0 or not isinstance(after, str | None):
+            return None  # (after a key another program stored as a blob or a number)
         if self._walker is None and not self._open():
             return None
         rows, last = self._walker.walk(after, limit)

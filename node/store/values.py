@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from node.core.rows import Row, stored_row_is_valid
+from node.core.rows import MAX_KEY_BYTES, Row, stored_key_is_valid, stored_row_is_valid
 from node.store.base import BadRow
 
 
@@ -40,7 +40,9 @@ def decode_payload(stored: Any) -> Any:
         return stored
 
 
-def bad_reason(route: Any, cadence_s: Any, sitemap: Any, due_at: Any) -> str:
+def bad_reason(key: Any, route: Any, cadence_s: Any, sitemap: Any, due_at: Any) -> str:
+    if not stored_key_is_valid(key):
+        return f"the key is not text of 1 to {MAX_KEY_BYTES:,} bytes: key={key!r:.80}"
     return (
         "stored values are not schedulable: "
         f"route={route!r} cadence_s={cadence_s!r} sitemap={sitemap!r} due_at={due_at!r}"
@@ -51,8 +53,8 @@ def stored_row(stored: tuple) -> Row | BadRow:
     """A row as read (key, route, cadence_s, sitemap, due_at, payload, job,
     version and the three outcome columns), or a BadRow naming what is wrong."""
     key, route, cadence_s, sitemap, due_at, payload, job, version, rid, finished, error = stored
-    if not stored_row_is_valid(route, cadence_s, sitemap, due_at):
-        return BadRow(key, version, bad_reason(route, cadence_s, sitemap, due_at))
+    if not (stored_key_is_valid(key) and stored_row_is_valid(route, cadence_s, sitemap, due_at)):
+        return BadRow(key, version, bad_reason(key, route, cadence_s, sitemap, due_at))
     return Row(
         key, route, cadence_s, sitemap == 1, due_at, decode_payload(payload), job, version,
         rid, finished, error,

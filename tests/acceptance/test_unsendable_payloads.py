@@ -241,3 +241,36 @@ def test_a_row_whose_job_is_not_a_job_name_is_released_and_never_stuck(node) -> 
         assert client.ack("default", [result_id]) == 1
     accounting = _get(node, "/accounting")
     assert accounting["balanced"] and accounting["awaiting_ack"] == 0, accounting
+
+
+BAD_KEYS = [b"\xff\xfe", "", "k" * 1025, "é" * 513]  # a blob, empty, 1,025 and 1,026 bytes
+
+
+def test_rows_whose_keys_the_node_cannot_hold_are_skipped_on_load_and_in_the_feed(node) -> None:
+    """Another program's keys that are no key of the node's (a blob, an empty
+    or an over-long text). Before: a blob key in the file made the keeper's
+    load compare str with bytes and exit, restarted by the supervisor into
+    the same load, for good (the node never live). Now they are counted
+    unreadable on the load, as invalid changes in the feed, and the others
+    are served."""
+    db = node.data_dir / "schedule.db"
+    node.stop()
+    _write_outside(db, [(key, None) for key in BAD_KEYS] + [("good-1", None)])
+    node.start()
+    keeper_pid = node.node_json()["pids"]["keeper"]
+    state = wait_for(lambda: (s := _get(node, "/queue-state"))["trust"]["vouched"] and s, 30,
+                     "the node live and vouching")  # fmt: skip
+    assert state["trust"]["load"]["unreadable"] == len(BAD_KEYS)
+    later_bad = [b"\xfe", "k" * 1030, "é" * 600]  # the feed's (the empty key is taken)
+    _write_outside(db, [(key, None) for key in later_bad] + [("good-2", None)])
+    granted: set[str] = set()
+
+    def claimed() -> bool:
+        body = {"max": 10, "consumer": "c", "lease_s": 60}
+        granted.update(x["key"] for x in _post(node, "/claim", body)["leases"])
+        return {"good-1", "good-2"} <= granted
+
+    wait_for(claimed, 30, "both good rows granted")
+    assert granted == {"good-1", "good-2"}
+    assert node.node_json()["pids"]["keeper"] == keeper_pid  # the keeper never restarted
+    assert _get(node, "/accounting")["balanced"]

@@ -608,6 +608,47 @@ def test_garbage_written_outside_is_reported_not_raised(db, outside):
     assert [c.valid for c in db.changes(0, 10)] == [False, False, False, False, True]
 
 
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_keys_the_node_cannot_hold_written_outside_are_bad_rows_and_invalid_changes(
+    kind, tmp_path, request
+):
+    """Another program's keys that are no key of the node's: bad rows on the
+    walk, invalid changes in the feed, nothing in a restart's replay. (A blob
+    key made the keeper's load compare str with bytes and exit, for good:
+    tests/acceptance/test_unsendable_payloads.py.)"""
+    bad: list = ["", "k" * 1025, "é" * 513]  # empty, 1,025 and 1,026 bytes
+    if kind == "sqlite":
+        store = SQLiteStore(tmp_path / "schedule.db")
+        bad.append(b"\xff\xfe")  # SQLite keeps a blob in a TEXT column
+
+        def write(sql: str, rows: list) -> None:
+            conn = sqlite3.connect(store.path, isolation_level=None)
+            conn.executemany(sql.replace("%s", "?"), rows)
+            conn.close()
+    else:
+        import psycopg
+
+        url = request.getfixturevalue("pg_url")
+        pg.reset(url)
+        store = PostgresStore(url)
+
+        def write(sql: str, rows: list) -> None:
+            with psycopg.connect(url, autocommit=True) as conn:
+                conn.cursor().executemany(sql, rows)
+    try:
+        store.upsert([RowWrite("good", "r", due_at=NOW)], now=NOW)
+        write("INSERT INTO schedule (key, route, due_at) VALUES (%s, 'r', %s)",
+              [(key, NOW) for key in bad])  # fmt: skip
+        rows, bad_rows, last = store.walk_schedule(None, 100)
+        assert [row[0] for row in rows] == ["good"] and last is None
+        assert sorted(map(repr, (b.key for b in bad_rows))) == sorted(map(repr, bad))
+        assert all(b.reason.startswith("the key is not text") for b in bad_rows)
+        assert [c.key for c in store.changes(0, 100) if c.valid] == ["good"]
+        assert [c.key for c in store.due_history(0, store.last_seq(), 100)] == ["good"]
+    finally:
+        store.close()
+
+
 def test_the_committed_origin_is_external_after_a_failed_batch(db, outside):
     with pytest.raises(StoreError):
         db.upsert([RowWrite("a", "r"), RowWrite("b", None)], now=NOW)
