@@ -353,6 +353,8 @@ class Report(KeeperBase):
                 mine = set(past.mine([ch.key for ch in batch]))
                 changes = [ch for ch in batch if ch.key in mine]
             for ch in changes:
+                if type(ch.key) is not str:
+                    continue  # text that is not UTF-8: no key the node ever held
                 at = max(since, int(ch.at // 60))
                 last = replayed.get(ch.key)
                 before = since if last is None else last.minute

@@ -37,6 +37,24 @@ column_value(sqlite3_stmt *stmt, int i)
     }
 }
 
+/* A payload's or job's column: as column_value, but TEXT that is not UTF-8
+   (another program's) as its bytes, as Python's read gives it then
+   (node/store/sqlite_values.py, read_raw): the claim hands the payload out
+   raw, and releases a row whose job is such bytes with the reason
+   (workers/claim/path.py). */
+static PyObject *
+column_value_or_bytes(sqlite3_stmt *stmt, int i)
+{
+    PyObject *v = column_value(stmt, i);
+    if (v == NULL && sq.column_type(stmt, i) == SQLITE_TEXT &&
+        PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
+        PyErr_Clear();
+        v = PyBytes_FromStringAndSize((const char *)sq.column_text(stmt, i),
+                                      sq.column_bytes(stmt, i));
+    }
+    return v;
+}
+
 /* One row, checked as node.rows.stored_row_is_valid checks it. */
 typedef struct {
     PyObject *route;   /* str */
@@ -98,10 +116,10 @@ parse_row(ClaimPathObject *self, sqlite3_stmt *st, int at, RowRead *r)
     r->version = (unsigned long long)sq.column_int64(st, at + C_VERSION);
     r->route = column_value(st, at + C_ROUTE);
     r->due_at = column_value(st, at + C_DUE_AT);
-    r->payload = column_value(st, at + C_PAYLOAD);
-    r->job = column_value(st, at + C_JOB);
+    r->payload = column_value_or_bytes(st, at + C_PAYLOAD);
+    r->job = column_value_or_bytes(st, at + C_JOB);
     if (r->route == NULL || r->due_at == NULL || r->payload == NULL || r->job == NULL) {
-        /* TEXT that is not UTF-8: a row nobody can schedule, not an error */
+        /* A route that is not UTF-8: a row nobody can schedule, not an error */
         PyErr_Clear();
         row_clear(r);
         return 0;

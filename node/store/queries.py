@@ -230,6 +230,14 @@ WALK_AFTER = f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key > ? ORDER BY key LI
 # (key, version, route, cadence_s, sitemap, due_at, ok).
 WALK_SCHEDULE_ALL = f"SELECT {_SCHEDULE_COLUMNS} FROM schedule ORDER BY key LIMIT ?"
 WALK_SCHEDULE_AFTER = f"SELECT {_SCHEDULE_COLUMNS} FROM schedule WHERE key > ? ORDER BY key LIMIT ?"
+# After a key stored as text that is not UTF-8 (read as bytes, which would
+# bind as a blob: every text sorts before every blob).
+WALK_SCHEDULE_AFTER_TEXT = (
+    f"SELECT {_SCHEDULE_COLUMNS} FROM schedule WHERE key > CAST(? AS TEXT) ORDER BY key LIMIT ?"
+)
+# Whether the last key of a chunk read as bytes is a blob (else text: bytes
+# bind as a blob, which equals no text).
+KEY_IS_BLOB = "SELECT EXISTS (SELECT 1 FROM schedule WHERE key = ?)"
 # The same walk read in C (node/store/sqlite_walk.py), which checks each row itself.
 _FAST_WALK = "SELECT key, version, route, cadence_s, sitemap, due_at FROM schedule"
 FAST_WALK_ALL = f"{_FAST_WALK} ORDER BY key LIMIT ?1"

@@ -61,13 +61,17 @@ from node.store.base import (
 from node.store.queries import MIGRATIONS, SCHEMA_VERSION  # also read here by tests
 from node.store.sqlite_values import (
     BUSY_TIMEOUT_S,
+    SNAPSHOT_HOOK,
     _check_file,
     _check_origin,
     _params,
     _set_wal,
     _wrap,
     _WriteTransaction,
+    read_raw,
+    snapshot,
     store_error,
+    undecodable,
 )
 from node.store.sqlite_walk import FastWalk
 from node.store.values import bad_reason, decode_payload, stored_row
@@ -87,14 +91,6 @@ MMAP_SIZE = 0
 # SQLite allows 32,766 bound parameters; smaller IN lists plan as fast and
 # keep one cached statement per chunk size.
 IN_CHUNK = 500
-
-# A test hook: where ``sync`` leaves a copy of what is durable, for a test
-# that drops everything after it, as a power loss would.
-_SNAPSHOT_HOOK = (
-    os.environ.get("QUEUE_NODE_STORE_SYNCED")
-    if os.environ.get("QUEUE_NODE_TEST_HOOKS") == "1"
-    else None
-)
 
 # Connections a forked child inherited: kept referenced so the garbage
 # collector never closes them in the child (see the module docstring).
@@ -419,11 +415,8 @@ class SQLiteStore(Store):
         values the keeper cannot schedule, or None."""
         conn = self._c()
         with self._lock:
-            try:
-                stored = conn.execute(q.GET_ROW, (key,)).fetchone()
-            except sqlite3.Error as exc:
-                raise _wrap(exc, "get") from exc
-        return None if stored is None else stored_row(stored)
+            found = self._read(conn, q.GET_ROW, (key,), "get")
+        return stored_row(found[0]) if found else None
 
     def get_many(self, keys: Iterable[str]) -> dict[str, Row | BadRow]:
         """Batched point read: Row or BadRow (as ``get``) by key; keys with
@@ -437,13 +430,27 @@ class SQLiteStore(Store):
         found: list[tuple] = []
         conn = self._c()
         with self._lock:
-            try:
-                for i in range(0, len(wanted), IN_CHUNK):
-                    chunk = wanted[i : i + IN_CHUNK]
-                    found += conn.execute(sql_of(len(chunk)), chunk).fetchall()
-            except sqlite3.Error as exc:
-                raise _wrap(exc, action) from exc
+            for i in range(0, len(wanted), IN_CHUNK):
+                chunk = wanted[i : i + IN_CHUNK]
+                found += self._read(conn, sql_of(len(chunk)), chunk, action)
         return found
+
+    @staticmethod
+    def _read(
+        conn: sqlite3.Connection, sql: str, params: Any, action: str,
+        ok_at: int | None = None, texts: tuple[int, ...] = (),
+    ) -> list[tuple]:  # fmt: skip
+        """A read's rows; text another program stored that is not UTF-8 as
+        bytes, its row not valid (``read_raw``)."""
+        try:
+            try:
+                return conn.execute(sql, params).fetchall()
+            except sqlite3.OperationalError as exc:
+                if not undecodable(exc):
+                    raise
+                return read_raw(conn, sql, params, ok_at, texts)
+        except sqlite3.Error as exc:
+            raise _wrap(exc, action) from exc
 
     def wal_bytes(self) -> int:
         try:
@@ -476,8 +483,9 @@ class SQLiteStore(Store):
         database file and, under NORMAL or FULL, syncs that file before the
         WAL is reused (or removed: then there is nothing to sync). SQLite holds
         no lock on the WAL, so closing this descriptor drops none. Any thread."""
-        if _SNAPSHOT_HOOK is not None:  # (before: what the fsync covers at least)
-            self._snapshot(_SNAPSHOT_HOOK)
+        if SNAPSHOT_HOOK is not None:  # (before: what the fsync covers at least)
+            with self._lock:
+                snapshot(self._c(), SNAPSHOT_HOOK)
         try:
             fd = os.open(self.path + "-wal", os.O_RDONLY)
         except FileNotFoundError:
@@ -486,19 +494,6 @@ class SQLiteStore(Store):
             os.fsync(fd)
         finally:
             os.close(fd)
-
-    def _snapshot(self, target: str) -> None:
-        """Test hook (QUEUE_NODE_TEST_HOOKS=1, QUEUE_NODE_STORE_SYNCED=path):
-        copy what is committed now to ``target``, which then holds what a
-        power loss would leave at most (tests/integration/test_power_loss.py)."""
-        tmp = target + ".tmp"
-        dest = sqlite3.connect(tmp)
-        try:
-            with self._lock:
-                self._c().backup(dest)
-        finally:
-            dest.close()
-        os.replace(tmp, target)
 
     def jobs_of(self, keys: Iterable[str]) -> dict[str, tuple[str, float | None, str]]:
         # Unschedulable rows are left out by the query itself (in C).
@@ -530,13 +525,16 @@ class SQLiteStore(Store):
         with self._lock:
             if (fast := self._fast_walk.walk(after, limit)) is not None:
                 return fast[0], [], fast[1]
-            try:
-                if after is None:
-                    found = conn.execute(q.WALK_SCHEDULE_ALL, (limit,)).fetchall()
-                else:
-                    found = conn.execute(q.WALK_SCHEDULE_AFTER, (after, limit)).fetchall()
-            except sqlite3.Error as exc:
-                raise _wrap(exc, "walk") from exc
+            sql, params = (
+                (q.WALK_SCHEDULE_ALL, (limit,)) if after is None
+                else (q.WALK_SCHEDULE_AFTER_TEXT, (bytes(after), limit))
+                if type(after) is bytearray  # text that is not UTF-8 (below)
+                else (q.WALK_SCHEDULE_AFTER, (after, limit))
+            )  # fmt: skip
+            found = self._read(conn, sql, params, "walk", 6, (0, 2))
+            if len(found) >= limit and type(last := found[-1][0]) is bytes:
+                if not self._read(conn, q.KEY_IS_BLOB, (last,), "walk")[0][0]:
+                    found[-1] = (bytearray(last), *found[-1][1:])
         bad: list[BadRow] = []
         if all(stored[6] for stored in found):
             rows = [stored[:6] for stored in found]
@@ -557,12 +555,9 @@ class SQLiteStore(Store):
         # third of GROUP BY with MIN: the oldest first only past ``limit``.
         conn = self._c()
         with self._lock:
-            try:
-                found = conn.execute(q.CLASSES_DISTINCT).fetchall()
-                if limit is None or len(found) > limit:
-                    found = conn.execute(q.CLASSES_IN_USE).fetchall()
-            except sqlite3.Error as exc:
-                raise _wrap(exc, "classes") from exc
+            found = self._read(conn, q.CLASSES_DISTINCT, (), "classes")
+            if limit is None or len(found) > limit:
+                found = self._read(conn, q.CLASSES_IN_USE, (), "classes")
         return list(dict.fromkeys(
             (route, cadence_s, sitemap == 1)
             for route, cadence_s, sitemap, *_oldest in found
@@ -587,10 +582,7 @@ class SQLiteStore(Store):
             return []
         conn = self._c()
         with self._lock:
-            try:
-                found = conn.execute(q.CHANGES_AFTER, (after_seq, limit)).fetchall()
-            except sqlite3.Error as exc:
-                raise _wrap(exc, "changes") from exc
+            found = self._read(conn, q.CHANGES_AFTER, (after_seq, limit), "changes", 9, (2, 4))
         valid = stored_row_is_valid
         return [
             Change(seq, op, key, origin, route, cadence_s, sitemap == 1, due_at, at)
@@ -611,10 +603,7 @@ class SQLiteStore(Store):
     def due_history(self, after_seq: int, through_seq: int, limit: int) -> list[DueChange]:
         conn = self._c()
         with self._lock:
-            try:
-                found = conn.execute(q.DUE_HISTORY, (after_seq, through_seq, limit)).fetchall()
-            except sqlite3.Error as exc:
-                raise _wrap(exc, "due_history") from exc
+            found = self._read(conn, q.DUE_HISTORY, (after_seq, through_seq, limit), "due_history")
         return [
             DueChange(seq, op, key, origin, due_or_none(due_at), due_or_none(old), float(at))
             for seq, op, key, origin, due_at, old, at in found

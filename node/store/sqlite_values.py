@@ -1,7 +1,8 @@
 """The SQLite store's pieces that are not the store itself: a write's bound
 values (a stored row's values out are node/store/values.py's, shared with
 PostgreSQL), SQLite's errors as the store's, WAL mode, and the write transaction
-with its origin for the triggers. ``sqlite.py`` is the store."""
+with its origin for the triggers, text another program stored that is not
+UTF-8, and the power-loss tests' snapshot hook. ``sqlite.py`` is the store."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import sqlite3
 import stat
 import time
+from typing import Any
 
 from node.core.errors import StoreError, StoreUnavailable
 from node.core.rows import (
@@ -24,6 +26,69 @@ from node.store.values import encode_payload
 # A writer holding the file's write lock (another node process, an importer)
 # is waited for this long before the operation fails as unavailable.
 BUSY_TIMEOUT_S = 5.0
+
+# A test hook: where ``Store.sync`` leaves a copy of what is durable, for a
+# test that drops everything after it, as a power loss would.
+SNAPSHOT_HOOK = (
+    os.environ.get("QUEUE_NODE_STORE_SYNCED")
+    if os.environ.get("QUEUE_NODE_TEST_HOOKS") == "1"
+    else None
+)
+
+
+def snapshot(conn: sqlite3.Connection, target: str) -> None:
+    """Test hook (QUEUE_NODE_TEST_HOOKS=1, QUEUE_NODE_STORE_SYNCED=path): copy
+    what ``conn`` sees committed now to ``target``, which then holds what a
+    power loss would leave at most (tests/integration/test_power_loss.py).
+    The caller holds the connection's lock."""
+    tmp = target + ".tmp"
+    dest = sqlite3.connect(tmp)
+    try:
+        conn.backup(dest)
+    finally:
+        dest.close()
+    os.replace(tmp, target)
+
+
+# -- text that is not UTF-8 -------------------------------------------------------
+
+
+def undecodable(exc: sqlite3.Error) -> bool:
+    """Whether ``exc`` is sqlite3's refusal of stored text that is not UTF-8
+    (another program may store any bytes as TEXT): a read that fails so is
+    read again by ``read_raw``."""
+    return isinstance(exc, sqlite3.OperationalError) and "decode to UTF-8" in str(exc)
+
+
+def read_raw(
+    conn: sqlite3.Connection, sql: str, params: Any, ok_at: int | None, texts: tuple[int, ...]
+) -> list[tuple]:
+    """``sql``'s rows with a TEXT value that is not UTF-8 as its bytes (a
+    blob is bytes anyway), and the row's validity flag (column ``ok_at``,
+    the SQL's, which cannot see the encoding) false when a column of
+    ``texts`` (a key, a route) is bytes: the keeper skips the row, and the
+    feed and the walk go on past it. The slow path, after ``undecodable``."""
+    conn.text_factory = _text
+    try:
+        found = conn.execute(sql, params).fetchall()
+    finally:
+        conn.text_factory = str
+    if ok_at is None:
+        return found
+    rows = []
+    for stored in found:
+        if stored[ok_at] and any(type(stored[i]) is bytes for i in texts):
+            stored = (*stored[:ok_at], 0, *stored[ok_at + 1 :])
+        rows.append(stored)
+    return rows
+
+
+def _text(value: bytes) -> str | bytes:
+    """sqlite3's text factory for ``read_raw``: UTF-8, else the bytes."""
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        return value
 
 # -- values in ------------------------------------------------------------------
 

@@ -274,3 +274,44 @@ def test_rows_whose_keys_the_node_cannot_hold_are_skipped_on_load_and_in_the_fee
     assert granted == {"good-1", "good-2"}
     assert node.node_json()["pids"]["keeper"] == keeper_pid  # the keeper never restarted
     assert _get(node, "/accounting")["balanced"]
+
+
+def test_text_another_program_stored_that_is_not_utf8(node) -> None:
+    """SQLite keeps any bytes as TEXT. Before: a key or route that is not
+    UTF-8 stopped the keeper's feed for good (every read of the change log
+    raised: the node stayed not exact, nothing written after it was
+    scheduled); a job or payload that is not UTF-8 left its row due and
+    never granted. Now: such a key or route is a row nobody can schedule
+    (left out, the feed goes on); a payload is handed out as its bytes; a
+    job is no job name (released with the reason)."""
+    conn = sqlite3.connect(node.data_dir / "schedule.db")
+    now = time.time() - 60
+    insert = "INSERT INTO schedule (key, route, job, payload, due_at) VALUES ({}, ?)"
+    with conn:
+        for values in (
+            "CAST(X'FF41' AS TEXT), 'r', 'j', NULL",  # a key that is not UTF-8
+            "'route', CAST(X'FF42' AS TEXT), 'j', NULL",
+            "'job', 'r', CAST(X'FF43' AS TEXT), NULL",
+            "'payload', 'r', 'j', CAST(X'FF44' AS TEXT)",
+            "'plain', 'r', 'j', NULL",
+        ):
+            conn.execute(insert.format(values), (now,))
+    conn.close()
+    keeper_pid = node.node_json()["pids"]["keeper"]
+    sent: dict[str, Any] = {}
+
+    def claimed() -> bool:
+        body = {"max": 10, "consumer": "m", "lease_s": 60}
+        for lease in _post(node, "/claim", body, "application/msgpack")["leases"]:
+            sent[lease["key"]] = lease["payload"]
+        return {"plain", "payload"} <= set(sent) and "job" in _held(node)
+
+    wait_for(claimed, 30, "the rows granted or held")
+    assert set(sent) == {"plain", "payload"} and sent["payload"] == b"\xffD"
+    assert "is not a job name" in _held(node)["job"]["last_error"]
+    state = _get(node, "/queue-state")
+    assert state["trust"]["vouched"] and state["trust"]["exact"], state["trust"]
+    row = _get(node, "/rows?key=job")["row"]
+    assert row["job"] is None and "cannot be sent in JSON" in row["job_error"]
+    assert node.node_json()["pids"]["keeper"] == keeper_pid
+    assert _get(node, "/accounting")["balanced"]

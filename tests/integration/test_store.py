@@ -649,6 +649,42 @@ def test_keys_the_node_cannot_hold_written_outside_are_bad_rows_and_invalid_chan
         store.close()
 
 
+def test_text_that_is_not_utf8_written_outside_is_read_as_bytes_and_walked_past(db, outside):
+    """SQLite keeps any bytes as TEXT; Python's read of one that is not
+    UTF-8 raises. The walk (in chunks of every size, one ending on such a
+    key), the feed, the replay and point reads go on past it: its key or
+    route makes a bad row and an invalid change, its job and payload come
+    back as bytes."""
+    db.upsert([RowWrite(k, "r", due_at=NOW) for k in ("a", "b", "d", "e")], now=NOW)
+    insert = "INSERT INTO schedule (key, route, job, payload, due_at) VALUES ({}, 1)"
+    for values in (
+        "CAST(X'63FF' AS TEXT), 'r', 'default', NULL",  # a key that is not UTF-8
+        "X'0102', 'r', 'default', NULL",  # a blob
+        "'f', CAST(X'FF' AS TEXT), 'default', NULL",
+        "'g', 'r', CAST(X'FF01' AS TEXT), CAST(X'FF02' AS TEXT)",
+    ):
+        outside.execute(insert.format(values))
+    for limit in (1, 2, 3, 100):
+        after, good, bad, chunks = None, [], [], 0
+        while True:
+            rows, bad_rows, after = db.walk_schedule(after, limit)
+            good += [row[0] for row in rows]
+            bad += [bytes(b.key) if isinstance(b.key, bytearray) else b.key for b in bad_rows]
+            chunks += 1
+            if after is None:
+                break
+            assert chunks < 20
+        assert good == ["a", "b", "d", "e", "g"], limit
+        assert sorted(map(repr, bad)) == sorted(map(repr, [b"c\xff", "f", b"\x01\x02"])), limit
+    assert [c.key for c in db.changes(0, 100) if c.valid] == ["a", "b", "d", "e", "g"]
+    assert [c.key for c in db.due_history(0, db.last_seq(), 100)] == [
+        "a", "b", "d", "e", b"c\xff", "f", "g"]  # fmt: skip
+    row = db.get("g")
+    assert (row.job, row.payload) == (b"\xff\x01", b"\xff\x02")
+    assert db.jobs_of(["g"]) == {"g": (b"\xff\x01", None, "r")}
+    assert db.classes_in_use() == [("r", None, False)]
+
+
 def test_the_committed_origin_is_external_after_a_failed_batch(db, outside):
     with pytest.raises(StoreError):
         db.upsert([RowWrite("a", "r"), RowWrite("b", None)], now=NOW)

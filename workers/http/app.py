@@ -414,10 +414,11 @@ async def get_row(request: web.Request) -> web.Response:
         row_doc: dict[str, Any] = {"key": row.key, "version": row.version, "invalid": row.reason}
     else:
         row_doc = row.to_json()
-        problem = unsendable(row_doc["payload"], wants_msgpack(request))
-        if problem is not None:  # a payload another program stored: say why, not 500
-            row_doc["payload"] = None
-            row_doc["payload_error"] = f"the payload is stored, but {problem}"
+        for name in ("payload", "job"):  # what another program stored: say why, not 500
+            problem = unsendable(row_doc[name], wants_msgpack(request))
+            if problem is not None:
+                row_doc[name] = None
+                row_doc[f"{name}_error"] = f"the {name} is stored, but {problem}"
     loop = asyncio.get_running_loop()
     view = await loop.run_in_executor(request.app[ASK_POOL], _safely, "explain", ctx.explain, key)
     lease = None
