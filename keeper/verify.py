@@ -200,8 +200,11 @@ class Verify(KeeperBase):
             try:
                 rows = self.store.walk(walk.after, VERIFY_CHUNK)
                 self.drain_feed(now)
-                mine = self._owned([row.key for row in rows])  # a fleet node's own rows only
-                for row in rows if mine is None else [r for r in rows if r.key in mine]:
+                # A key another program stored that is no text (a blob, text
+                # not UTF-8): never held, nothing to compare.
+                keyed = [row for row in rows if type(row.key) is str]
+                mine = self._owned([row.key for row in keyed])  # a fleet node's own rows only
+                for row in keyed if mine is None else [r for r in keyed if r.key in mine]:
                     if self._reconcile(row.key, row, snap_seq):
                         walk.repairs += 1
             finally:

@@ -225,6 +225,9 @@ READ_VERSION = "SELECT version FROM schedule WHERE key = ?"
 GET_ROW = f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key = ?"
 WALK_ALL = f"SELECT {_ROW_COLUMNS} FROM schedule ORDER BY key LIMIT ?"
 WALK_AFTER = f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key > ? ORDER BY key LIMIT ?"
+WALK_AFTER_TEXT = (  # after a key stored as text that is not UTF-8 (below)
+    f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key > CAST(? AS TEXT) ORDER BY key LIMIT ?"
+)
 # Scheduling fields only, with a validity flag computed by SQLite (the
 # same rules as node.rows.stored_row_is_valid); rows come back as
 # (key, version, route, cadence_s, sitemap, due_at, ok).

@@ -503,16 +503,29 @@ class SQLiteStore(Store):
     def walk(self, after: str | None, limit: int) -> list[Row | BadRow]:
         if limit <= 0:
             return []
-        conn = self._c()
         with self._lock:
-            try:
-                if after is None:
-                    found = conn.execute(q.WALK_ALL, (limit,)).fetchall()
-                else:
-                    found = conn.execute(q.WALK_AFTER, (after, limit)).fetchall()
-            except sqlite3.Error as exc:
-                raise _wrap(exc, "walk") from exc
+            found = self._walk(q.WALK_ALL, q.WALK_AFTER, q.WALK_AFTER_TEXT, after, limit, None, ())
         return [stored_row(stored) for stored in found]
+
+    def _walk(
+        self, all_sql: str, after_sql: str, after_text_sql: str, after: Any, limit: int,
+        ok_at: int | None, texts: tuple[int, ...],
+    ) -> list[tuple]:  # fmt: skip
+        """A chunk of a walk by key. A key another program stored as text
+        that is not UTF-8 reads as bytes, and a chunk ending on one gives it
+        as a bytearray, which the next chunk binds as text again (bytes bind
+        as a blob, and every text sorts before every blob)."""
+        conn = self._c()
+        sql, params = (
+            (all_sql, (limit,)) if after is None
+            else (after_text_sql, (bytes(after), limit)) if type(after) is bytearray
+            else (after_sql, (after, limit))
+        )  # fmt: skip
+        found = self._read(conn, sql, params, "walk", ok_at, texts)
+        if len(found) >= limit and type(last := found[-1][0]) is bytes:
+            if not self._read(conn, q.KEY_IS_BLOB, (last,), "walk")[0][0]:
+                found[-1] = (bytearray(last), *found[-1][1:])
+        return found
 
     def walk_schedule(
         self, after: str | None, limit: int
@@ -521,20 +534,11 @@ class SQLiteStore(Store):
         # (sqlite_walk.py), else no payload, no Row objects, the checks inline.
         if limit <= 0:
             return [], [], after
-        conn = self._c()
         with self._lock:
             if (fast := self._fast_walk.walk(after, limit)) is not None:
                 return fast[0], [], fast[1]
-            sql, params = (
-                (q.WALK_SCHEDULE_ALL, (limit,)) if after is None
-                else (q.WALK_SCHEDULE_AFTER_TEXT, (bytes(after), limit))
-                if type(after) is bytearray  # text that is not UTF-8 (below)
-                else (q.WALK_SCHEDULE_AFTER, (after, limit))
-            )  # fmt: skip
-            found = self._read(conn, sql, params, "walk", 6, (0, 2))
-            if len(found) >= limit and type(last := found[-1][0]) is bytes:
-                if not self._read(conn, q.KEY_IS_BLOB, (last,), "walk")[0][0]:
-                    found[-1] = (bytearray(last), *found[-1][1:])
+            found = self._walk(q.WALK_SCHEDULE_ALL, q.WALK_SCHEDULE_AFTER,
+                               q.WALK_SCHEDULE_AFTER_TEXT, after, limit, 6, (0, 2))  # fmt: skip
         bad: list[BadRow] = []
         if all(stored[6] for stored in found):
             rows = [stored[:6] for stored in found]

@@ -15,7 +15,7 @@ import pytest
 from keeper.process import LOAD_CHUNK, LOW_WATER_MIN_S, OUTSIDE_POLL_S, Keeper
 from node.config import Config, RouteConfig
 from node.core.rows import RowWrite
-from node.store import open_store
+from node.store import BadRow, open_store
 from shm.ready import ReadySet
 from shm.state import StateBuffer
 
@@ -70,13 +70,14 @@ def _rows(n: int, seed: int = 1) -> list[RowWrite]:
 
 
 def _table(store) -> dict[str, tuple[int, int]]:
-    """key -> (due minute, version), walked from the store."""
+    """key -> (due minute, version), walked from the store (its schedulable rows)."""
     out = {}
     after = None
     while True:
         rows = store.walk(after, 5000)
         for row in rows:
-            out[row.key] = (int(row.due_at // 60), row.version)
+            if not isinstance(row, BadRow):
+                out[row.key] = (int(row.due_at // 60), row.version)
         if len(rows) < 5000:
             return out
         after = rows[-1].key
@@ -310,6 +311,40 @@ def test_verification_repairs_a_corrupted_view(store, segments, node_name, tmp_p
     assert keeper.stats.verify["runs"] == 1
     assert keeper.stats.verify["repairs"] == 4
     assert _keeper_view(keeper) == _table(store)
+
+
+def test_odd_keys_another_program_stored_are_skipped_by_the_load_and_the_verify_walk(
+    segments, node_name, tmp_path, monkeypatch
+):
+    """A blob key, text that is not UTF-8, an empty and an over-long key among
+    good rows: the keeper loads the good ones (live and exact: a blob key
+    made its load exit before), and a verification walk over all of them
+    repairs nothing."""
+    path = tmp_path / "schedule.db"
+    store = open_store(f"sqlite:///{path}")
+    store.upsert(_rows(300), now=NOW)
+    other = sqlite3.connect(path)
+    with other:
+        for key in ("X'0102'", "CAST(X'63FF' AS TEXT)", "''", f"'{'k' * 1025}'"):
+            other.execute(f"INSERT INTO schedule (key, route, due_at) VALUES ({key}, 'pages', ?)",
+                          (NOW,))  # fmt: skip
+    other.close()
+    keeper = _live_keeper(store, segments, node_name, tmp_path)
+    assert keeper.exact and keeper.stats.load["unreadable"] == 4
+    assert _keeper_view(keeper) == _table(store)
+    # Chunks of every small size: some end on an odd key, which the next
+    # chunk must start after.
+    for runs, chunk in enumerate((2, 3, 5, 7, 11), 1):
+        monkeypatch.setattr("keeper.verify.VERIFY_CHUNK", chunk)
+        keeper.start_verify(NOW)
+        for _ in range(1000):
+            keeper.tick(NOW)
+            if keeper.stats.verify["runs"] == runs:
+                break
+        assert keeper.stats.verify["runs"] == runs and keeper.stats.verify["repairs"] == 0
+        assert keeper.stats.verify["compared"] == 304 + 300  # every row walked, then its own
+    assert _keeper_view(keeper) == _table(store)
+    store.close()
 
 
 def test_repair_never_overwrites_a_newer_event(store, segments, node_name, tmp_path):

@@ -676,6 +676,12 @@ def test_text_that_is_not_utf8_written_outside_is_read_as_bytes_and_walked_past(
             assert chunks < 20
         assert good == ["a", "b", "d", "e", "g"], limit
         assert sorted(map(repr, bad)) == sorted(map(repr, [b"c\xff", "f", b"\x01\x02"])), limit
+        after, keys = None, []  # the same through walk(), Row and BadRow
+        while chunk := db.walk(after, limit):
+            keys += [bytes(r.key) if isinstance(r.key, bytearray) else r.key for r in chunk]
+            after = chunk[-1].key
+            assert len(keys) < 20
+        assert keys == ["a", "b", b"c\xff", "d", "e", "f", "g", b"\x01\x02"], limit
     assert [c.key for c in db.changes(0, 100) if c.valid] == ["a", "b", "d", "e", "g"]
     assert [c.key for c in db.due_history(0, db.last_seq(), 100)] == [
         "a", "b", "d", "e", b"c\xff", "f", "g"]  # fmt: skip
