@@ -286,10 +286,9 @@ def _lag_probe(db: Path, name: str, args: argparse.Namespace, now: float,
             wake.post()
             seq = reader.execute("SELECT max(seq) FROM changes").fetchone()[0]
             deadline = committed + 5
-            while state.applied_seq < seq:
-                if time.perf_counter() > deadline:
-                    raise SystemExit(f"the keeper did not apply change {seq} in 5 s")
+            while state.applied_seq < seq and time.perf_counter() < deadline:
                 time.sleep(0.00005)  # polling the keeper's applied_seq
+            # (Not applied within 5 s: counted as 5 s, so the tail shows it.)
             lags.append(time.perf_counter() - committed)
             stop.wait(interval)
     finally:

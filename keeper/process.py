@@ -71,6 +71,7 @@ class Keeper(Feed, Publish, Verify, Report, Outage, Owned):
         """Subscribe first, then walk: the feed position is taken before the
         first row is read, so nothing written during the walk is missed."""
         self.feed_seq = self.store.last_seq()
+        self.state.note_applied(0)  # a killed keeper's figure no longer holds: nothing yet
         self.buckets.reserve(self.store.count())
         self.stats.load["started_at"] = now
         self._t_start = time.perf_counter()

@@ -302,6 +302,8 @@ class Verify(KeeperBase):
             row = _Walked(key, version, route, cadence_s, bool(sitemap), due_at)
             repairs += reconcile(key, row, snap_seq, gained)
         for bad_row in bad:
+            if type(bad_row.key) is not str:
+                continue  # a blob, text that is not UTF-8: never held
             pop(bad_row.key, None)
             repairs += reconcile(bad_row.key, bad_row, snap_seq)
         walk.compared += len(rows) + len(bad)

@@ -23,6 +23,7 @@
 #include "_claim_path.h"
 
 #define WALK_CACHED 64 /* routes and cadences handed out again */
+#define MAX_KEY_BYTES 1024 /* node.core.rows.MAX_KEY_BYTES */
 
 typedef struct {
     PyObject_HEAD
@@ -183,8 +184,8 @@ walker_row(WalkerObject *self, sqlite3_stmt *st)
         return NULL;
     const char *key = (const char *)sq.column_text(st, 0);
     int key_n = sq.column_bytes(st, 0);
-    if (key == NULL)
-        return NULL;
+    if (key == NULL || key_n < 1 || key_n > MAX_KEY_BYTES)
+        return NULL; /* no key of the node's (node.rows.stored_key_is_valid): the SQL says so */
     PyObject *row = PyTuple_New(6);
     if (row == NULL)
         return NULL;

@@ -223,24 +223,20 @@ WRITE_LAST_ERROR = (
 CHANGES_SINCE = "SELECT key, seq FROM changes WHERE seq > ?"
 READ_VERSION = "SELECT version FROM schedule WHERE key = ?"
 GET_ROW = f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key = ?"
-WALK_ALL = f"SELECT {_ROW_COLUMNS} FROM schedule ORDER BY key LIMIT ?"
-WALK_AFTER = f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key > ? ORDER BY key LIMIT ?"
-WALK_AFTER_TEXT = (  # after a key stored as text that is not UTF-8 (below)
-    f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key > CAST(? AS TEXT) ORDER BY key LIMIT ?"
-)
+# The walks end each row with typeof(key): a key read as bytes is a blob or
+# text that is not UTF-8, and the next chunk starts after it bound as what it
+# is (bytes bind as a blob, and every text sorts before every blob).
+_WALK = f"SELECT {_ROW_COLUMNS}, typeof(key) FROM schedule"
+WALK_ALL = f"{_WALK} ORDER BY key LIMIT ?"
+WALK_AFTER = f"{_WALK} WHERE key > ? ORDER BY key LIMIT ?"
+WALK_AFTER_TEXT = f"{_WALK} WHERE key > CAST(? AS TEXT) ORDER BY key LIMIT ?"
 # Scheduling fields only, with a validity flag computed by SQLite (the
 # same rules as node.rows.stored_row_is_valid); rows come back as
-# (key, version, route, cadence_s, sitemap, due_at, ok).
-WALK_SCHEDULE_ALL = f"SELECT {_SCHEDULE_COLUMNS} FROM schedule ORDER BY key LIMIT ?"
-WALK_SCHEDULE_AFTER = f"SELECT {_SCHEDULE_COLUMNS} FROM schedule WHERE key > ? ORDER BY key LIMIT ?"
-# After a key stored as text that is not UTF-8 (read as bytes, which would
-# bind as a blob: every text sorts before every blob).
-WALK_SCHEDULE_AFTER_TEXT = (
-    f"SELECT {_SCHEDULE_COLUMNS} FROM schedule WHERE key > CAST(? AS TEXT) ORDER BY key LIMIT ?"
-)
-# Whether the last key of a chunk read as bytes is a blob (else text: bytes
-# bind as a blob, which equals no text).
-KEY_IS_BLOB = "SELECT EXISTS (SELECT 1 FROM schedule WHERE key = ?)"
+# (key, version, route, cadence_s, sitemap, due_at, ok, typeof(key)).
+_WALK_SCHEDULE = f"SELECT {_SCHEDULE_COLUMNS}, typeof(key) FROM schedule"
+WALK_SCHEDULE_ALL = f"{_WALK_SCHEDULE} ORDER BY key LIMIT ?"
+WALK_SCHEDULE_AFTER = f"{_WALK_SCHEDULE} WHERE key > ? ORDER BY key LIMIT ?"
+WALK_SCHEDULE_AFTER_TEXT = f"{_WALK_SCHEDULE} WHERE key > CAST(? AS TEXT) ORDER BY key LIMIT ?"
 # The same walk read in C (node/store/sqlite_walk.py), which checks each row itself.
 _FAST_WALK = "SELECT key, version, route, cadence_s, sitemap, due_at FROM schedule"
 FAST_WALK_ALL = f"{_FAST_WALK} ORDER BY key LIMIT ?1"

@@ -62,6 +62,7 @@ from node.store.queries import MIGRATIONS, SCHEMA_VERSION  # also read here by t
 from node.store.sqlite_values import (
     BUSY_TIMEOUT_S,
     SNAPSHOT_HOOK,
+    NotUtf8,
     _check_file,
     _check_origin,
     _params,
@@ -505,26 +506,25 @@ class SQLiteStore(Store):
             return []
         with self._lock:
             found = self._walk(q.WALK_ALL, q.WALK_AFTER, q.WALK_AFTER_TEXT, after, limit, None, ())
-        return [stored_row(stored) for stored in found]
+        return [stored_row(stored[:-1]) for stored in found]
 
     def _walk(
         self, all_sql: str, after_sql: str, after_text_sql: str, after: Any, limit: int,
         ok_at: int | None, texts: tuple[int, ...],
     ) -> list[tuple]:  # fmt: skip
-        """A chunk of a walk by key. A key another program stored as text
-        that is not UTF-8 reads as bytes, and a chunk ending on one gives it
-        as a bytearray, which the next chunk binds as text again (bytes bind
-        as a blob, and every text sorts before every blob)."""
-        conn = self._c()
+        """A chunk of a walk by key, each row's last column its key's type. A
+        key another program stored as text that is not UTF-8 reads as bytes;
+        a chunk ending on one gives it as ``NotUtf8``, which the next chunk
+        binds as text again (bytes bind as a blob, and every text sorts
+        before every blob)."""
         sql, params = (
             (all_sql, (limit,)) if after is None
-            else (after_text_sql, (bytes(after), limit)) if type(after) is bytearray
+            else (after_text_sql, (bytes(after), limit)) if type(after) is NotUtf8
             else (after_sql, (after, limit))
         )  # fmt: skip
-        found = self._read(conn, sql, params, "walk", ok_at, texts)
-        if len(found) >= limit and type(last := found[-1][0]) is bytes:
-            if not self._read(conn, q.KEY_IS_BLOB, (last,), "walk")[0][0]:
-                found[-1] = (bytearray(last), *found[-1][1:])
+        found = self._read(self._c(), sql, params, "walk", ok_at, texts)
+        if len(found) >= limit and type(last := found[-1][0]) is bytes and found[-1][-1] == "text":
+            found[-1] = (NotUtf8(last), *found[-1][1:])
         return found
 
     def walk_schedule(
@@ -548,7 +548,7 @@ class SQLiteStore(Store):
                 if stored[6]:
                     rows.append(stored[:6])
                 else:
-                    key, version, *values, _ok = stored
+                    key, version, *values, _ok, _type = stored
                     bad.append(BadRow(key, version, bad_reason(key, *values)))
         last = found[-1][0] if len(found) >= limit else None
         return rows, bad, last

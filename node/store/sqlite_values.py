@@ -53,6 +53,12 @@ def snapshot(conn: sqlite3.Connection, target: str) -> None:
 # -- text that is not UTF-8 -------------------------------------------------------
 
 
+class NotUtf8(bytes):
+    """A key stored as text that is not UTF-8, as a walk's cursor: the next
+    chunk binds it as text (``bytes`` would bind as a blob). Hashable, as
+    every key is."""
+
+
 def undecodable(exc: sqlite3.Error) -> bool:
     """Whether ``exc`` is sqlite3's refusal of stored text that is not UTF-8
     (another program may store any bytes as TEXT): a read that fails so is

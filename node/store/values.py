@@ -33,9 +33,9 @@ def decode_payload(stored: Any) -> Any:
     if stored is None:
         return None
     try:
-        if isinstance(stored, str):
-            return PAYLOAD_DECODER.decode(stored)
-        return json.loads(stored, parse_constant=_no_constant)  # a blob
+        if isinstance(stored, bytes):  # a blob, or text that is not UTF-8: UTF-8 JSON or as it is
+            return PAYLOAD_DECODER.decode(stored.decode())  # (json.loads would guess UTF-16)
+        return PAYLOAD_DECODER.decode(stored)
     except (ValueError, TypeError):
         return stored
 

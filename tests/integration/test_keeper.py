@@ -261,8 +261,12 @@ def test_the_state_buffer_says_which_change_the_keeper_has_applied(
     reads it: the store's last seq once live, unchanged by a write until the
     keeper applies it, then that write's seq."""
     store.upsert(_rows(300), now=NOW)
-    keeper = _live_keeper(store, segments, node_name, tmp_path)
+    segments[1].note_applied(10**6)  # a killed keeper's figure
+    keeper = Keeper(_config(node_name, tmp_path), store, *segments)
+    keeper.start(NOW)
     with StateBuffer.attach(node_name, read_only=True) as reader:
+        assert reader.applied_seq == 0  # loading: nothing applied yet
+        _run_until_live(keeper, NOW)
         assert reader.applied_seq == store.last_seq() > 0
         loaded = reader.applied_seq
         store.upsert([RowWrite("late", "pages", due_at=NOW)], now=NOW)
@@ -343,6 +347,35 @@ def test_odd_keys_another_program_stored_are_skipped_by_the_load_and_the_verify_
                 break
         assert keeper.stats.verify["runs"] == runs and keeper.stats.verify["repairs"] == 0
         assert keeper.stats.verify["compared"] == 304 + 300  # every row walked, then its own
+    assert _keeper_view(keeper) == _table(store)
+    store.close()
+
+
+@pytest.mark.parametrize("chunk", [2, 3, 5, 7, 11])
+def test_a_repair_walk_goes_past_keys_that_are_not_utf8_text_at_any_chunk_size(
+    segments, node_name, tmp_path, monkeypatch, chunk
+):
+    """The repair walk (after a gap in the feed) in chunks of ``chunk``: one
+    ends on a key stored as text that is not UTF-8 at some size, whose
+    cursor the next chunk starts after. (Its cursor was a bytearray, which
+    the repair's bookkeeping hashed: TypeError, found in review.)"""
+    path = tmp_path / "schedule.db"
+    store = open_store(f"sqlite:///{path}")
+    store.upsert(_rows(30), now=NOW)
+    other = sqlite3.connect(path)
+    with other:
+        for key in ("CAST(X'63FF' AS TEXT)", "CAST(X'6BFF' AS TEXT)", "X'0102'"):
+            other.execute(f"INSERT INTO schedule (key, route, due_at) VALUES ({key}, 'pages', ?)",
+                          (NOW,))  # fmt: skip
+    other.close()
+    keeper = _live_keeper(store, segments, node_name, tmp_path)
+    monkeypatch.setattr("keeper.verify.REPAIR_CHUNK", chunk)
+    keeper._doubt_copy("gap", NOW)
+    for _ in range(2000):
+        keeper.tick(NOW)
+        if keeper._doubt is None:
+            break
+    assert keeper._doubt is None and keeper.exact
     assert _keeper_view(keeper) == _table(store)
     store.close()
 

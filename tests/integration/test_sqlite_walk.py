@@ -189,3 +189,23 @@ def test_a_walk_sees_what_was_committed_between_its_chunks(store):
     assert rows[0][0] == "k019" and rows[0][2] == "late"  # after the cursor: read
     assert "k001" not in [r[0] for r in rows]  # before it: the feed's to bring
     fast.close()
+
+
+def test_an_empty_or_over_long_key_is_a_bad_row_not_a_walked_one(store):
+    """No blob in the chunk to send it to the SQL: the walker itself must
+    leave a key that is no key of the node's (empty, over 1,024 bytes) to
+    the SQL, which makes it a bad row. (The walker took both as rows; the
+    keeper held them, and a claim of the long one failed after its grant.)"""
+    store.upsert([RowWrite(f"k{i:02d}", "r", cadence_s=3600, due_at=NOW) for i in range(10)],
+                 now=NOW)  # fmt: skip
+    conn = sqlite3.connect(store.path)
+    with conn:
+        for key in ("", "x" * 1025, "y" * 1024):  # the last one is a key
+            conn.execute("INSERT INTO schedule (key, route, due_at) VALUES (?, 'r', ?)", (key, NOW))
+    conn.close()
+    fast = FastWalk(store.path, 1000)
+    assert fast.walk(None, 100) is None
+    fast.close()
+    rows, bad, last = store.walk_schedule(None, 100)
+    assert sorted(b.key for b in bad) == ["", "x" * 1025] and last is None
+    assert len(rows) == 11 and "y" * 1024 in {row[0] for row in rows}

@@ -660,6 +660,7 @@ def test_text_that_is_not_utf8_written_outside_is_read_as_bytes_and_walked_past(
     for values in (
         "CAST(X'63FF' AS TEXT), 'r', 'default', NULL",  # a key that is not UTF-8
         "X'0102', 'r', 'default', NULL",  # a blob
+        "X'63FF', 'r', 'default', NULL",  # a blob with the same bytes as the text above
         "'f', CAST(X'FF' AS TEXT), 'default', NULL",
         "'g', 'r', CAST(X'FF01' AS TEXT), CAST(X'FF02' AS TEXT)",
     ):
@@ -675,16 +676,17 @@ def test_text_that_is_not_utf8_written_outside_is_read_as_bytes_and_walked_past(
                 break
             assert chunks < 20
         assert good == ["a", "b", "d", "e", "g"], limit
-        assert sorted(map(repr, bad)) == sorted(map(repr, [b"c\xff", "f", b"\x01\x02"])), limit
+        want_bad = [b"c\xff", "f", b"\x01\x02", b"c\xff"]
+        assert sorted(map(repr, bad)) == sorted(map(repr, want_bad)), limit
         after, keys = None, []  # the same through walk(), Row and BadRow
         while chunk := db.walk(after, limit):
             keys += [bytes(r.key) if isinstance(r.key, bytearray) else r.key for r in chunk]
             after = chunk[-1].key
             assert len(keys) < 20
-        assert keys == ["a", "b", b"c\xff", "d", "e", "f", "g", b"\x01\x02"], limit
+        assert keys == ["a", "b", b"c\xff", "d", "e", "f", "g", b"\x01\x02", b"c\xff"], limit
     assert [c.key for c in db.changes(0, 100) if c.valid] == ["a", "b", "d", "e", "g"]
     assert [c.key for c in db.due_history(0, db.last_seq(), 100)] == [
-        "a", "b", "d", "e", b"c\xff", "f", "g"]  # fmt: skip
+        "a", "b", "d", "e", b"c\xff", "f", "g"]  # fmt: skip  (blobs never logged as keys)
     row = db.get("g")
     assert (row.job, row.payload) == (b"\xff\x01", b"\xff\x02")
     assert db.jobs_of(["g"]) == {"g": (b"\xff\x01", None, "r")}

@@ -31,7 +31,8 @@ class _Recorder(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         raw = self.rfile.read(int(self.headers["Content-Length"]))
         kind = self.headers["Content-Type"]
-        body = msgpack.unpackb(raw, raw=False) if kind == MSGPACK else json.loads(raw)
+        body = (msgpack.unpackb(raw, raw=False, strict_map_key=False) if kind == MSGPACK
+                else json.loads(raw))  # fmt: skip
         self.seen.append({"path": self.path, "type": kind, "accept": self.headers["Accept"],
                           "body": body})  # fmt: skip
         self._answer()
@@ -111,3 +112,31 @@ def test_an_error_answer_in_msgpack_is_a_client_error(server: str) -> None:
 def test_an_unknown_wire_is_refused() -> None:
     with pytest.raises(ValueError, match="wire"):
         Client("http://127.0.0.1:9", wire="xml")
+
+
+def test_a_body_the_node_refuses_as_msgpack_is_sent_again_as_json(server: str) -> None:
+    """A map key that is no str packs, but the node reads msgpack strictly
+    (400 invalid_msgpack, nothing applied): the client sends that body again
+    as JSON, which turns the key into a string as the old wire did."""
+    calls = {"n": 0}
+    real = _Recorder._answer
+
+    def first_refused(self: _Recorder) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            _Recorder.status = 400
+            _Recorder.answer = {"error": {"code": "invalid_msgpack", "message": "map key",
+                                          "field": None}}  # fmt: skip
+        else:
+            _Recorder.status, _Recorder.answer = 200, {"upserted": 1}
+        real(self)
+
+    _Recorder._answer = first_refused  # type: ignore[method-assign]
+    try:
+        with Client(server) as client:
+            assert client.upsert([{"key": "k", "route": "r", "payload": {1: "x"}}]) == 1
+    finally:
+        _Recorder._answer = real  # type: ignore[method-assign]
+    first, again = _Recorder.seen
+    assert first["type"] == MSGPACK and again["type"] == "application/json"
+    assert again["body"][0]["payload"] == {"1": "x"}

@@ -414,7 +414,7 @@ async def get_row(request: web.Request) -> web.Response:
         row_doc: dict[str, Any] = {"key": row.key, "version": row.version, "invalid": row.reason}
     else:
         row_doc = row.to_json()
-        for name in ("payload", "job"):  # what another program stored: say why, not 500
+        for name in ("payload", "job", "last_error"):  # what another program stored: why, not 500
             problem = unsendable(row_doc[name], wants_msgpack(request))
             if problem is not None:
                 row_doc[name] = None
