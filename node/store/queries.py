@@ -154,7 +154,7 @@ _VALID_ROW = (
     " AND typeof(due_at) IN ('real', 'integer') AND due_at BETWEEN 0 AND 32503680000.0)"
 )
 _SCHEDULE_COLUMNS = "key, version, route, cadence_s, sitemap = 1, due_at, " + _VALID_ROW
-_CHANGE_COLUMNS = "seq, op, key, origin, route, cadence_s, sitemap, due_at, at, " + _VALID_KEY
+_CHANGE_COLUMNS = "seq, op, key, origin, route, cadence_s, sitemap, due_at, at"
 
 # -- the node's own tables ---------------------------------------------------------
 

@@ -45,6 +45,7 @@ from node.core.rows import (
     Change,
     Row,
     RowWrite,
+    stored_key_is_valid,
     stored_row_is_valid,
 )
 from node.store import queries as q
@@ -586,14 +587,16 @@ class SQLiteStore(Store):
             return []
         conn = self._c()
         with self._lock:
-            found = self._read(conn, q.CHANGES_AFTER, (after_seq, limit), "changes", 9, (2, 4))
-        valid = stored_row_is_valid
-        return [
+            found = self._read(conn, q.CHANGES_AFTER, (after_seq, limit), "changes")
+        valid, key_ok = stored_row_is_valid, stored_key_is_valid
+        return [  # (a short text key checked inline: no call for the usual one)
             Change(seq, op, key, origin, route, cadence_s, sitemap == 1, due_at, at)
-            if op == "D" or (key_ok and valid(route, cadence_s, sitemap, due_at))
+            if op == "D"
+            or ((type(key) is str and 0 < len(key) <= 256 or key_ok(key))
+                and valid(route, cadence_s, sitemap, due_at))
             else Change(seq, op, key, origin, None, None, False, None, at, False)
-            for seq, op, key, origin, route, cadence_s, sitemap, due_at, at, key_ok in found
-        ]
+            for seq, op, key, origin, route, cadence_s, sitemap, due_at, at in found
+        ]  # fmt: skip
 
     def last_seq(self) -> int:
         conn = self._c()
