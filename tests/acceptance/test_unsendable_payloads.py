@@ -69,6 +69,21 @@ def _write_outside(db: Path, rows: list[tuple[str, Any]]) -> None:
     conn.close()
 
 
+def _claim_until(
+    node: NodeProcess, sent: dict[str, Any], until: Any, what: str,
+    accept: str = "application/json", lease_s: float = 1,
+) -> None:  # fmt: skip
+    """Claim (keys and payloads into ``sent``) until ``until()`` is true."""
+
+    def claimed() -> bool:
+        body = {"max": 10, "consumer": "c", "lease_s": lease_s}
+        for lease in _post(node, "/claim", body, accept)["leases"]:
+            sent[lease["key"]] = lease["payload"]
+        return bool(until())
+
+    wait_for(claimed, 30, what)
+
+
 def _held(node: NodeProcess) -> dict[str, dict]:
     return {hold["key"]: hold for hold in _get(node, "/held")["held"]}
 
@@ -92,13 +107,8 @@ def test_a_payload_json_cannot_carry_is_released_with_the_reason_and_parks(node)
         ("plain", json.dumps({"x": 1})),
     ])  # fmt: skip
     sent: dict[str, Any] = {}
-
-    def claimed_the_rest() -> bool:
-        for lease in _post(node, "/claim", {"max": 10, "consumer": "j", "lease_s": 1})["leases"]:
-            sent[lease["key"]] = lease["payload"]
-        return {"nan", "big", "plain"} <= set(sent) and "blob" in _held(node)
-
-    wait_for(claimed_the_rest, 30, "the other rows claimed, the blob held")
+    _claim_until(node, sent, lambda: {"nan", "big", "plain"} <= set(sent) and "blob" in _held(node),
+                 "the other rows claimed, the blob held")  # fmt: skip
     assert "blob" not in sent
     assert sent["nan"] == "NaN"  # not JSON: handed out as its text
     assert sent["big"] == {"n": BIG} and sent["plain"] == {"x": 1}
@@ -127,14 +137,8 @@ def test_a_payload_msgpack_cannot_carry_is_released_and_a_blob_is_sent_as_bytes(
         ("blob", b"\x00\xff"), ("big", json.dumps([BIG])), ("plain", "[1]"),
     ])  # fmt: skip
     sent: dict[str, Any] = {}
-
-    def claimed_the_rest() -> bool:
-        body = {"max": 10, "consumer": "m", "lease_s": 1}
-        for lease in _post(node, "/claim", body, "application/msgpack")["leases"]:
-            sent[lease["key"]] = lease["payload"]
-        return {"blob", "plain"} <= set(sent) and "big" in _held(node)
-
-    wait_for(claimed_the_rest, 30, "the other rows claimed, the big integer held")
+    _claim_until(node, sent, lambda: {"blob", "plain"} <= set(sent) and "big" in _held(node),
+                 "the other rows claimed, the big integer held", "application/msgpack")  # fmt: skip
     assert "big" not in sent
     assert sent["blob"] == b"\x00\xff" and sent["plain"] == [1]
     hold = _held(node)["big"]
@@ -299,14 +303,8 @@ def test_text_another_program_stored_that_is_not_utf8(node) -> None:
     conn.close()
     keeper_pid = node.node_json()["pids"]["keeper"]
     sent: dict[str, Any] = {}
-
-    def claimed() -> bool:
-        body = {"max": 10, "consumer": "m", "lease_s": 60}
-        for lease in _post(node, "/claim", body, "application/msgpack")["leases"]:
-            sent[lease["key"]] = lease["payload"]
-        return {"plain", "payload"} <= set(sent) and "job" in _held(node)
-
-    wait_for(claimed, 30, "the rows granted or held")
+    _claim_until(node, sent, lambda: {"plain", "payload"} <= set(sent) and "job" in _held(node),
+                 "the rows granted or held", "application/msgpack", lease_s=60)  # fmt: skip
     assert set(sent) == {"plain", "payload"} and sent["payload"] == b"\xffD"
     assert "is not a job name" in _held(node)["job"]["last_error"]
     state = _get(node, "/queue-state")
