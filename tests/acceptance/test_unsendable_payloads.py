@@ -117,7 +117,7 @@ def test_a_payload_json_cannot_carry_is_released_with_the_reason_and_parks(node)
     assert "cannot be sent in JSON" in hold["last_error"]
     # Explaining the row says so too (was a 500), and msgpack carries it.
     row = _get(node, "/rows?key=blob")["row"]
-    assert row["payload"] is None and "cannot be sent in JSON" in row["payload_error"]
+    assert row["payload"] is None and "cannot be sent in JSON" in row["unsendable"]["payload"]
     assert _get(node, "/rows?key=blob", "application/msgpack")["row"]["payload"] == b"\x00\xff"
 
     def parked() -> bool:
@@ -144,7 +144,7 @@ def test_a_payload_msgpack_cannot_carry_is_released_and_a_blob_is_sent_as_bytes(
     hold = _held(node)["big"]
     assert hold["misses"] == 1 and "cannot be sent in msgpack" in hold["last_error"]
     row = _get(node, "/rows?key=big", "application/msgpack")["row"]
-    assert row["payload"] is None and "cannot be sent in msgpack" in row["payload_error"]
+    assert row["payload"] is None and "cannot be sent in msgpack" in row["unsendable"]["payload"]
     assert _get(node, "/rows?key=big")["row"]["payload"] == [BIG]
     # The same row goes out in JSON once its hold has passed.
     lease = wait_for(
@@ -310,6 +310,6 @@ def test_text_another_program_stored_that_is_not_utf8(node) -> None:
     state = _get(node, "/queue-state")
     assert state["trust"]["vouched"] and state["trust"]["exact"], state["trust"]
     row = _get(node, "/rows?key=job")["row"]
-    assert row["job"] is None and "cannot be sent in JSON" in row["job_error"]
+    assert row["job"] is None and "cannot be sent in JSON" in row["unsendable"]["job"]
     assert node.node_json()["pids"]["keeper"] == keeper_pid
     assert _get(node, "/accounting")["balanced"]

@@ -414,11 +414,14 @@ async def get_row(request: web.Request) -> web.Response:
         row_doc: dict[str, Any] = {"key": row.key, "version": row.version, "invalid": row.reason}
     else:
         row_doc = row.to_json()
+        unsent = {}
         for name in ("payload", "job", "last_error"):  # what another program stored: why, not 500
             problem = unsendable(row_doc[name], wants_msgpack(request))
             if problem is not None:
                 row_doc[name] = None
-                row_doc[f"{name}_error"] = f"the {name} is stored, but {problem}"
+                unsent[name] = f"the {name} is stored, but {problem}"
+        if unsent:
+            row_doc["unsendable"] = unsent
     loop = asyncio.get_running_loop()
     view = await loop.run_in_executor(request.app[ASK_POOL], _safely, "explain", ctx.explain, key)
     lease = None
