@@ -182,9 +182,14 @@ def lag_figures(docs: list[dict], setup: dict) -> list[Fig]:
         out.append(fig("keeper.lag.achieved_writes_per_s", doc["achieved_rate"], "writes/s", where))
         lag = doc.get("lag") or {}
         node = lag.get("node") or {}
-        out.append(fig("keeper.lag.node_p50_ms", node.get("p50_ms"), "ms", where))
-        out.append(fig("keeper.lag.node_p99_ms", node.get("p99_ms"), "ms", where,
+        # The target is the lag from the writer's commit returning (issue 16);
+        # the keeper's own figure starts at the change's statement, before it.
+        commit = doc.get("from_commit") or {}
+        out.append(fig("keeper.lag.from_commit_p50_ms", commit.get("p50_ms"), "ms", where))
+        out.append(fig("keeper.lag.from_commit_p99_ms", commit.get("p99_ms"), "ms", where,
                        target=5.0, better="lower"))  # fmt: skip
+        out.append(fig("keeper.lag.node_p50_ms", node.get("p50_ms"), "ms", where))
+        out.append(fig("keeper.lag.node_p99_ms", node.get("p99_ms"), "ms", where))
         out.append(fig("keeper.lag.apply_us", lag.get("apply_us"), "us", where))
     return out
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench import report
-from bench.suite import fig, keeper_memory
+from bench.suite import fig, keeper_memory, lag_figures
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -77,3 +77,15 @@ def test_the_keepers_bytes_a_row_are_its_uss_above_an_empty_keeper() -> None:
     assert got["keeper.memory.rows1000000.bytes_per_row"]["value"] == 152.0
     assert got["keeper.memory.rows1000000.bytes_per_row"]["target"] == 150.0
     assert got["keeper.memory.rows250000.bytes_per_row"]["value"] is None
+
+
+def test_the_lag_target_is_the_lag_from_the_commit() -> None:
+    doc = {"rows": 250_000, "target_rate": 15_000, "achieved_rate": 15_000,
+           "lag": {"node": {"p50_ms": 2.5, "p99_ms": 9.3}, "apply_us": 14.7},
+           "from_commit": {"samples": 1266, "p50_ms": 0.42, "p99_ms": 3.79}}  # fmt: skip
+    got = {f["name"]: f for f in lag_figures([doc], {"machine": "x"})}
+    assert got["keeper.lag.from_commit_p99_ms"]["value"] == 3.79
+    assert got["keeper.lag.from_commit_p99_ms"]["target"] == 5.0
+    assert report.met(got["keeper.lag.from_commit_p99_ms"]) is True
+    assert got["keeper.lag.node_p99_ms"].get("target") is None
+
