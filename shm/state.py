@@ -31,8 +31,9 @@ Layout (little-endian, every field naturally aligned)::
     112     4     active_doc         I    index of the newest complete document slot
     116     4     doc_capacity       I    bytes a document slot holds
     120     8     applied_seq        Q    the last change the keeper applied from the
-                                          store's feed (0 before any); stored
-                                          with release, loaded with acquire
+                                          store's feed (0 before any, and while a
+                                          keeper starts); stored with release,
+                                          loaded with acquire
     128           document slot 0, then slot 1 at 128 + doc_stride
 
     document slot (doc_stride = 16 + doc_capacity, a multiple of 8)
