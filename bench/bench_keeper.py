@@ -46,7 +46,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROUTES, add_json_option, keep, key_of, seed, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    ROUTES,
+    add_json_option,
+    keep,
+    key_of,
+    percentile,
+    seed,
+    write_json,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -303,11 +311,13 @@ def _lag_figures(lags: list[float]) -> dict | None:
         return None
     ordered = sorted(lags)
 
-    def at(q: float) -> float:
-        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 3)
+    def ms(q: float) -> float:
+        value = percentile(ordered, q)
+        assert value is not None  # (not empty)
+        return round(value * 1000, 3)
 
-    return {"samples": len(ordered), "p50_ms": at(0.50), "p90_ms": at(0.90),
-            "p99_ms": at(0.99), "max_ms": round(ordered[-1] * 1000, 3)}
+    return {"samples": len(ordered), "p50_ms": ms(0.50), "p90_ms": ms(0.90),
+            "p99_ms": ms(0.99), "max_ms": ms(1.0)}
 
 
 def bench_lag(args: argparse.Namespace) -> None:

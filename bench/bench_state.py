@@ -44,7 +44,6 @@ import argparse
 import cProfile
 import io
 import json
-import math
 import multiprocessing as mp
 import os
 import pstats
@@ -62,7 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import add_json_option, keep, key_of, write_json  # noqa: E402
+from bench.common import add_json_option, keep, key_of, percentile, write_json  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 TARGET_MS = 1.0
@@ -84,18 +83,11 @@ def _report(doc: dict[str, Any]) -> None:
         f.write(line + "\n")
 
 
-def _pct(ordered: list[float], q: float) -> float | None:
-    """The q-quantile of sorted values (nearest rank), or None."""
-    if not ordered:
-        return None
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
 def _ms_figures(seconds: list[float]) -> dict[str, Any]:
     ordered = sorted(seconds)
     out: dict[str, Any] = {"n": len(ordered)}
     for name, q in (("p50_ms", 0.5), ("p99_ms", 0.99)):
-        value = _pct(ordered, q)
+        value = percentile(ordered, q)
         out[name] = None if value is None else round(value * 1e3, 4)
     out["max_ms"] = round(ordered[-1] * 1e3, 4) if ordered else None
     return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sqlite3
 import time
@@ -118,3 +119,11 @@ def write_json(path: Path | None) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(_KEPT, indent=1, default=str) + "\n")
+
+
+def percentile(ordered: list[float], q: float) -> float | None:
+    """The q-quantile of sorted values (nearest rank), or None when empty."""
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+

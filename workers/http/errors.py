@@ -263,17 +263,30 @@ def wants_msgpack(request: web.Request) -> bool:
     return any(t in accept for t in MSGPACK_TYPES)
 
 
-def unsendable(value: Any, raw: bool) -> str | None:
-    """Why ``value`` cannot go into an answer in msgpack (``raw``) or in JSON
-    (strict: no NaN), or None. Only what another program stored in the file
-    can be such a value: the node refuses it where it comes in."""
+class Unsendable(ValueError):
+    """A value an answer's encoding cannot carry ("cannot be sent in JSON:
+    …"). Only what another program stored in the file can be one: the node
+    refuses such values where they come in."""
+
+
+def encode_answer(value: Any, raw: bool) -> bytes:
+    """``value`` in msgpack (``raw``) or in strict JSON (no NaN); Unsendable
+    when that encoding cannot carry it."""
     try:
         if raw:
-            msgpack.packb(value, use_bin_type=True)
-        else:
-            json.dumps(value, allow_nan=False)
+            return msgpack.packb(value, use_bin_type=True)
+        return json.dumps(value, allow_nan=False).encode()
     except (TypeError, ValueError, OverflowError) as exc:  # (UnicodeEncodeError too)
-        return f"it cannot be sent in {'msgpack' if raw else 'JSON'}: {exc}"
+        raise Unsendable(f"cannot be sent in {'msgpack' if raw else 'JSON'}: {exc}") from None
+
+
+def unsendable(value: Any, raw: bool) -> str | None:
+    """Why ``value`` cannot go into an answer in msgpack (``raw``) or in
+    JSON, or None."""
+    try:
+        encode_answer(value, raw)
+    except Unsendable as exc:
+        return f"it {exc}"
     return None
 
 
@@ -289,8 +302,8 @@ def reply(
     type saying so, rather than as a 500 on every poll that reaches it."""
     if wants_msgpack(request):
         try:
-            body = msgpack.packb(obj, use_bin_type=True)
-        except (OverflowError, ValueError, TypeError):  # (UnicodeEncodeError too)
+            body = encode_answer(obj, raw=True)
+        except Unsendable:
             pass
         else:
             return web.Response(

@@ -28,7 +28,6 @@ Where each request goes:
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Iterable
 from concurrent.futures import Executor
@@ -61,6 +60,8 @@ from workers.http.errors import (
     ERROR_CODES,
     MSGPACK_TYPES,
     ApiError,
+    Unsendable,
+    encode_answer,
     reply,
     wants_msgpack,
 )
@@ -102,12 +103,6 @@ CLAIM_CHUNK = 64
 WAITERS_RETRY_AFTER_S = 1
 # The error a handed-back lease is released with (its key is then unheld).
 NOT_SENT = "not sent: the claim answer was full"
-
-
-class Unsendable(Exception):
-    """A granted lease the claim answer's encoding cannot carry: a payload
-    another program stored that only one of JSON and msgpack carries (a
-    blob, a number JSON has no text for, an integer past 64 bits)."""
 
 routes = web.RouteTableDef()
 
@@ -270,15 +265,7 @@ class _LeaseAnswer:
     def add(self, grant: Grant) -> bool:
         """Add the lease, or say False (and add nothing) when it would pass
         the bound; Unsendable (nothing added) when the encoding cannot carry it."""
-        doc = _lease_json(grant)
-        try:
-            if self.raw:
-                piece = msgpack.packb(doc, use_bin_type=True)
-            else:
-                piece = json.dumps(doc, allow_nan=False).encode()
-        except (TypeError, ValueError, OverflowError) as exc:  # (UnicodeEncodeError too)
-            encoding = "msgpack" if self.raw else "JSON"
-            raise Unsendable(f"its payload cannot be sent in {encoding}: {exc}") from None
+        piece = encode_answer(_lease_json(grant), self.raw)
         size = self.size + len(piece) + (0 if self.raw else 2)  # ", " between JSON items
         if self.pieces and size > self.limit:
             return False
@@ -329,9 +316,10 @@ def _claim_into(
         for i, grant in enumerate(grants):
             try:
                 added = answer.add(grant)
-            except Unsendable as exc:
-                outcome = claimer.release(grant.key, grant.lease_id, now, str(exc))
-                log.warn("claim_unsendable", key=grant.key, outcome=outcome.value, error=str(exc))
+            except Unsendable as exc:  # (a payload another program stored)
+                error = f"its payload {exc}"
+                outcome = claimer.release(grant.key, grant.lease_id, now, error)
+                log.warn("claim_unsendable", key=grant.key, outcome=outcome.value, error=error)
                 continue
             if not added:
                 _hand_back(claimer, leases, grants[i:], now)
