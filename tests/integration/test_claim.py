@@ -284,6 +284,30 @@ def test_claim_order_is_ready_order_skipping_gone_moved_and_not_due(ready, lease
     assert sorted(lease.key for lease in leases.live()) == expected
 
 
+def test_rows_released_for_their_job_do_not_shorten_the_claim(ready, leases, tmp_path):
+    """A row another program gave a job that is not a job name is released,
+    not granted; the claim takes the next rows in its place, since fewer
+    leases than asked says the ready set ran out (the HTTP claim stops its
+    chunks there). Before, a claim of 5 over 3 such rows and 6 good ones
+    answered 2 leases."""
+    import sqlite3
+
+    db = tmp_path / "schedule.db"
+    store = open_store(f"sqlite:///{db}")
+    bad, good = _keys(3, "bad"), _keys(6, "good")
+    _seed(store, bad, due_at=NOW - 1200)  # the most overdue: taken first
+    _seed(store, good)
+    conn = sqlite3.connect(db)
+    with conn:
+        conn.executemany("UPDATE schedule SET job = 'my job' WHERE key = ?", [(k,) for k in bad])
+    conn.close()
+    ready.publish(_entries(store, bad + good), NOW)
+    claimer = _claimer(store, ready, leases)
+    assert [g.key for g in claimer.claim(5, 60, "w", NOW)] == good[:5]
+    assert sorted(hold.key for hold in leases.held()) == bad
+    assert [g.key for g in claimer.claim(5, 60, "w", NOW)] == good[5:]  # ran out
+
+
 def test_claim_skips_rows_not_due_with_the_entry_version(ready, leases):
     """A row whose due_at is past ``now`` but whose version still matches
     (another program moved it without the keeper seeing yet) is not granted."""

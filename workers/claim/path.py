@@ -45,7 +45,7 @@ from operator import itemgetter
 from typing import Any, Protocol
 
 from node.core.config import Config
-from node.core.errors import NodeRestarted, NotGranting, NotReady, StoreError
+from node.core.errors import NodeError, NodeRestarted, NotGranting, NotReady, StoreError
 from node.core.log import warn
 from node.core.rows import (
     JOBS_SEEN,
@@ -300,8 +300,22 @@ class Claimer:
             else JOBS_SEEN.issuperset(map(_JOB, grants))
         ):
             return grants  # every job seen a job name before: the usual claim, one set lookup
+        kept, want = self._without_bad_jobs(grants, now), max_n
+        # The released rows took places of this claim, and fewer than asked
+        # says the ready set ran out: claim those places again while it has more.
+        while len(kept) < max_n and len(grants) == want:
+            want = max_n - len(kept)
+            try:
+                grants = self._claim(want, lease_s, consumer, now)
+            except NodeError:
+                break  # the leases kept are live: hand them out
+            kept += self._without_bad_jobs(grants, now)
+        return kept
+
+    def _without_bad_jobs(self, grants: list[Grant], now: float) -> list[Grant]:
+        """``grants`` less those whose job is not a job name, released."""
         if bad := not_jobs(set(map(_JOB, grants))):
-            grants = self._release_bad_jobs(grants, bad, now)
+            return self._release_bad_jobs(grants, bad, now)
         return grants
 
     def _release_bad_jobs(self, grants: list[Grant], bad: set[Any], now: float) -> list[Grant]:
