@@ -248,7 +248,13 @@ class _LeaseAnswer:
     """A claim's answer, built lease by lease in the encoding the request
     accepts, up to ``limit`` bytes; the same bytes ``reply`` would make of
     ``{"leases": [...]}``. The first lease always goes in (a payload is at
-    most 1 MiB, so a row is never too large to be claimed)."""
+    most 1 MiB, so a row is never too large to be claimed).
+
+    As ``reply`` does, an answer asked for in msgpack that msgpack cannot
+    carry (a payload another program stored with an integer past 64 bits)
+    comes in JSON, its content type saying so, when JSON carries every lease
+    of it (a blob payload it does not: then the lease msgpack cannot carry
+    is the one left out)."""
 
     ENVELOPE = 16  # '{"leases": [' and ']}', or msgpack's map and array headers
 
@@ -256,6 +262,7 @@ class _LeaseAnswer:
         self.raw = raw
         self.limit = limit
         self.pieces: list[bytes] = []
+        self.leases: list[dict[str, Any]] = []
         self.size = self.ENVELOPE
 
     @property
@@ -264,13 +271,35 @@ class _LeaseAnswer:
 
     def add(self, grant: Grant) -> bool:
         """Add the lease, or say False (and add nothing) when it would pass
-        the bound; Unsendable (nothing added) when the encoding cannot carry it."""
-        piece = encode_answer(_lease_json(grant), self.raw)
+        the bound; Unsendable (nothing added) when no encoding the request
+        accepts carries it with the leases before it."""
+        lease = _lease_json(grant)
+        try:
+            piece = encode_answer(lease, self.raw)
+        except Unsendable:
+            if not self.raw or not self._to_json(lease):
+                raise
+            piece = encode_answer(lease, False)
         size = self.size + len(piece) + (0 if self.raw else 2)  # ", " between JSON items
         if self.pieces and size > self.limit:
             return False
         self.pieces.append(piece)
+        self.leases.append(lease)
         self.size = size
+        return True
+
+    def _to_json(self, lease: dict[str, Any]) -> bool:
+        """Turn the answer into JSON, if JSON carries ``lease`` and every
+        lease added before it within the bound."""
+        try:
+            pieces = [encode_answer(x, False) for x in [*self.leases, lease]]
+        except Unsendable:
+            return False
+        size = self.ENVELOPE + sum(map(len, pieces)) + 2 * len(pieces)
+        if len(pieces) > 1 and size > self.limit:
+            return False
+        self.raw, self.pieces = False, pieces[:-1]
+        self.size = size - len(pieces[-1]) - 2
         return True
 
     def response(self) -> web.Response:
