@@ -108,11 +108,15 @@ TARGETS = {1: {"postgres": 20.0, "redis": 5.0}, 64: {"postgres": 5.0, "redis": 1
 # -- the schedule file ---------------------------------------------------------------
 
 
-def template(rows: int, results: Path = RESULTS, name: str = "claims", job: str = "") -> Path:
+def template(
+    rows: int, results: Path = RESULTS, name: str = "claims", job: str = "",
+    scattered: bool = False,
+) -> Path:  # fmt: skip
     """A SQLite schedule with ``rows`` due rows, made once and reused
     (``results/<name>-<rows>.db``): keys of about 55 characters, 20 routes, the
-    due times spread; job ``job``, or one of seven when it is empty."""
-    path = results / f"{name}-{rows}.db"
+    due times spread (in key order, or ``scattered``: see ``due_of``); job
+    ``job``, or one of seven when it is empty."""
+    path = results / f"{name}{'-scattered' if scattered else ''}-{rows}.db"
     if reusable(path, rows):
         return path
     from node.core.rows import RowWrite
@@ -127,7 +131,7 @@ def template(rows: int, results: Path = RESULTS, name: str = "claims", job: str 
             RowWrite(
                 key=key_of(i),
                 route=f"route{i % 20:02d}",
-                due_at=due_of(i, rows, now),
+                due_at=due_of(i, rows, now, scattered),
                 payload={"route": f"route{i % 20:02d}", "n": i},
                 job=job or f"job-{i % 7}",
             )

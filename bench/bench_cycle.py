@@ -87,10 +87,10 @@ TARGETS = {("node_local", 64): 5.0, ("node_local", 1): 1.5, ("node_http", 64): 1
 MINIMUM = {("node_local", 64): 3.0}
 
 
-def template(rows: int, results: Path = RESULTS) -> Path:
+def template(rows: int, results: Path = RESULTS, scattered: bool = False) -> Path:
     """A SQLite schedule of ``rows`` due rows of job ``j``, made once and kept
     (the claim bench's rows, all of one job)."""
-    return bench_claims.template(rows, results, name="cycle", job=JOB)
+    return bench_claims.template(rows, results, name="cycle", job=JOB, scattered=scattered)
 
 
 # -- the node's roles (in the claimer and receiver processes) --------------------------------
@@ -470,7 +470,7 @@ def run_node(kind: str, db: Path, rows: int, batch: int, args: Any) -> dict:
                 why = f"Client.complete_many: POST /complete {{items}} a batch, results as {how}"
         res = measure(kind, cfg, batch, args.procs, args.seconds, node.proc.pid)
         res.update(rows=rows, complete=why, workers=args.workers, ready_size=args.ready_size,
-                   wire=args.wire)  # fmt: skip
+                   wire=args.wire, due_order=args.due_order)  # fmt: skip
         return res
     finally:
         node.stop()
@@ -479,11 +479,11 @@ def run_node(kind: str, db: Path, rows: int, batch: int, args: Any) -> dict:
 def run_peer(name: str, rows: int, batch: int, args: Any) -> dict:
     setup, _claimer, _receiver, teardown, info = PEERS[name]
     t0 = time.perf_counter()
-    cfg = setup(rows)
+    cfg = setup(rows, scattered=args.due_order == "scattered")
     try:
         setup_s = time.perf_counter() - t0
         res = measure(name, cfg, batch, args.procs, args.seconds, None)
-        res.update(rows=rows, setup_s=round(setup_s, 2), **info(cfg))
+        res.update(rows=rows, setup_s=round(setup_s, 2), due_order=args.due_order, **info(cfg))
         return res
     finally:
         teardown(cfg)
@@ -611,6 +611,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wire", choices=["msgpack", "json"], default="msgpack",
                    help="node.client.Client's wire (the HTTP claimers and the receiver)")
     p.add_argument("--ready-size", type=int, default=5000)
+    p.add_argument(
+        "--due-order", choices=["keys", "scattered"], default="keys",
+        help="the rows' due order: the keys' (the most overdue rows adjacent in the"
+        " schedule's key index, so a batch's write-backs share pages) or scattered"
+        " over them, as real items' due times are (every peer seeded alike)",
+    )  # fmt: skip
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     p.add_argument(
         "--results", type=Path, default=RESULTS, help="the template and cycle.jsonl's folder"
@@ -620,7 +626,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--repeat must be at least 1")
     args.rows = args.rows or (20_000 if args.quick else 200_000)
     args.seconds = args.seconds or (5.0 if args.quick else 15.0)
-    db = template(args.rows, args.results) if any(v in NODE_PATHS for v in args.peers) else None
+    scattered = args.due_order == "scattered"
+    db = (
+        template(args.rows, args.results, scattered)
+        if any(v in NODE_PATHS for v in args.peers)
+        else None
+    )
     results: list[dict] = []
     # Every round runs each peer once, in turn, so the node's and its peer's
     # runs of a round meet the same moment of a shared machine's load.

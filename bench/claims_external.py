@@ -78,9 +78,17 @@ def payload_of(i: int) -> str:
     return json.dumps({"route": f"route{i % 20:02d}", "job": f"job-{i % 7}", "n": i})
 
 
-def due_of(i: int, rows: int, now: float) -> float:
-    """Row i's due time (epoch s): evenly over the past SPREAD_S, oldest first."""
-    return now - SPREAD_S + (SPREAD_S - 1.0) * i / max(rows, 1)
+# A prime: row i's place in the due order is i * SCATTER mod rows, a
+# permutation of the rows (rows not a multiple of it) that no key order follows.
+SCATTER = 1_000_003
+
+
+def due_of(i: int, rows: int, now: float, scattered: bool = False) -> float:
+    """Row i's due time (epoch s): evenly over the past SPREAD_S, oldest first
+    (row 0 first, in key order, or ``scattered``: the most overdue rows lie
+    all over the key order, as real items' do)."""
+    place = i * SCATTER % rows if scattered and rows > 0 else i
+    return now - SPREAD_S + (SPREAD_S - 1.0) * place / max(rows, 1)
 
 
 # --------------------------------------------------------------------------- harness

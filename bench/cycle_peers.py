@@ -31,6 +31,7 @@ from typing import Any
 from bench.claims_external import (
     PG_DSN,
     REDIS_URL,
+    SCATTER,
     SPREAD_S,
     _pg_create_db,
     _pg_drop_db,
@@ -71,7 +72,7 @@ RETURNING id, key, result
 """
 
 
-def pg_setup(rows: int, dsn: str | None = None) -> dict[str, Any]:
+def pg_setup(rows: int, dsn: str | None = None, scattered: bool = False) -> dict[str, Any]:
     import psycopg
 
     db = _pg_create_db(dsn)
@@ -93,11 +94,14 @@ def pg_setup(rows: int, dsn: str | None = None) -> dict[str, Any]:
                 """INSERT INTO claims (key, due_at, payload)
                 SELECT 'https://example.com/items/' || lpad(i::text, 10, '0')
                            || '/some-slug-text-' || lpad((i %% 97)::text, 2, '0'),
-                       to_timestamp(%(now)s - %(spread)s + (%(spread)s - 1.0) * i / %(rows)s),
+                       to_timestamp(%(now)s - %(spread)s + (%(spread)s - 1.0)
+                                    * (CASE WHEN %(scattered)s THEN i::bigint * %(scatter)s
+                                            %% %(rows)s ELSE i END) / %(rows)s),
                        jsonb_build_object('route', 'route' || lpad((i %% 20)::text, 2, '0'),
                                           'job', 'job-' || (i %% 7), 'n', i)
                 FROM generate_series(0, %(rows)s - 1) AS i ORDER BY i""",
-                {"now": time.time(), "spread": SPREAD_S, "rows": rows},
+                {"now": time.time(), "spread": SPREAD_S, "rows": rows,
+                 "scattered": scattered, "scatter": SCATTER},  # fmt: skip
             )
             conn.execute("CREATE INDEX claims_due ON claims (due_at)")
             conn.execute("VACUUM ANALYZE claims")
@@ -185,7 +189,7 @@ def _redis_keys(prefix: str) -> tuple[str, str, str]:
     return f"{prefix}:due", f"{prefix}:payload", f"{prefix}:results"
 
 
-def redis_setup(rows: int, url: str | None = None) -> dict[str, Any]:
+def redis_setup(rows: int, url: str | None = None, scattered: bool = False) -> dict[str, Any]:
     import redis
 
     url = url or REDIS_URL
@@ -199,7 +203,7 @@ def redis_setup(rows: int, url: str | None = None) -> dict[str, Any]:
         for lo in range(0, rows, 10_000):
             hi = min(rows, lo + 10_000)
             pipe = r.pipeline(transaction=False)
-            pipe.zadd(due_k, {key_of(i): due_of(i, rows, now) for i in range(lo, hi)})
+            pipe.zadd(due_k, {key_of(i): due_of(i, rows, now, scattered) for i in range(lo, hi)})
             pipe.hset(payload_k, mapping={key_of(i): payload_of(i) for i in range(lo, hi)})
             pipe.execute()
     except BaseException:
