@@ -147,7 +147,10 @@ def _fleet(app: web.Application) -> Fleet:
 
 
 def in_a_fleet(ctx: WorkerContext) -> bool:
-    return is_fleet_url(ctx.config.store_url)
+    # config.store, not store_url: no store named is the SQLite default, no
+    # fleet, and store_url resolves the data directory (every poll and ack).
+    store = ctx.config.store
+    return store is not None and is_fleet_url(store)
 
 
 def my_number(ctx: WorkerContext) -> int | None:
