@@ -244,6 +244,10 @@ async def claim(request: web.Request) -> web.Response:
     return answer.response()
 
 
+# What _LeaseAnswer.add did with a lease.
+ADDED, FULL, LATER = "added", "full", "later"
+
+
 class _LeaseAnswer:
     """A claim's answer, built lease by lease in the encoding the request
     accepts, up to ``limit`` bytes; the same bytes ``reply`` would make of
@@ -253,13 +257,15 @@ class _LeaseAnswer:
     As ``reply`` does, an answer asked for in msgpack that msgpack cannot
     carry (a payload another program stored with an integer past 64 bits)
     comes in JSON, its content type saying so, when JSON carries every lease
-    of it (a blob payload it does not: then the lease msgpack cannot carry
-    is the one left out)."""
+    of it within the bound. A lease an encoding the request accepts would
+    carry, but not this answer's (a blob once the answer is in JSON, such an
+    integer beside a blob), waits for a later answer (``LATER``)."""
 
     ENVELOPE = 16  # '{"leases": [' and ']}', or msgpack's map and array headers
 
     def __init__(self, raw: bool, limit: int) -> None:
-        self.raw = raw
+        self.raw = raw  # the answer in msgpack (else JSON)
+        self.msgpack_ok = raw  # the request accepts msgpack
         self.limit = limit
         self.pieces: list[bytes] = []
         self.leases: list[dict[str, Any]] = []
@@ -269,28 +275,36 @@ class _LeaseAnswer:
     def count(self) -> int:
         return len(self.pieces)
 
-    def add(self, grant: Grant) -> bool:
-        """Add the lease, or say False (and add nothing) when it would pass
-        the bound; Unsendable (nothing added) when no encoding the request
-        accepts carries it with the leases before it."""
+    def add(self, grant: Grant) -> str:
+        """ADDED; FULL (nothing added: it would pass the bound); LATER
+        (nothing added: an encoding the request accepts carries it, not this
+        answer's); Unsendable (nothing added) when no encoding the request
+        accepts carries it."""
         lease = _lease_json(grant)
         try:
             piece = encode_answer(lease, self.raw)
         except Unsendable:
-            if not self.raw or not self._to_json(lease):
-                raise
+            if not self.msgpack_ok:
+                raise  # JSON alone was asked for
+            if self.raw:
+                encode_answer(lease, False)  # Unsendable: neither carries it
+                if not self._to_json(lease):
+                    return LATER
+            else:
+                encode_answer(lease, True)  # Unsendable: neither carries it
+                return LATER
             piece = encode_answer(lease, False)
         size = self.size + len(piece) + (0 if self.raw else 2)  # ", " between JSON items
         if self.pieces and size > self.limit:
-            return False
+            return FULL
         self.pieces.append(piece)
         self.leases.append(lease)
         self.size = size
-        return True
+        return ADDED
 
     def _to_json(self, lease: dict[str, Any]) -> bool:
-        """Turn the answer into JSON, if JSON carries ``lease`` and every
-        lease added before it within the bound."""
+        """Turn the answer into JSON, if JSON carries every lease added before
+        ``lease`` (which it carries) and they and it stay within the bound."""
         try:
             pieces = [encode_answer(x, False) for x in [*self.leases, lease]]
         except Unsendable:
@@ -325,11 +339,12 @@ def _claim_into(
     until the ready set runs out or the answer is full. A lease granted past
     the bound never reaches a holder: it is handed back at once, so its key
     is claimable again at the keeper's next publish instead of sitting
-    leased for ``lease_s`` and then counting a miss. A lease the answer
-    cannot carry (``Unsendable``) is released with that error: a miss, so a
-    row no claimer can be sent ends parked, as an item that always fails
-    does, and the rest of the claim is answered. Runs on the claimer's own
-    thread."""
+    leased for ``lease_s`` and then counting a miss; so is one that an
+    encoding the request accepts carries, but not the answer's (``LATER``).
+    A lease no encoding the request accepts carries (``Unsendable``) is
+    released with that error: a miss, so a row no claimer can be sent ends
+    parked, as an item that always fails does, and the rest of the claim is
+    answered. Runs on the claimer's own thread."""
     granted = 0
     while granted < max_n:
         want = min(CLAIM_CHUNK, max_n - granted)
@@ -350,7 +365,9 @@ def _claim_into(
                 outcome = claimer.release(grant.key, grant.lease_id, now, error)
                 log.warn("claim_unsendable", key=grant.key, outcome=outcome.value, error=error)
                 continue
-            if not added:
+            if added == LATER:
+                _hand_back(claimer, leases, [grant], now)
+            elif added == FULL:
                 _hand_back(claimer, leases, grants[i:], now)
                 return
         if len(grants) < want:
