@@ -511,6 +511,14 @@ def table(results: list[dict]) -> list[dict]:
             f"{r['variant']:<13} {r['batch']:>5} {r['acked_per_s']:>9.0f} {r['p50_ms']!s:>9} "
             f"{r['p99_ms']!s:>9} {r['completed']:>11} {r['taken']:>7} {r['lost']:>7}  {note}"
         )
+    if any(r.get("autovacuum") == "off" for r in results):
+        # The queue's dead rows then pile up through the run (the completions'
+        # updates, the receiver's deletes): no vacuum costs the peer CPU in a
+        # short window, but it slows as it goes, and a long window can stall
+        # its receiver for good (docs/performance.md).
+        print("note: this PostgreSQL server runs with autovacuum off (a default one has it"
+              " on): no vacuum slows the postgres peer in a short window; a long one"
+              " stalls it")
     print("\nCPU a completed item, µs (each process over the claimers' loops)")
     for r in results:
         if "not_run" in r or not r.get("cpu_s") or not r["completed"]:

@@ -300,10 +300,11 @@ def _pg_server(dsn: str) -> dict:
 
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(
-            "SELECT current_setting('server_version'), current_setting('synchronous_commit')"
+            "SELECT current_setting('server_version'), current_setting('synchronous_commit'),"
+            " current_setting('autovacuum')"
         ).fetchone()
     assert row is not None
-    return {"server": row[0], "synchronous_commit": row[1]}
+    return {"server": row[0], "synchronous_commit": row[1], "autovacuum": row[2]}
 
 
 # The claim of the issue: one statement, the most overdue free rows, in order.

@@ -158,7 +158,8 @@ def pg_teardown(cfg: dict[str, Any]) -> None:
 
 def pg_info(cfg: dict[str, Any]) -> dict[str, Any]:
     info = _pg_server(cfg["dsn"])
-    return {"postgres": info["server"], "synchronous_commit": info["synchronous_commit"]}
+    return {"postgres": info["server"], "synchronous_commit": info["synchronous_commit"],
+            "autovacuum": info["autovacuum"]}  # fmt: skip
 
 
 # -- Redis --------------------------------------------------------------------------------
