@@ -569,7 +569,8 @@ def records(results: list[dict], ratios: list[dict], args: Any) -> list[dict]:
         "note": f"{args.repeat} round(s), shared machine",
     }
     base = {"rows": args.rows, "procs": args.procs, "seconds": args.seconds,
-            "result_bytes": len(RESULT), "receiver_max": TAKE_MAX}  # fmt: skip
+            "result_bytes": len(RESULT), "receiver_max": TAKE_MAX,
+            "due_order": args.due_order}  # fmt: skip
     out = []
     groups: dict[tuple[str, int], list[dict]] = {}  # a peer's runs at a batch, every round
     for r in results:
@@ -578,7 +579,8 @@ def records(results: list[dict], ratios: list[dict], args: Any) -> list[dict]:
         ran = [r for r in runs if "not_run" not in r]
         r = ran[0] if ran else runs[0]
         setup = {**base, "batch": batch}
-        for k in ("complete", "postgres", "synchronous_commit", "redis", "durable", "loadavg_1m"):
+        for k in ("complete", "postgres", "synchronous_commit", "autovacuum", "redis", "durable",
+                  "loadavg_1m"):
             if k in r:
                 setup[k] = r[k]
         name = f"cycle.{variant}.batch{batch}"
