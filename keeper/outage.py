@@ -58,6 +58,12 @@ REOPEN_LOOK_S = 0.05
 # default is 5 s): its reads in WAL mode never wait, and its writes are
 # best-effort, so a long wait would only stall its loop.
 KEEPER_BUSY_TIMEOUT_S = 0.25
+# The keeper's page cache (SQLite): its reads walk the table in order (the
+# load, the verification) or read the change log's newest pages, so the 16
+# MiB every other process's connection keeps for point reads would only hold
+# pages of the walk, about 17 bytes a row of the keeper's memory at 1,000,000
+# rows (docs/performance.md).
+KEEPER_CACHE_KIB = 2048
 
 
 class KeeperReload(Exception):
@@ -297,7 +303,7 @@ def open_when_there(url: str, state: Any, wait: Callable[[float], Any],
         try:
             return open_store(
                 url, busy_timeout_s=KEEPER_BUSY_TIMEOUT_S, create=False, node_name=node_name,
-                network_timeout_s=network_timeout_s,
+                network_timeout_s=network_timeout_s, cache_kib=KEEPER_CACHE_KIB,
             )  # fmt: skip
         except StoreError as exc:
             attempts += 1

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 # The URL's form is checked with the rest of the configuration (the core).
 from node.core.config import check_store_url
@@ -43,6 +44,7 @@ def open_store(
     create: bool | None = None,
     node_name: str | None = None,
     network_timeout_s: float | None = None,
+    cache_kib: int | None = None,
 ) -> Store:
     """``durable``: each commit synced to disk (SQLite FULL, PostgreSQL
     ``synchronous_commit``), else not (``Store.sync`` does it);
@@ -52,7 +54,8 @@ def open_store(
     ``node_name`` (PostgreSQL): whose meta the store keeps (the host's node
     name by default); ``network_timeout_s`` (PostgreSQL): a connection
     whose server stops answering fails within about this long (default
-    about 10 s).
+    about 10 s); ``cache_kib`` (SQLite): the connection's page cache (None:
+    16 MiB, ``sqlite.CACHE_KIB``).
 
     ``create`` (SQLite): make a missing file (and its directory), or raise
     StoreUnavailable. None: make it, except in a node's child process (one
@@ -77,6 +80,9 @@ def open_store(
 
     # sqlite:///relative.db and sqlite:////absolute.db, as SQLAlchemy spells them.
     path = url[len("sqlite:///") :]
-    if busy_timeout_s is None:
-        return SQLiteStore(path, durable, autocheckpoint, create=create)
-    return SQLiteStore(path, durable, autocheckpoint, create=create, busy_timeout_s=busy_timeout_s)
+    tuning: dict[str, Any] = {}
+    if busy_timeout_s is not None:
+        tuning["busy_timeout_s"] = busy_timeout_s
+    if cache_kib is not None:
+        tuning["cache_kib"] = cache_kib
+    return SQLiteStore(path, durable, autocheckpoint, create=create, **tuning)

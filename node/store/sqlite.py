@@ -110,6 +110,7 @@ class SQLiteStore(Store):
         *,
         create: bool = True,
         busy_timeout_s: float = BUSY_TIMEOUT_S,
+        cache_kib: int = CACHE_KIB,
     ) -> None:
         """``durable``: every commit is synced (``synchronous = FULL``); the
         ledger opens its connections with False (``docs/delivery.md``).
@@ -119,12 +120,12 @@ class SQLiteStore(Store):
         False: a missing file is StoreUnavailable, never a new empty store
         (``reopen``). ``busy_timeout_s``: how long a statement waits for
         another connection's lock (the keeper waits little: its writes are
-        best-effort and a wait stalls its loop)."""
+        best-effort and a wait stalls its loop). ``cache_kib``: the page cache."""
         self.path = os.fspath(path)
         self.durable = durable
         self.autocheckpoint = autocheckpoint
         self._create = create
-        self._busy_timeout_s = busy_timeout_s
+        self._busy_timeout_s, self._cache_kib = busy_timeout_s, cache_kib
         # (st_dev, st_ino) of the file the connection opened: ``replaced``.
         self._identity: tuple[int, int] | None = None
         self._ckpt_lock = threading.Lock()
@@ -166,7 +167,7 @@ class SQLiteStore(Store):
                     "is it on a network file system?"
                 )
             pragmas = q.tuning_pragmas(
-                int(self._busy_timeout_s * 1000), CACHE_KIB, MMAP_SIZE, self.durable
+                int(self._busy_timeout_s * 1000), self._cache_kib, MMAP_SIZE, self.durable
             )
             for pragma in pragmas:
                 conn.execute(pragma)
@@ -240,6 +241,7 @@ class SQLiteStore(Store):
             self.autocheckpoint,
             create=False,
             busy_timeout_s=self._busy_timeout_s,
+            cache_kib=self._cache_kib,
         )
 
     def close(self) -> None:
