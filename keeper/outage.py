@@ -61,8 +61,8 @@ KEEPER_BUSY_TIMEOUT_S = 0.25
 # The keeper's page cache (SQLite): its reads walk the table in order (the
 # load, the verification) or read the change log's newest pages, so the 16
 # MiB every other process's connection keeps for point reads would only hold
-# pages of the walk, about 17 bytes a row of the keeper's memory at 1,000,000
-# rows (docs/performance.md).
+# pages of the walk, about 15 bytes a row of the keeper's memory at 1,000,000
+# rows (docs/performance.md, "The keeper's page cache").
 KEEPER_CACHE_KIB = 2048
 
 

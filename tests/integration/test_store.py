@@ -1029,7 +1029,7 @@ def test_a_connection_without_autocheckpoint_leaves_the_wal_to_checkpoint_wal(tm
 def test_the_keeper_opens_its_store_with_a_small_page_cache_a_reopen_keeps(tmp_path):
     """Every process's connection keeps a 16 MiB page cache for point reads;
     the keeper's walks fill its own with pages it does not read again
-    (about 17 bytes a row of its memory at 1,000,000 rows), so its store is
+    (about 15 bytes a row of its memory at 1,000,000 rows), so its store is
     opened with ``KEEPER_CACHE_KIB``, and a reopen after a store error keeps it."""
     from keeper.outage import KEEPER_CACHE_KIB, open_when_there
 
@@ -1040,11 +1040,17 @@ def test_the_keeper_opens_its_store_with_a_small_page_cache_a_reopen_keeps(tmp_p
         return -store._c().execute("PRAGMA cache_size").fetchone()[0]
 
     plain = open_store(url)
-    assert isinstance(plain, SQLiteStore) and cache_kib(plain) == sqlite_store.CACHE_KIB
-    plain.close()
-    keeper = open_when_there(url, None, lambda _s: None, lambda: False)
-    assert KEEPER_CACHE_KIB < sqlite_store.CACHE_KIB and cache_kib(keeper) == KEEPER_CACHE_KIB
-    again = keeper.reopen()
-    keeper.close()
-    assert cache_kib(again) == KEEPER_CACHE_KIB
-    again.close()
+    try:
+        assert isinstance(plain, SQLiteStore) and cache_kib(plain) == sqlite_store.CACHE_KIB
+    finally:
+        plain.close()
+    keeper = open_when_there(url, None, lambda _s: None, lambda: False)  # the file is there
+    try:
+        assert KEEPER_CACHE_KIB < sqlite_store.CACHE_KIB and cache_kib(keeper) == KEEPER_CACHE_KIB
+        again = keeper.reopen()
+    finally:
+        keeper.close()
+    try:
+        assert cache_kib(again) == KEEPER_CACHE_KIB
+    finally:
+        again.close()
