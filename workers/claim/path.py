@@ -314,11 +314,9 @@ class Claimer:
 
     def _without_bad_jobs(self, grants: list[Grant], now: float) -> list[Grant]:
         """``grants`` less those whose job is not a job name, released."""
-        if bad := not_jobs(set(map(_JOB, grants))):
-            return self._release_bad_jobs(grants, bad, now)
-        return grants
-
-    def _release_bad_jobs(self, grants: list[Grant], bad: set[Any], now: float) -> list[Grant]:
+        bad = not_jobs(set(map(_JOB, grants)))
+        if not bad:
+            return grants
         for grant in grants:
             if grant.job in bad:
                 error = f"the row's job {grant.job!r} is not a job name: write the row with one"

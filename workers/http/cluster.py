@@ -147,10 +147,9 @@ def _fleet(app: web.Application) -> Fleet:
 
 
 def in_a_fleet(ctx: WorkerContext) -> bool:
-    # config.store, not store_url: no store named is the SQLite default, no
+    # config.store, not store_url: none named ("") is the SQLite default, no
     # fleet, and store_url resolves the data directory (every poll and ack).
-    store = ctx.config.store
-    return store is not None and is_fleet_url(store)
+    return is_fleet_url(ctx.config.store)
 
 
 def my_number(ctx: WorkerContext) -> int | None:

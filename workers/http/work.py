@@ -268,7 +268,6 @@ class _LeaseAnswer:
         self.msgpack_ok = raw  # the request accepts msgpack
         self.limit = limit
         self.pieces: list[bytes] = []
-        self.leases: list[dict[str, Any]] = []
         self.size = self.ENVELOPE
 
     @property
@@ -298,15 +297,16 @@ class _LeaseAnswer:
         if self.pieces and size > self.limit:
             return FULL
         self.pieces.append(piece)
-        self.leases.append(lease)
         self.size = size
         return ADDED
 
     def _to_json(self, lease: dict[str, Any]) -> bool:
         """Turn the answer into JSON, if JSON carries every lease added before
-        ``lease`` (which it carries) and they and it stay within the bound."""
+        ``lease`` (which it carries: the earlier ones read back from their
+        msgpack) and they and it stay within the bound."""
+        earlier = [msgpack.unpackb(piece, raw=False) for piece in self.pieces]
         try:
-            pieces = [encode_answer(x, False) for x in [*self.leases, lease]]
+            pieces = [encode_answer(x, False) for x in [*earlier, lease]]
         except Unsendable:
             return False
         size = self.ENVELOPE + sum(map(len, pieces)) + 2 * len(pieces)
