@@ -1,10 +1,10 @@
-/* keeper._best: the merge at the heart of Buckets.best_columns (keeper/buckets/best.py).
+/* keeper._best: the merge at the heart of Buckets.best_gathered (keeper/buckets/best.py).
  *
- * best_columns takes each active class's head run out of its order (order
+ * best_gathered takes each active class's head run out of its order (order
  * values, ascending: minute << 32 | slot) and needs the k best of them all by
  * rank, best first. A row's rank is (now - minute * 60) / cadence_s + boost,
  * so within one class's run the ranks never rise: the k best are a k-way
- * merge of the runs, a heap of one head a class. The Python it replaces
+ * merge of the runs, a tournament of one head a class. The Python it replaces
  * computed every candidate's rank and sorted them all (a fifth of a publish);
  * this gives the same picks in the same order (the sort was stable: equal
  * ranks keep their candidates' order) and the same floats (the same
@@ -16,38 +16,6 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef struct {
-    double rank;
-    Py_ssize_t at;  /* the candidate's position in values */
-    Py_ssize_t end; /* where its class's run ends */
-    Py_ssize_t cls;
-} Head;
-
-/* Head a before head b: the higher rank, then the earlier candidate. */
-static inline int
-before(const Head *a, const Head *b)
-{
-    return a->rank > b->rank || (a->rank == b->rank && a->at < b->at);
-}
-
-static void
-sift_down(Head *heap, Py_ssize_t n, Py_ssize_t i)
-{
-    for (;;) {
-        Py_ssize_t best = i, l = 2 * i + 1, r = l + 1;
-        if (l < n && before(&heap[l], &heap[best]))
-            best = l;
-        if (r < n && before(&heap[r], &heap[best]))
-            best = r;
-        if (best == i)
-            return;
-        Head t = heap[i];
-        heap[i] = heap[best];
-        heap[best] = t;
-        i = best;
-    }
-}
-
 static inline double
 rank_of(int64_t value, double now, double cadence, double boost)
 {
@@ -55,6 +23,88 @@ rank_of(int64_t value, double now, double cadence, double boost)
        times 60 is an exact integer, converted once. */
     int64_t minute = value >> 32;
     return (now - (double)(minute * 60)) / cadence + boost;
+}
+
+/* The k-way merge (merge, pick) is a tree of losers (a tournament) over the
+ * runs, kept as columns by run: each pick replays one leaf-to-root path, one
+ * comparison a level, where a binary heap's sift makes two a level and moves
+ * whole heads (about half of pick's time with 20 classes, whose heads
+ * interleave pick by pick; docs/performance.md). The order: the higher rank
+ * first, then the earlier candidate. Positions are distinct, so the order is
+ * total and the picks are those of any merge by it (the Python reference's
+ * stable sort included). */
+typedef struct {
+    double *rank;        /* each run's head's rank (-inf once spent) */
+    Py_ssize_t *at;      /* its head's position in values */
+    Py_ssize_t *end;     /* where its run ends */
+    Py_ssize_t *cls;     /* its class's index */
+    Py_ssize_t *loser;   /* [0]: the winner; [i], i >= 1: the loser at node i */
+    Py_ssize_t runs;
+} Tourney;
+
+static inline int
+run_before(const Tourney *t, Py_ssize_t a, Py_ssize_t b)
+{
+    return t->rank[a] > t->rank[b] || (t->rank[a] == t->rank[b] && t->at[a] < t->at[b]);
+}
+
+/* Play the whole tournament (leaves at runs..2 runs - 1, node i's children
+ * 2i and 2i + 1); win: scratch of 2 runs. */
+static void
+tourney_build(Tourney *t, Py_ssize_t *win)
+{
+    Py_ssize_t m = t->runs;
+    for (Py_ssize_t j = 0; j < m; j++)
+        win[m + j] = j;
+    for (Py_ssize_t i = m - 1; i >= 1; i--) {
+        Py_ssize_t a = win[2 * i], b = win[2 * i + 1];
+        int a_wins = run_before(t, a, b);
+        win[i] = a_wins ? a : b;
+        t->loser[i] = a_wins ? b : a;
+    }
+    t->loser[0] = m > 1 ? win[1] : 0;
+}
+
+/* Run w's head changed: replay its path to the root. */
+static inline void
+tourney_replay(Tourney *t, Py_ssize_t w)
+{
+    for (Py_ssize_t node = (w + t->runs) >> 1; node > 0; node >>= 1) {
+        Py_ssize_t l = t->loser[node];
+        if (run_before(t, l, w)) {
+            t->loser[node] = w;
+            w = l;
+        }
+    }
+    t->loser[0] = w;
+}
+
+static int
+tourney_alloc(Tourney *t, Py_ssize_t room, Py_ssize_t **win)
+{
+    t->rank = PyMem_Malloc(sizeof(double) * room);
+    t->at = PyMem_Malloc(sizeof(Py_ssize_t) * room);
+    t->end = PyMem_Malloc(sizeof(Py_ssize_t) * room);
+    t->cls = PyMem_Malloc(sizeof(Py_ssize_t) * room);
+    t->loser = PyMem_Malloc(sizeof(Py_ssize_t) * room);
+    *win = PyMem_Malloc(sizeof(Py_ssize_t) * 2 * room);
+    if (t->rank == NULL || t->at == NULL || t->end == NULL || t->cls == NULL ||
+        t->loser == NULL || *win == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static void
+tourney_free(Tourney *t, Py_ssize_t *win)
+{
+    PyMem_Free(t->rank);
+    PyMem_Free(t->at);
+    PyMem_Free(t->end);
+    PyMem_Free(t->cls);
+    PyMem_Free(t->loser);
+    PyMem_Free(win);
 }
 
 /* merge(values, starts, cadences, boosts, cids, now, k)
@@ -96,18 +146,20 @@ best_merge(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
         return NULL;
     PyObject *out[6] = {NULL, NULL, NULL, NULL, NULL, NULL}, *result = NULL;
-    Head *heap = NULL;
+    Tourney t = {NULL, NULL, NULL, NULL, NULL, 0};
+    Py_ssize_t *win = NULL;
     double *cad = NULL, *bst = NULL;
     if (view.len % 8 || (view.len && ((uintptr_t)view.buf) % 8)) {
         PyErr_SetString(PyExc_ValueError, "merge(): values are not aligned int64");
         goto done;
     }
     const int64_t *values = (const int64_t *)view.buf;
-    Py_ssize_t n = view.len / 8;
-    heap = PyMem_Malloc(sizeof(Head) * (classes ? classes : 1));
-    cad = PyMem_Malloc(sizeof(double) * (classes ? classes : 1));
-    bst = PyMem_Malloc(sizeof(double) * (classes ? classes : 1));
-    if (heap == NULL || cad == NULL || bst == NULL) {
+    Py_ssize_t n = view.len / 8, room = classes ? classes : 1;
+    if (tourney_alloc(&t, room, &win) < 0)
+        goto done;
+    cad = PyMem_Malloc(sizeof(double) * room);
+    bst = PyMem_Malloc(sizeof(double) * room);
+    if (cad == NULL || bst == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -125,15 +177,15 @@ best_merge(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         total += end - start;
         if (start < end) {
-            heap[size].rank = rank_of(values[start], now, cad[c], bst[c]);
-            heap[size].at = start;
-            heap[size].end = end;
-            heap[size].cls = c;
+            t.rank[size] = rank_of(values[start], now, cad[c], bst[c]);
+            t.at[size] = start;
+            t.end[size] = end;
+            t.cls[size] = c;
             size++;
         }
     }
-    for (Py_ssize_t i = size / 2 - 1; i >= 0; i--)
-        sift_down(heap, size, i);
+    t.runs = size;
+    tourney_build(&t, win);
     Py_ssize_t want = k < total ? k : total;
     if (want < 0)
         want = 0;
@@ -145,14 +197,14 @@ best_merge(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     char *marks = PyByteArray_AS_STRING(out[5]);
     memset(marks, 0, n);
     for (Py_ssize_t i = 0; i < want; i++) {
-        Head *top = &heap[0];
-        int64_t value = values[top->at];
+        Py_ssize_t w = t.loser[0], at = t.at[w], c = t.cls[w];
+        int64_t value = values[at];
         PyObject *item[5] = {
-            PyLong_FromSsize_t(top->at),
-            PyFloat_FromDouble(top->rank),
+            PyLong_FromSsize_t(at),
+            PyFloat_FromDouble(t.rank[w]),
             PyLong_FromLongLong(value & 0xFFFFFFFFLL),
             PyLong_FromLongLong(value >> 32),
-            PyList_GET_ITEM(cids, top->cls),
+            PyList_GET_ITEM(cids, c),
         };
         Py_XINCREF(item[4]);
         for (int j = 0; j < 5; j++) {
@@ -164,20 +216,17 @@ best_merge(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         for (int j = 0; j < 5; j++)
             PyList_SET_ITEM(out[j], i, item[j]);
-        marks[top->at] = 1;
-        if (++top->at < top->end) {
-            Py_ssize_t c = top->cls;
-            top->rank = rank_of(values[top->at], now, cad[c], bst[c]);
-        }
-        else
-            heap[0] = heap[--size];
-        sift_down(heap, size, 0);
+        marks[at] = 1;
+        /* want <= total: the winner is never spent here. */
+        t.at[w] = ++at;
+        t.rank[w] = at < t.end[w] ? rank_of(values[at], now, cad[c], bst[c]) : -Py_HUGE_VAL;
+        tourney_replay(&t, w);
     }
     result = PyTuple_Pack(6, out[0], out[1], out[2], out[3], out[4], out[5]);
 done:
     for (int j = 0; j < 6; j++)
         Py_XDECREF(out[j]);
-    PyMem_Free(heap);
+    tourney_free(&t, win);
     PyMem_Free(cad);
     PyMem_Free(bst);
     PyBuffer_Release(&view);
@@ -231,7 +280,8 @@ best_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
         return NULL;
     PyObject *out[6] = {NULL, NULL, NULL, NULL, NULL, NULL}, *result = NULL;
-    Head *heap = NULL;
+    Tourney t = {NULL, NULL, NULL, NULL, NULL, 0};
+    Py_ssize_t *win = NULL;
     double *cad = NULL, *bst = NULL;
     int32_t *cid_of = NULL;
     int any_set = exclude != NULL && PyAnySet_Check(exclude);
@@ -242,11 +292,12 @@ best_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     const int64_t *values = (const int64_t *)view.buf;
     Py_ssize_t n = view.len / 8, nkeys = exclude != NULL ? PyList_GET_SIZE(keys) : 0;
     Py_ssize_t room = classes ? classes : 1;
-    heap = PyMem_Malloc(sizeof(Head) * room);
+    if (tourney_alloc(&t, room, &win) < 0)
+        goto done;
     cad = PyMem_Malloc(sizeof(double) * room);
     bst = PyMem_Malloc(sizeof(double) * room);
     cid_of = PyMem_Malloc(sizeof(int32_t) * room);
-    if (heap == NULL || cad == NULL || bst == NULL || cid_of == NULL) {
+    if (cad == NULL || bst == NULL || cid_of == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -267,15 +318,15 @@ best_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         cid_of[c] = (int32_t)cid;
         total += end - start;
         if (start < end) {
-            heap[size].rank = rank_of(values[start], now, cad[c], bst[c]);
-            heap[size].at = start;
-            heap[size].end = end;
-            heap[size].cls = c;
+            t.rank[size] = rank_of(values[start], now, cad[c], bst[c]);
+            t.at[size] = start;
+            t.end[size] = end;
+            t.cls[size] = c;
             size++;
         }
     }
-    for (Py_ssize_t i = size / 2 - 1; i >= 0; i--)
-        sift_down(heap, size, i);
+    t.runs = size;
+    tourney_build(&t, win);
     Py_ssize_t want = k < total ? k : total;
     if (want < 0)
         want = 0;
@@ -295,8 +346,10 @@ best_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     memset(marks, 0, n);
     Py_ssize_t got = 0, skipped = 0;
     while (got < want && size > 0) {
-        Head *top = &heap[0];
-        int64_t value = values[top->at];
+        Py_ssize_t w = t.loser[0], at = t.at[w];
+        if (at >= t.end[w])
+            break; /* the winner is spent: so is every run */
+        int64_t value = values[at];
         int32_t slot = (int32_t)(value & 0xFFFFFFFFLL);
         int take = 1;
         if (exclude != NULL) {
@@ -311,22 +364,20 @@ best_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             take = !in;
             skipped += in;
         }
+        Py_ssize_t c = t.cls[w];
         if (take) {
-            positions[got] = (int32_t)top->at;
+            positions[got] = (int32_t)at;
             slots[got] = slot;
             minutes[got] = (int32_t)(value >> 32);
-            classes_of[got] = cid_of[top->cls];
-            ranks[got] = top->rank;
-            marks[top->at] = 1;
+            classes_of[got] = cid_of[c];
+            ranks[got] = t.rank[w];
+            marks[at] = 1;
             got++;
         }
-        if (++top->at < top->end) {
-            Py_ssize_t c = top->cls;
-            top->rank = rank_of(values[top->at], now, cad[c], bst[c]);
-        }
-        else
-            heap[0] = heap[--size];
-        sift_down(heap, size, 0);
+        /* A spent run ranks -inf: it loses to every live head. */
+        t.at[w] = ++at;
+        t.rank[w] = at < t.end[w] ? rank_of(values[at], now, cad[c], bst[c]) : -Py_HUGE_VAL;
+        tourney_replay(&t, w);
     }
     if (got < want) { /* some were excluded: the columns are shorter */
         for (int j = 0; j < 5; j++)
@@ -341,7 +392,7 @@ best_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 done:
     for (int j = 0; j < 6; j++)
         Py_XDECREF(out[j]);
-    PyMem_Free(heap);
+    tourney_free(&t, win);
     PyMem_Free(cad);
     PyMem_Free(bst);
     PyMem_Free(cid_of);
