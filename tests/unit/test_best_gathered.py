@@ -118,6 +118,41 @@ def test_the_c_pick_picks_what_the_python_picks_bit_for_bit(seed):
         best.pick(values, [0], [0.0], [0.0], [1], now, 5, keys, None)
 
 
+@pytest.mark.parametrize("runs", [1, 2, 3, 5, 8, 20, 33])
+def test_the_c_merges_pick_what_the_python_picks_at_every_run_count(runs):
+    """The merge's tournament over every shape of tree (a power of two runs
+    or not), its heads interleaved and tied: runs of one cadence and boost
+    whose minutes repeat, so most picks switch run and many ranks are equal
+    (the earlier candidate first)."""
+    best = pytest.importorskip("keeper._best")
+    rnd = Random(runs)
+    now = 1_800_000_000.0
+    values = array("q")
+    starts, cids, rates = [], [], []
+    for c in range(runs):
+        minute = int(now // 60) - 500
+        run = []
+        for _ in range(rnd.choice([1, 40, 200])):
+            minute += rnd.choice([0, 1])
+            run.append(minute << SLOT_BITS | rnd.randrange(1 << 12))
+        starts.append(len(values))
+        cids.append(c)
+        rates.append((3600.0, 0.0) if c % 3 else (900.0, 0.5))
+        values += array("q", sorted(run))
+    keys = [f"k{i}" for i in range(1 << 12)]
+    cadences, boosts = [r[0] for r in rates], [r[1] for r in rates]
+    for exclude in (None, set(rnd.sample(keys, 2000))):
+        for k in (1, 2, 99, len(values), 10**6):
+            want = _pick(values, starts, rates, cids, now, k, keys, exclude)
+            got = best.pick(values, starts, cadences, boosts, cids, now, k, keys, exclude)
+            assert got[:3] == want[:3] and got[8] == want[8]
+            for c_col, py_col in zip(got[3:8], want[3:8], strict=True):
+                assert bytes(c_col) == py_col.tobytes()
+        merged = best.merge(values, starts, cadences, boosts, cids, now, len(values))
+        want = _pick(values, starts, rates, cids, now, len(values), keys, None)
+        assert merged[0] == list(array("i", want[3].tobytes()))  # the same picks, in order
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("python", [False, True])
 def test_gathered_sets_are_the_columns_sets_byte_for_byte(readies, seed, python):
