@@ -101,13 +101,15 @@ def _node_local_claimer(cfg: dict, idx: int, batch: int, result: bytes) -> Any:
 
     local = LocalClaimer(cfg["name"], data_dir=cfg["dir"], consumer=f"cycle-{idx}")
 
-    def cycle() -> tuple[int, int, list[int]]:
+    def cycle() -> tuple[int, int, list[int], float]:
+        t0 = time.perf_counter()
         grants = local.claim(batch, LEASE_S, wait_s=LOCAL_WAIT_S)
+        claim_s = time.perf_counter() - t0
         if not grants:
-            return 0, 0, []
+            return 0, 0, [], claim_s
         done = local.complete_many([(g.lease_id, g.key, result) for g in grants])
         ids = [d for d in done if type(d) is int]
-        return len(grants), len(ids), ids
+        return len(grants), len(ids), ids, claim_s
 
     return cycle, local.close
 
@@ -154,18 +156,20 @@ def _node_http_claimer(cfg: dict, idx: int, batch: int, result: bytes) -> Any:
             if a.get("outcome", a.get("status")) == "ok" and type(a.get("id")) is int
         ]
 
-    def cycle() -> tuple[int, int, list[int]]:
+    def cycle() -> tuple[int, int, list[int], float]:
+        t0 = time.perf_counter()
         grants = client.claim(batch, LEASE_S, consumer)
+        claim_s = time.perf_counter() - t0
         if not grants:
             time.sleep(HTTP_EMPTY_WAIT_S)  # no long poll on /claim
-            return 0, 0, []
+            return 0, 0, [], claim_s
         if mode == "single":
             ids = complete_each(grants)
         elif mode == "batch" and hasattr(client, "complete_many"):
             ids = complete_many(grants)  # what a user calls: bytes raw on the msgpack wire
         else:
             ids = complete_batch(grants)
-        return len(grants), len(ids), ids
+        return len(grants), len(ids), ids, claim_s
 
     return cycle, client.close
 
@@ -227,7 +231,7 @@ RECEIVERS: dict[str, Any] = {
 
 
 def _cycle_loop(cycle: Any, start_at: float, seconds: float, node: bool) -> dict:
-    lat, ids = array("d"), array("q")
+    lat, claim_lat, ids = array("d"), array("d"), array("q")
     granted = completed = cycles = empty = 0
     now = time.monotonic()
     if start_at > now:
@@ -237,11 +241,12 @@ def _cycle_loop(cycle: Any, start_at: float, seconds: float, node: bool) -> dict
     cpu0 = time.process_time()
     drained = False
     while t < deadline:
-        n, done, got = cycle()
+        n, done, got, claim_s = cycle()
         t2 = time.monotonic()
         cycles += 1
         if n:
             lat.append(t2 - t)
+            claim_lat.append(claim_s)
             granted += n
             completed += done
             ids.extend(got)
@@ -260,6 +265,7 @@ def _cycle_loop(cycle: Any, start_at: float, seconds: float, node: bool) -> dict
         "drained": drained,
         "stopped_at": (last_done if drained else t) - start_at,
         "lat": lat.tobytes(),
+        "claim_lat": claim_lat.tobytes(),
         "ids": ids.tobytes(),
         "cpu_s": time.process_time() - cpu0,  # this claimer's own CPU over its loop
     }
@@ -413,6 +419,14 @@ def _arr(kind: str, raw: bytes) -> array:
 
 def _figures(kind: str, claimers: list[dict], receiver: dict, seconds: float) -> dict:
     lat = sorted(x for r in claimers for x in _arr("d", r["lat"]))
+    # Each cycle's claim, and the rest of it (the completion and what the
+    # claimer does between), cycle by cycle.
+    claims, rests = [], []
+    for r in claimers:
+        for t, c in zip(_arr("d", r["lat"]), _arr("d", r["claim_lat"]), strict=True):
+            claims.append(c)
+            rests.append(t - c)
+    claim_p50, rest_p50 = _percentile(sorted(claims), 0.5), _percentile(sorted(rests), 0.5)
     completed = sum(r["completed"] for r in claimers)
     drained = any(r["drained"] for r in claimers)
     claim_window = max(r["stopped_at"] for r in claimers)
@@ -432,6 +446,8 @@ def _figures(kind: str, claimers: list[dict], receiver: dict, seconds: float) ->
         "acked_per_s": round(acked / window, 1) if window > 0 else 0.0,
         "p50_ms": None if p50 is None else round(p50 * 1e3, 3),
         "p99_ms": None if p99 is None else round(p99 * 1e3, 3),
+        "claim_p50_ms": None if claim_p50 is None else round(claim_p50 * 1e3, 3),
+        "complete_p50_ms": None if rest_p50 is None else round(rest_p50 * 1e3, 3),
         "seconds": round(window, 3),
         "acked_in_window": acked,
         "granted": sum(r["granted"] for r in claimers),
@@ -497,6 +513,15 @@ def report(doc: dict, results: Path = RESULTS) -> None:
         f.write(line + "\n")
 
 
+def _print_split(results: list[dict]) -> None:
+    print("\na batch's cycle, p50 ms: the claim, and the rest (the completion)")
+    for r in results:
+        if "not_run" in r or r.get("claim_p50_ms") is None:
+            continue
+        print(f"{r['variant']:<13} {r['batch']:>5}   claim {r['claim_p50_ms']}"
+              f"  complete {r['complete_p50_ms']}")  # fmt: skip
+
+
 def table(results: list[dict]) -> list[dict]:
     """Prints the figures and the node/peer ratios; answers the ratios."""
     print("\npeer          batch   acked/s    p50 ms    p99 ms   completed   acked    lost  note")
@@ -519,6 +544,7 @@ def table(results: list[dict]) -> list[dict]:
         print("note: this PostgreSQL server runs with autovacuum off (a default one has it"
               " on): no vacuum slows the postgres peer in a short window; a long one"
               " stalls it")
+    _print_split(results)
     print("\nCPU a completed item, µs (each process over the claimers' loops)")
     for r in results:
         if "not_run" in r or not r.get("cpu_s") or not r["completed"]:

@@ -8,8 +8,9 @@ Each peer is three functions the bench's harness calls:
   ``bench/claims_external.py``); not timed;
 - ``claimer(cfg, idx, batch) -> (cycle, close)``: in a claimer process;
   ``cycle()`` claims up to ``batch`` and completes them, and answers
-  ``(granted, completed, ids)`` (``ids`` is empty: the peers' result ids are
-  not checked one by one, their counts are);
+  ``(granted, completed, ids, claim_s)`` (``ids`` is empty: the peers' result
+  ids are not checked one by one, their counts are; ``claim_s`` the seconds
+  the claim took, the rest of the cycle being the completion);
 - ``receiver(cfg) -> (take, close)``: in the receiver process; ``take()``
   takes up to 1,000 delivered results off the peer for good and answers
   ``(taken, ids)``;
@@ -46,7 +47,7 @@ LEASE_S = 60.0
 NEXT_DUE_S = 3600.0  # a completed row is due again an hour later
 TAKE_MAX = 1000  # a receiver takes up to this many results at a time
 
-Cycle = Callable[[], tuple[int, int, list[int]]]
+Cycle = Callable[[], tuple[int, int, list[int], float]]
 Take = Callable[[], tuple[int, list[int]]]
 
 # -- PostgreSQL ---------------------------------------------------------------------------
@@ -124,15 +125,17 @@ def pg_claimer(cfg: dict[str, Any], idx: int, batch: int, result: bytes) -> tupl
         cur.execute(PG_WRITE_BACK, (["-"],), prepare=True)
         cur.execute(PG_RESULTS, (result, ["-"]), prepare=True)
 
-    def cycle() -> tuple[int, int, list[int]]:
+    def cycle() -> tuple[int, int, list[int], float]:
+        t0 = time.perf_counter()
         cur.execute(PG_CLAIM, (batch,), prepare=True)
         keys = [row[0] for row in cur.fetchall()]
+        claim_s = time.perf_counter() - t0
         if not keys:
-            return 0, 0, []
+            return 0, 0, [], claim_s
         with conn.transaction():  # one transaction: the write-backs and the results
             cur.execute(PG_WRITE_BACK, (keys,), prepare=True)
             cur.execute(PG_RESULTS, (result, keys), prepare=True)
-        return len(keys), len(keys), []
+        return len(keys), len(keys), [], claim_s
 
     return cycle, conn.close
 
@@ -223,18 +226,20 @@ def redis_claimer(cfg: dict[str, Any], idx: int, batch: int, result: bytes) -> t
     sha = r.script_load(REDIS_CLAIM_LUA)
     r.evalsha(sha, 2, due_k, payload_k, time.time(), 0, time.time() + LEASE_S)  # warm up
 
-    def cycle() -> tuple[int, int, list[int]]:
+    def cycle() -> tuple[int, int, list[int], float]:
+        t0 = time.perf_counter()
         now = time.time()
         out = r.evalsha(sha, 2, due_k, payload_k, now, batch, now + LEASE_S)
         keys = out[0::2]
+        claim_s = time.perf_counter() - t0
         if not keys:
-            return 0, 0, []
+            return 0, 0, [], claim_s
         done = time.time()
         pipe = r.pipeline(transaction=True)  # one MULTI: the next due times, the results
         pipe.zadd(due_k, {k: done + NEXT_DUE_S for k in keys})
         pipe.rpush(results_k, *[k + b"\0" + result for k in keys])
         pipe.execute()
-        return len(keys), len(keys), []
+        return len(keys), len(keys), [], claim_s
 
     return cycle, r.close
 
