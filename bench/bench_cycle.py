@@ -617,8 +617,9 @@ def records(results: list[dict], ratios: list[dict], args: Any) -> list[dict]:
         if len(runs) > 1:  # --repeat: each figure the median of the rounds, every round kept
             setup["rounds"] = [r["acked_per_s"] for r in ran]
         for field, unit in (("acked_per_s", "items/s"), ("p50_ms", "ms"), ("p99_ms", "ms"),
+                            ("claim_p50_ms", "ms"), ("complete_p50_ms", "ms"),
                             ("lost", "items")):  # fmt: skip
-            values = [r[field] for r in ran if r[field] is not None]
+            values = [r[field] for r in ran if r.get(field) is not None]
             value = sum(values) if field == "lost" else (median(values) if values else None)
             out.append({"name": f"{name}.{field}", "value": value, "unit": unit,
                         "setup": setup, "machine": machine})  # fmt: skip
