@@ -13,6 +13,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -35,7 +36,7 @@ rank_of(int64_t value, double now, double cadence, double boost)
  * stable sort included). */
 typedef struct {
     double *rank;        /* each run's head's rank (-inf once spent) */
-    Py_ssize_t *at;      /* its head's position in values */
+    Py_ssize_t *at;      /* its head's position in values (SPENT once spent) */
     Py_ssize_t *end;     /* where its run ends */
     Py_ssize_t *cls;     /* its class's index */
     Py_ssize_t *loser;   /* [0]: the winner; [i], i >= 1: the loser at node i */
@@ -46,6 +47,24 @@ static inline int
 run_before(const Tourney *t, Py_ssize_t a, Py_ssize_t b)
 {
     return t->rank[a] > t->rank[b] || (t->rank[a] == t->rank[b] && t->at[a] < t->at[b]);
+}
+
+/* A spent run: its rank -inf and its position past every other, so that it
+ * loses to every live head, one whose rank is -inf too included (the ranks
+ * are never NaN: now, the boosts and the cadences are checked on entry). */
+#define SPENT PY_SSIZE_T_MAX
+
+static inline void
+run_advance(Tourney *t, Py_ssize_t w, const int64_t *values, double now, const double *cad,
+            const double *bst)
+{
+    Py_ssize_t at = ++t->at[w], c = t->cls[w];
+    if (at < t->end[w])
+        t->rank[w] = rank_of(values[at], now, cad[c], bst[c]);
+    else {
+        t->rank[w] = -Py_HUGE_VAL;
+        t->at[w] = SPENT;
+    }
 }
 
 /* Play the whole tournament (leaves at runs..2 runs - 1, node i's children
@@ -142,6 +161,10 @@ best_merge(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t k = PyLong_AsSsize_t(args[6]);
     if (PyErr_Occurred())
         return NULL;
+    if (!isfinite(now)) {
+        PyErr_SetString(PyExc_ValueError, "now is not a finite number");
+        return NULL;
+    }
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
         return NULL;
@@ -171,7 +194,7 @@ best_merge(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         bst[c] = PyFloat_AsDouble(PyList_GET_ITEM(boosts, c));
         if (PyErr_Occurred())
             goto done;
-        if (start < 0 || end > n || start > end || !(cad[c] > 0)) {
+        if (start < 0 || end > n || start > end || !(cad[c] > 0) || !isfinite(bst[c])) {
             PyErr_SetString(PyExc_ValueError, "merge(): a run or a cadence out of range");
             goto done;
         }
@@ -217,9 +240,8 @@ best_merge(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         for (int j = 0; j < 5; j++)
             PyList_SET_ITEM(out[j], i, item[j]);
         marks[at] = 1;
-        /* want <= total: the winner is never spent here. */
-        t.at[w] = ++at;
-        t.rank[w] = at < t.end[w] ? rank_of(values[at], now, cad[c], bst[c]) : -Py_HUGE_VAL;
+        /* want <= total: a live run is left, and it beats every spent one. */
+        run_advance(&t, w, values, now, cad, bst);
         tourney_replay(&t, w);
     }
     result = PyTuple_Pack(6, out[0], out[1], out[2], out[3], out[4], out[5]);
@@ -276,6 +298,10 @@ best_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t k = PyLong_AsSsize_t(args[6]);
     if (PyErr_Occurred())
         return NULL;
+    if (!isfinite(now)) {
+        PyErr_SetString(PyExc_ValueError, "now is not a finite number");
+        return NULL;
+    }
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
         return NULL;
@@ -310,8 +336,8 @@ best_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         bst[c] = PyFloat_AsDouble(PyList_GET_ITEM(boosts, c));
         if (PyErr_Occurred())
             goto done;
-        if (start < 0 || end > n || start > end || !(cad[c] > 0) || cid < INT32_MIN ||
-            cid > INT32_MAX) {
+        if (start < 0 || end > n || start > end || !(cad[c] > 0) || !isfinite(bst[c]) ||
+            cid < INT32_MIN || cid > INT32_MAX) {
             PyErr_SetString(PyExc_ValueError, "pick(): a run, a cadence or a class out of range");
             goto done;
         }
@@ -347,7 +373,7 @@ best_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t got = 0, skipped = 0;
     while (got < want && size > 0) {
         Py_ssize_t w = t.loser[0], at = t.at[w];
-        if (at >= t.end[w])
+        if (at == SPENT)
             break; /* the winner is spent: so is every run */
         int64_t value = values[at];
         int32_t slot = (int32_t)(value & 0xFFFFFFFFLL);
@@ -374,9 +400,7 @@ best_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             marks[at] = 1;
             got++;
         }
-        /* A spent run ranks -inf: it loses to every live head. */
-        t.at[w] = ++at;
-        t.rank[w] = at < t.end[w] ? rank_of(values[at], now, cad[c], bst[c]) : -Py_HUGE_VAL;
+        run_advance(&t, w, values, now, cad, bst);
         tourney_replay(&t, w);
     }
     if (got < want) { /* some were excluded: the columns are shorter */
