@@ -35,8 +35,9 @@ rank_of(int64_t value, double now, double cadence, double boost)
  * total and the picks are those of any merge by it (the Python reference's
  * stable sort included). */
 typedef struct {
-    double *rank;        /* each run's head's rank (-inf once spent) */
-    Py_ssize_t *at;      /* its head's position in values (SPENT once spent) */
+    double *rank;        /* each run's head's rank (-inf once spent: below every
+                            live head's, whose ranks are finite, see MIN_CADENCE) */
+    Py_ssize_t *at;      /* its head's position in values */
     Py_ssize_t *end;     /* where its run ends */
     Py_ssize_t *cls;     /* its class's index */
     Py_ssize_t *loser;   /* [0]: the winner; [i], i >= 1: the loser at node i */
@@ -49,23 +50,11 @@ run_before(const Tourney *t, Py_ssize_t a, Py_ssize_t b)
     return t->rank[a] > t->rank[b] || (t->rank[a] == t->rank[b] && t->at[a] < t->at[b]);
 }
 
-/* A spent run: its rank -inf and its position past every other, so that it
- * loses to every live head, one whose rank is -inf too included (the ranks
- * are never NaN: now, the boosts and the cadences are checked on entry). */
-#define SPENT PY_SSIZE_T_MAX
-
-static inline void
-run_advance(Tourney *t, Py_ssize_t w, const int64_t *values, double now, const double *cad,
-            const double *bst)
-{
-    Py_ssize_t at = ++t->at[w], c = t->cls[w];
-    if (at < t->end[w])
-        t->rank[w] = rank_of(values[at], now, cad[c], bst[c]);
-    else {
-        t->rank[w] = -Py_HUGE_VAL;
-        t->at[w] = SPENT;
-    }
-}
+/* The least cadence the merges take. With now and the boosts finite, and the
+ * minutes int32, every rank is then finite (|now - minute * 60| < 2^38), so
+ * a spent run's -inf ranks below every live head: a live run always wins
+ * over a spent one. (The keeper's cadences are 60 s or more.) */
+#define MIN_CADENCE 1.0
 
 /* Play the whole tournament (leaves at runs..2 runs - 1, node i's children
  * 2i and 2i + 1); win: scratch of 2 runs. */
@@ -194,8 +183,9 @@ best_merge(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         bst[c] = PyFloat_AsDouble(PyList_GET_ITEM(boosts, c));
         if (PyErr_Occurred())
             goto done;
-        if (start < 0 || end > n || start > end || !(cad[c] > 0) || !isfinite(bst[c])) {
-            PyErr_SetString(PyExc_ValueError, "merge(): a run or a cadence out of range");
+        if (start < 0 || end > n || start > end || !(cad[c] >= MIN_CADENCE) ||
+            !isfinite(bst[c])) {
+            PyErr_SetString(PyExc_ValueError, "merge(): a run, a cadence (at least 1 s) or a boost (finite) out of range");
             goto done;
         }
         total += end - start;
@@ -240,8 +230,9 @@ best_merge(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         for (int j = 0; j < 5; j++)
             PyList_SET_ITEM(out[j], i, item[j]);
         marks[at] = 1;
-        /* want <= total: a live run is left, and it beats every spent one. */
-        run_advance(&t, w, values, now, cad, bst);
+        /* want <= total: a live run is left, and it wins over every spent one. */
+        t.at[w] = ++at;
+        t.rank[w] = at < t.end[w] ? rank_of(values[at], now, cad[c], bst[c]) : -Py_HUGE_VAL;
         tourney_replay(&t, w);
     }
     result = PyTuple_Pack(6, out[0], out[1], out[2], out[3], out[4], out[5]);
@@ -336,9 +327,9 @@ best_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         bst[c] = PyFloat_AsDouble(PyList_GET_ITEM(boosts, c));
         if (PyErr_Occurred())
             goto done;
-        if (start < 0 || end > n || start > end || !(cad[c] > 0) || !isfinite(bst[c]) ||
-            cid < INT32_MIN || cid > INT32_MAX) {
-            PyErr_SetString(PyExc_ValueError, "pick(): a run, a cadence or a class out of range");
+        if (start < 0 || end > n || start > end || !(cad[c] >= MIN_CADENCE) ||
+            !isfinite(bst[c]) || cid < INT32_MIN || cid > INT32_MAX) {
+            PyErr_SetString(PyExc_ValueError, "pick(): a run, a cadence (at least 1 s), a boost (finite) or a class out of range");
             goto done;
         }
         cid_of[c] = (int32_t)cid;
@@ -373,7 +364,7 @@ best_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t got = 0, skipped = 0;
     while (got < want && size > 0) {
         Py_ssize_t w = t.loser[0], at = t.at[w];
-        if (at == SPENT)
+        if (at >= t.end[w])
             break; /* the winner is spent: so is every run */
         int64_t value = values[at];
         int32_t slot = (int32_t)(value & 0xFFFFFFFFLL);
@@ -400,7 +391,9 @@ best_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             marks[at] = 1;
             got++;
         }
-        run_advance(&t, w, values, now, cad, bst);
+        /* A spent run ranks -inf: it loses to every live head (MIN_CADENCE). */
+        t.at[w] = ++at;
+        t.rank[w] = at < t.end[w] ? rank_of(values[at], now, cad[c], bst[c]) : -Py_HUGE_VAL;
         tourney_replay(&t, w);
     }
     if (got < want) { /* some were excluded: the columns are shorter */

@@ -153,29 +153,39 @@ def test_the_c_merges_pick_what_the_python_picks_at_every_run_count(runs):
         assert merged[0] == list(array("i", want[3].tobytes()))  # the same picks, in order
 
 
-def test_the_c_merges_refuse_what_is_not_a_rank_and_pick_heads_ranked_minus_infinity():
-    """A NaN or infinite boost or now is refused (a NaN rank would lose and
-    win at once); a live head whose rank is -inf (a cadence so small that
-    a row not due yet ranks -inf) is still picked, in the Python order,
-    before any spent run's place."""
+def test_the_c_merges_refuse_what_would_make_a_rank_not_finite():
+    """A NaN or infinite now or boost, or a cadence under 1 s (a row not due
+    yet would rank -inf), is refused: every rank is then finite, so a spent
+    run (ranked -inf) never ties with or beats a live head (a NaN rank let
+    one win and merge read past its values; a live head ranked -inf lost its
+    place to a spent run). A cadence of 1 s with rows far from now is
+    merged as the Python merges it."""
     best = pytest.importorskip("keeper._best")
     now = 1_800_000_000.0
     later = int(now // 60) + 5  # not due yet: (now - minute * 60) < 0
     values = array("q", [later << SLOT_BITS | i for i in range(12)])
     starts, cids, keys = [0, 1], [0, 1], [f"k{i}" for i in range(64)]
-    for boosts, at in (([float("nan")] * 2, now), ([0.0, float("-inf")], now), ([0.0] * 2,
-                       float("nan")), ([0.0] * 2, float("inf"))):  # fmt: skip
+    for cadences, boosts, at in (
+        ([60.0] * 2, [float("nan")] * 2, now),
+        ([60.0] * 2, [0.0, float("-inf")], now),
+        ([60.0] * 2, [0.0] * 2, float("nan")),
+        ([60.0] * 2, [0.0] * 2, float("inf")),
+        ([5e-324, 60.0], [0.0] * 2, now),
+        ([float("nan"), 60.0], [0.0] * 2, now),
+    ):
         with pytest.raises(ValueError):
-            best.pick(values, starts, [60.0, 60.0], boosts, cids, at, 12, keys, None)
+            best.pick(values, starts, cadences, boosts, cids, at, 12, keys, None)
         with pytest.raises(ValueError):
-            best.merge(values, starts, [60.0, 60.0], boosts, cids, at, 12)
-    cadences = [5e-324, 5e-324]  # every rank -inf
-    rates = [(c, 0.0) for c in cadences]
-    want = _pick(values, starts, rates, cids, now, 12, keys, None)
-    got = best.pick(values, starts, cadences, [0.0, 0.0], cids, now, 12, keys, None)
+            best.merge(values, starts, cadences, boosts, cids, at, 12)
+    far = array("q", [(1 << 31) - 1 - i << SLOT_BITS | i for i in range(6)][::-1])
+    far += array("q", [-(1 << 31) + i << SLOT_BITS | 6 + i for i in range(6)])
+    rates = [(1.0, 0.0), (1.0, 1000.0)]
+    want = _pick(far, [0, 6], rates, cids, now, 12, keys, None)
+    got = best.pick(far, [0, 6], [1.0, 1.0], [0.0, 1000.0], cids, now, 12, keys, None)
     assert got[0] == want[0] == 12 and bytes(got[3]) == want[3].tobytes()
-    merged = best.merge(values, starts, cadences, [0.0, 0.0], cids, now, 12)
-    assert merged[0] == list(range(12))
+    assert bytes(got[7]) == want[7].tobytes()  # the ranks: finite, the same floats
+    merged = best.merge(far, [0, 6], [1.0, 1.0], [0.0, 1000.0], cids, now, 12)
+    assert merged[0] == list(array("i", want[3].tobytes()))
 
 
 @pytest.mark.parametrize("seed", range(4))
