@@ -87,6 +87,17 @@ tourney_replay(Tourney *t, Py_ssize_t w)
     t->loser[0] = w;
 }
 
+/* Run w (of class index c) past its head at: its next head, or spent
+ * (ranked -inf); then its path replayed. */
+static inline void
+tourney_advance(Tourney *t, Py_ssize_t w, Py_ssize_t at, Py_ssize_t c, const int64_t *values,
+                double now, const double *cad, const double *bst)
+{
+    t->at[w] = ++at;
+    t->rank[w] = at < t->end[w] ? rank_of(values[at], now, cad[c], bst[c]) : -Py_HUGE_VAL;
+    tourney_replay(t, w);
+}
+
 static int
 tourney_alloc(Tourney *t, Py_ssize_t room, Py_ssize_t **win)
 {
@@ -185,7 +196,8 @@ best_merge(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto done;
         if (start < 0 || end > n || start > end || !(cad[c] >= MIN_CADENCE) ||
             !isfinite(bst[c])) {
-            PyErr_SetString(PyExc_ValueError, "merge(): a run, a cadence (at least 1 s) or a boost (finite) out of range");
+            PyErr_SetString(PyExc_ValueError, "merge(): a run, a cadence (at least 1 s) or a "
+                                              "boost (finite) out of range");
             goto done;
         }
         total += end - start;
@@ -231,9 +243,7 @@ best_merge(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             PyList_SET_ITEM(out[j], i, item[j]);
         marks[at] = 1;
         /* want <= total: a live run is left, and it wins over every spent one. */
-        t.at[w] = ++at;
-        t.rank[w] = at < t.end[w] ? rank_of(values[at], now, cad[c], bst[c]) : -Py_HUGE_VAL;
-        tourney_replay(&t, w);
+        tourney_advance(&t, w, at, c, values, now, cad, bst);
     }
     result = PyTuple_Pack(6, out[0], out[1], out[2], out[3], out[4], out[5]);
 done:
@@ -329,7 +339,8 @@ best_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto done;
         if (start < 0 || end > n || start > end || !(cad[c] >= MIN_CADENCE) ||
             !isfinite(bst[c]) || cid < INT32_MIN || cid > INT32_MAX) {
-            PyErr_SetString(PyExc_ValueError, "pick(): a run, a cadence (at least 1 s), a boost (finite) or a class out of range");
+            PyErr_SetString(PyExc_ValueError, "pick(): a run, a cadence (at least 1 s), a boost "
+                                              "(finite) or a class out of range");
             goto done;
         }
         cid_of[c] = (int32_t)cid;
@@ -392,9 +403,7 @@ best_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             got++;
         }
         /* A spent run ranks -inf: it loses to every live head (MIN_CADENCE). */
-        t.at[w] = ++at;
-        t.rank[w] = at < t.end[w] ? rank_of(values[at], now, cad[c], bst[c]) : -Py_HUGE_VAL;
-        tourney_replay(&t, w);
+        tourney_advance(&t, w, at, c, values, now, cad, bst);
     }
     if (got < want) { /* some were excluded: the columns are shorter */
         for (int j = 0; j < 5; j++)
