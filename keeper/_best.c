@@ -50,10 +50,9 @@ run_before(const Tourney *t, Py_ssize_t a, Py_ssize_t b)
     return t->rank[a] > t->rank[b] || (t->rank[a] == t->rank[b] && t->at[a] < t->at[b]);
 }
 
-/* The least cadence the merges take. With now and the boosts finite, and the
- * minutes int32, every rank is then finite (|now - minute * 60| < 2^38), so
- * a spent run's -inf ranks below every live head: a live run always wins
- * over a spent one. (The keeper's cadences are 60 s or more.) */
+/* The least cadence the merges take: with now and the boosts finite and the
+ * minutes int32, every rank is then finite (|now - minute * 60| < 2^38), so a
+ * spent run's -inf ranks below every live head (the keeper's are >= 60 s). */
 #define MIN_CADENCE 1.0
 
 /* Play the whole tournament (leaves at runs..2 runs - 1, node i's children
@@ -87,8 +86,7 @@ tourney_replay(Tourney *t, Py_ssize_t w)
     t->loser[0] = w;
 }
 
-/* Run w (of class index c) past its head at: its next head, or spent
- * (ranked -inf); then its path replayed. */
+/* Run w (class index c) past its head at: its next head, or spent (-inf). */
 static inline void
 tourney_advance(Tourney *t, Py_ssize_t w, Py_ssize_t at, Py_ssize_t c, const int64_t *values,
                 double now, const double *cad, const double *bst)
