@@ -20,6 +20,7 @@ from array import array
 from collections import deque
 from collections.abc import Container
 from itertools import compress, repeat
+from math import isfinite
 from operator import itemgetter
 from typing import Any, NamedTuple, cast
 
@@ -39,6 +40,9 @@ except ImportError:
 BEST_SLACK_MIN = 32
 BEST_SLACK_SHIFT = 5
 BEST_STEPS = 40
+# The smallest cadence the merges take (keeper/_best.c's MIN_CADENCE): every
+# rank is then finite. The keeper's classes have 60 s or more.
+MIN_CADENCE_S = 1.0
 
 # (keys, versions, due minutes, class ids, ranks): ``best_columns``.
 Columns = tuple[list[str], list[int], list[int], list[int], list[float]]
@@ -57,7 +61,14 @@ def _merge(
     best of the class runs in ``values`` (class ``cids[c]``'s from
     ``starts[c]``, its ``(cadence_s, boost)`` in ``rates[c]``), best first:
     ``(positions, ranks, slots, minutes, class ids, marks)``, marks a
-    bytearray with 1 at each position picked."""
+    bytearray with 1 at each position picked. Refuses (ValueError) what the
+    C merge refuses: a ``now`` or a boost not finite, a cadence under
+    ``MIN_CADENCE_S`` (a row not due yet would rank -inf)."""
+    if not isfinite(now):
+        raise ValueError("now is not a finite number")
+    for cadence_s, boost in rates:
+        if not (cadence_s >= MIN_CADENCE_S and isfinite(boost)):
+            raise ValueError("merge(): a cadence (at least 1 s) or a boost (finite) out of range")
     # Each value's slot and minute, as the two int32 halves of its int64.
     halves = array("i", values.tobytes())
     slot_of, minute_of = halves[_SLOT_HALF::2], halves[_MINUTE_HALF::2]

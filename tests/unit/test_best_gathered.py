@@ -155,7 +155,7 @@ def test_the_c_merges_pick_what_the_python_picks_at_every_run_count(runs):
 
 def test_the_c_merges_refuse_what_would_make_a_rank_not_finite():
     """A NaN or infinite now or boost, or a cadence under 1 s (a row not due
-    yet would rank -inf), is refused: every rank is then finite, so a spent
+    yet would rank -inf), is refused, by the Python merge too: every rank is then finite, so a spent
     run (ranked -inf) never ties with or beats a live head (a NaN rank let
     one win and merge read past its values; a live head ranked -inf lost its
     place to a spent run). A cadence of 1 s with rows far from now is
@@ -177,6 +177,10 @@ def test_the_c_merges_refuse_what_would_make_a_rank_not_finite():
             best.pick(values, starts, cadences, boosts, cids, at, 12, keys, None)
         with pytest.raises(ValueError):
             best.merge(values, starts, cadences, boosts, cids, at, 12)
+        with pytest.raises(ValueError):  # the Python merge the same
+            _pick(
+                values, starts, list(zip(cadences, boosts, strict=True)), cids, at, 12, keys, None
+            )
     far = array("q", [(1 << 31) - 1 - i << SLOT_BITS | i for i in range(6)][::-1])
     far += array("q", [-(1 << 31) + i << SLOT_BITS | 6 + i for i in range(6)])
     rates = [(1.0, 0.0), (1.0, 1000.0)]
