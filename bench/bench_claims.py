@@ -305,8 +305,18 @@ def _child(kind, cfg, idx, batch, seconds, ready, go, start, out) -> None:
 
 
 def measure(
-    kind: str, cfg: dict, batch: int, procs: int, seconds: float, node_pid: int | None = None
+    kind: str,
+    cfg: dict,
+    batch: int,
+    procs: int,
+    seconds: float,
+    node_pid: int | None = None,
+    pg: tuple[str, str] | None = None,
 ) -> dict:
+    """``procs`` claimers of ``kind`` for ``seconds``: grants, latencies and
+    the CPU each process spent meanwhile (the node's by process title; with
+    ``pg``, a node's PostgreSQL (dsn, database), the server's backends
+    connected to that database as ``postgres``)."""
     load_1m = os.getloadavg()[0]
     node_cpu = _NodeCPU(node_pid)
     ctx = mp.get_context("spawn")
@@ -322,9 +332,12 @@ def measure(
     try:
         for _ in children:
             ready.get(timeout=120)
+        # The backends connected once the claimers are (a node's pools are by now).
+        server_cpu = pg_backends_cpu(*pg) if pg is not None else _NodeCPU(None)
         start.value = time.monotonic() + START_DELAY_S
         go.set()
         node_cpu.mark(start.value)
+        server_cpu.mark(start.value)
         results, errors = [], []
         while len(results) + len(errors) < procs:
             try:
@@ -333,6 +346,7 @@ def measure(
                 raise RuntimeError(f"{kind}: claimers did not report in time") from None
             (errors.append(err) if err else results.append(res))
         node_cpu.stop()
+        server_cpu.stop()
         if errors:
             raise RuntimeError(f"{kind}: a claimer failed:\n" + "\n".join(errors))
     finally:
@@ -372,6 +386,7 @@ def measure(
         "cpu_s": {
             "claimers": round(sum(r["cpu_s"] for r in results), 3),
             **node_cpu.spent(),
+            **server_cpu.spent(),
         },
     }
 
@@ -423,6 +438,32 @@ class _NodeCPU:
                 name = name.removeprefix("qn-")
                 by[name] = round(by.get(name, 0.0) + self.after[p.pid] - self.before[p.pid], 3)
         return by
+
+
+def pg_backends_cpu(dsn: str, db: str) -> _NodeCPU:
+    """A CPU reader (``mark``, ``stop``, ``spent``) of the PostgreSQL backends
+    connected to database ``db`` now, reported as ``postgres``: a peer's
+    claimers' and receiver's connections, or a node's pools. The server's
+    shared processes (the WAL writer among them) are not counted: other
+    databases of the server use them too."""
+    import psutil
+    import psycopg
+
+    class Backends(_NodeCPU):
+        def spent(self) -> dict[str, float]:
+            return {"postgres": round(sum(super().spent().values()), 3)}
+
+    cpu = Backends(None)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            pids = [pid for (pid,) in conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+                (db,),
+            ).fetchall()]  # fmt: skip
+        cpu.procs = [psutil.Process(pid) for pid in pids]
+    except Exception:  # noqa: BLE001 - not counted then (another user's server)
+        cpu.procs = []
+    return cpu
 
 
 def run_node(

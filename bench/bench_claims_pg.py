@@ -115,7 +115,9 @@ def run_node(dsn: str, rows: int, batch: int, args: Any) -> dict:
     node = PgNode(dsn, workers=args.workers, ready_size=args.ready_size)
     try:
         cfg = {"name": node.name, "dir": str(node.dir), "http": node.http}
-        res = measure("node_local", cfg, batch, args.procs, args.seconds, node_pid=node.proc.pid)
+        db = dsn.rsplit("/", 1)[1]
+        res = measure("node_local", cfg, batch, args.procs, args.seconds, node_pid=node.proc.pid,
+                      pg=(dsn, db))  # fmt: skip
     finally:
         node.stop()
     res.update(variant="node_local_pg", rows=rows, ready_size=args.ready_size)
@@ -155,6 +157,7 @@ def ratios(results: list[dict]) -> None:
                 f"{batch:>5} {r:>5}  {n['grants_per_s']:>22.0f} {n['p50_ms']!s:>7}   "
                 f"{p['grants_per_s']:>20.0f} {p['p50_ms']!s:>7}   {ratio:6.2f}"
             )
+            _cpu_a_grant(n)
         if not found:
             continue
         found.sort()
@@ -163,6 +166,17 @@ def ratios(results: list[dict]) -> None:
         mark = "" if want is None else f"  (target {want}: {'ok' if median >= want else 'MISS'})"
         print(f"{batch:>5}  median ratio {median:.2f} of {len(found)} "
               f"(range {found[0]:.2f}-{found[-1]:.2f}){mark}")  # fmt: skip
+
+
+def _cpu_a_grant(res: dict) -> None:
+    """The CPU a grant cost in each process of a node run (µs), the
+    PostgreSQL backends of the node's database among them."""
+    grants = res.get("grants") or 0
+    spent = {name: s for name, s in res.get("cpu_s", {}).items() if s}
+    if not grants or not spent:
+        return
+    parts = "  ".join(f"{name} {s / grants * 1e6:.1f}" for name, s in spent.items())
+    print(f"{'':>12}CPU a grant, µs: {parts}  | all {sum(spent.values()) / grants * 1e6:.1f}")
 
 
 def main(argv: list[str] | None = None) -> int:

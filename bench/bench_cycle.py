@@ -63,7 +63,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import bench_claims  # noqa: E402 - after the path fix above
-from bench.bench_claims import Node, _NodeCPU  # noqa: E402
+from bench.bench_claims import Node, _NodeCPU, pg_backends_cpu  # noqa: E402
 from bench.claims_external import RESULTS, _percentile  # noqa: E402
 from bench.cycle_peers import LEASE_S, PEERS, TAKE_MAX  # noqa: E402
 
@@ -360,7 +360,7 @@ def measure(kind: str, cfg: dict, batch: int, procs: int, seconds: float, pid: i
         for _ in children:
             ready.get(timeout=120)
         if pid is None and "dsn" in cfg:  # PostgreSQL: its backends serving the bench
-            node_cpu = _pg_backends(cfg)
+            node_cpu = pg_backends_cpu(cfg["dsn"], cfg["db"])
         start.value = time.monotonic() + START_DELAY_S
         go.set()
         node_cpu.mark(start.value)
@@ -384,31 +384,6 @@ def measure(kind: str, cfg: dict, batch: int, procs: int, seconds: float, pid: i
     if receiver["cpu_s"] is not None:
         res["cpu_s"]["receiver"] = round(receiver["cpu_s"], 3)
     return res
-
-
-def _pg_backends(cfg: dict) -> Any:
-    """The CPU reader of the PostgreSQL backends connected to the peer's own
-    database (the claimers' and the receiver's connections; the server's
-    shared processes, the WAL writer among them, are not counted: other
-    databases of the server use them too)."""
-    import psutil
-    import psycopg
-
-    class Backends(_NodeCPU):
-        def spent(self) -> dict[str, float]:
-            return {"postgres": round(sum(super().spent().values()), 3)}
-
-    cpu = Backends(None)
-    try:
-        with psycopg.connect(cfg["dsn"], autocommit=True) as conn:
-            pids = [pid for (pid,) in conn.execute(
-                "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
-                (cfg["db"],),
-            ).fetchall()]  # fmt: skip
-        cpu.procs = [psutil.Process(pid) for pid in pids]
-    except Exception:  # noqa: BLE001 - not counted then (another user's server)
-        cpu.procs = []
-    return cpu
 
 
 def _arr(kind: str, raw: bytes) -> array:
