@@ -1054,3 +1054,19 @@ def test_the_keeper_opens_its_store_with_a_small_page_cache_a_reopen_keeps(tmp_p
         assert cache_kib(again) == KEEPER_CACHE_KIB
     finally:
         again.close()
+
+
+@pytest.mark.parametrize("cache_kib", [0, -5, 1.5, True, "16"])
+def test_a_page_cache_size_that_is_not_a_whole_positive_kib_is_refused(tmp_path, cache_kib):
+    """``cache_kib`` goes into ``PRAGMA cache_size = -N``: a negative one would
+    make ``--N``, which SQLite reads as a comment (the cache left at its
+    default without a word). Refused before any file is made."""
+    path = tmp_path / "s.db"
+    with pytest.raises(ValueError, match="cache_kib"):
+        open_store(f"sqlite:///{path}", cache_kib=cache_kib)
+    assert not path.exists()
+    store = open_store(f"sqlite:///{path}", cache_kib=64)
+    try:
+        assert store._c().execute("PRAGMA cache_size").fetchone()[0] == -64
+    finally:
+        store.close()
