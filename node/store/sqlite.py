@@ -120,9 +120,8 @@ class SQLiteStore(Store):
         False: a missing file is StoreUnavailable, never a new empty store
         (``reopen``). ``busy_timeout_s``: how long a statement waits for
         another connection's lock (the keeper waits little: its writes are
-        best-effort and a wait stalls its loop). ``cache_kib``: the page cache,
-        1 KiB or more (ValueError otherwise: it is written into a PRAGMA, where
-        a negative number would read as a comment)."""
+        best-effort and a wait stalls its loop). ``cache_kib``: the page cache
+        (an int >= 1, else ValueError: in the PRAGMA, -N of a negative is a comment)."""
         if type(cache_kib) is not int or cache_kib < 1:
             raise ValueError(f"cache_kib must be a whole number of KiB, at least 1: {cache_kib!r}")
         self.path = os.fspath(path)
