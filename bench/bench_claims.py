@@ -442,27 +442,47 @@ class _NodeCPU:
 
 def pg_backends_cpu(dsn: str, db: str) -> _NodeCPU:
     """A CPU reader (``mark``, ``stop``, ``spent``) of the PostgreSQL backends
-    connected to database ``db`` now, reported as ``postgres``: a peer's
-    claimers' and receiver's connections, or a node's pools. The server's
-    shared processes (the WAL writer among them) are not counted: other
-    databases of the server use them too."""
+    connected to database ``db``, reported as ``postgres``: a peer's
+    claimers' and receiver's connections, or a node's pools. A backend that
+    connects during the window (a pool growing under load) is counted from
+    zero at ``stop``: all its CPU was spent in the window. The server's shared
+    processes (the WAL writer among them) are not counted: other databases of
+    the server use them too."""
     import psutil
     import psycopg
 
+    def backends() -> dict[int, Any]:
+        found = {}
+        try:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                pids = [pid for (pid,) in conn.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE datname = %s"
+                    " AND pid <> pg_backend_pid()",
+                    (db,),
+                ).fetchall()]  # fmt: skip
+        except Exception:  # noqa: BLE001 - not counted then (another user's server)
+            return found
+        for pid in pids:
+            try:
+                found[pid] = psutil.Process(pid)
+            except psutil.Error:  # gone between the query and here
+                pass
+        return found
+
     class Backends(_NodeCPU):
+        def stop(self) -> None:
+            known = {p.pid for p in self.procs}
+            for pid, proc in backends().items():
+                if pid not in known:
+                    self.procs.append(proc)
+                    self.before[pid] = 0.0  # connected within the window
+            super().stop()
+
         def spent(self) -> dict[str, float]:
             return {"postgres": round(sum(super().spent().values()), 3)}
 
     cpu = Backends(None)
-    try:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            pids = [pid for (pid,) in conn.execute(
-                "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
-                (db,),
-            ).fetchall()]  # fmt: skip
-        cpu.procs = [psutil.Process(pid) for pid in pids]
-    except Exception:  # noqa: BLE001 - not counted then (another user's server)
-        cpu.procs = []
+    cpu.procs = list(backends().values())
     return cpu
 
 

@@ -68,7 +68,7 @@ def _merge(
         raise ValueError("now is not a finite number")
     for cadence_s, boost in rates:
         if not (cadence_s >= MIN_CADENCE_S and isfinite(boost)):
-            raise ValueError("merge(): a cadence (at least 1 s) or a boost (finite) out of range")
+            raise ValueError("a cadence (at least 1 s) or a boost (finite) out of range")
     # Each value's slot and minute, as the two int32 halves of its int64.
     halves = array("i", values.tobytes())
     slot_of, minute_of = halves[_SLOT_HALF::2], halves[_MINUTE_HALF::2]

@@ -155,7 +155,7 @@ def test_the_c_merges_pick_what_the_python_picks_at_every_run_count(runs):
 
 def test_the_c_merges_refuse_what_would_make_a_rank_not_finite():
     """A NaN or infinite now or boost, or a cadence under 1 s (a row not due
-    yet would rank -inf), is refused, by the Python merge too: every rank is then finite, so a spent
+    yet would rank -inf), is refused: every rank is then finite, so a spent
     run (ranked -inf) never ties with or beats a live head (a NaN rank let
     one win and merge read past its values; a live head ranked -inf lost its
     place to a spent run). A cadence of 1 s with rows far from now is
@@ -177,10 +177,6 @@ def test_the_c_merges_refuse_what_would_make_a_rank_not_finite():
             best.pick(values, starts, cadences, boosts, cids, at, 12, keys, None)
         with pytest.raises(ValueError):
             best.merge(values, starts, cadences, boosts, cids, at, 12)
-        with pytest.raises(ValueError):  # the Python merge the same
-            _pick(
-                values, starts, list(zip(cadences, boosts, strict=True)), cids, at, 12, keys, None
-            )
     far = array("q", [(1 << 31) - 1 - i << SLOT_BITS | i for i in range(6)][::-1])
     far += array("q", [-(1 << 31) + i << SLOT_BITS | 6 + i for i in range(6)])
     rates = [(1.0, 0.0), (1.0, 1000.0)]
@@ -190,6 +186,27 @@ def test_the_c_merges_refuse_what_would_make_a_rank_not_finite():
     assert bytes(got[7]) == want[7].tobytes()  # the ranks: finite, the same floats
     merged = best.merge(far, [0, 6], [1.0, 1.0], [0.0, 1000.0], cids, now, 12)
     assert merged[0] == list(array("i", want[3].tobytes()))
+
+
+@pytest.mark.parametrize(
+    ("cadences", "boosts", "now"),
+    [
+        ([60.0] * 2, [float("nan")] * 2, 1_800_000_000.0),
+        ([60.0] * 2, [0.0, float("-inf")], 1_800_000_000.0),
+        ([60.0] * 2, [0.0] * 2, float("nan")),
+        ([60.0] * 2, [0.0] * 2, float("inf")),
+        ([5e-324, 60.0], [0.0] * 2, 1_800_000_000.0),
+        ([float("nan"), 60.0], [0.0] * 2, 1_800_000_000.0),
+    ],
+)
+def test_the_python_merge_refuses_what_the_c_merges_refuse(cadences, boosts, now):
+    """The merge a build without keeper._best ranks with refuses the same (no
+    C module needed: that build is the one that runs it)."""
+    later = int(now // 60) + 5 if now == now and abs(now) != float("inf") else 0
+    values = array("q", [later << SLOT_BITS | i for i in range(12)])
+    rates = list(zip(cadences, boosts, strict=True))
+    with pytest.raises(ValueError):
+        _pick(values, [0, 1], rates, [0, 1], now, 12, [f"k{i}" for i in range(12)], None)
 
 
 @pytest.mark.parametrize("seed", range(4))
