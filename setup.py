@@ -45,6 +45,7 @@ CLAIM_PARTS = [
     "shm/_claim_path.c",  # ClaimPath: a whole claim in one call
     "shm/_claim_take.c",  # its take from the ready set
     "shm/_claim_grant.c",  # its rows and grants
+    "shm/_claim_rows.c",  # its rows handed in (a node on PostgreSQL: the row service)
     "shm/_claim_sqlite.c",  # SQLite, from the library Python's sqlite3 loaded
     "shm/_claim_walk.c",  # Walker: the keeper's load walk of a SQLite schedule
 ]

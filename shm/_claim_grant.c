@@ -435,19 +435,17 @@ args_for(ClaimPathObject *self, const Taken *t, GrantArgs *a, Py_ssize_t i, cons
     }
 }
 
-/* Grant a run of entries [lo, hi) (at most PREFETCH_RUN): refusals first,
-   then the rows of the rest, in one statement when there are enough of
-   them. 0, or -1 with an exception. */
-static int
-grant_run(ClaimPathObject *self, const Taken *t, GrantArgs *a, Py_ssize_t lo, Py_ssize_t hi,
-          PyObject *grants, PyObject *slow, long long *k)
+/* The first steps of a run of entries [lo, hi) (at most PREFETCH_RUN): the
+   keys hashed and their slots' lines fetched while the first are looked at,
+   then the entries the lease table refuses now set aside (counted in k; a set
+   published while claimers granted from the last one starts with some of
+   those keys, and they cost no row read). The others, in entry order, go to
+   need (their rows read in a run), or to alone (read on their own: a key
+   holding NUL, which json_each gives back cut short). */
+static void
+look_run(ClaimPathObject *self, const Taken *t, GrantArgs *a, Py_ssize_t lo, Py_ssize_t hi,
+         Look *looks, Py_ssize_t *need, int *n, Py_ssize_t *alone, int *n_alone, long long *k)
 {
-    Look looks[PREFETCH_RUN];
-    Py_ssize_t need[PREFETCH_RUN], alone[PREFETCH_RUN]; /* entries whose row is read */
-    int found[PREFETCH_RUN];
-    int n = 0, n_alone = 0;
-    /* Hash the run's keys and have their slots' lines fetched while the
-       first are looked at. */
     for (Py_ssize_t i = lo; i < hi; i++) {
         const char *e = self->entries + R_ENTRY_SIZE * i;
         uint32_t o;
@@ -456,9 +454,6 @@ grant_run(ClaimPathObject *self, const Taken *t, GrantArgs *a, Py_ssize_t lo, Py
         memcpy(&l, e + E_KEY_LEN, 2);
         looks[i - lo].h64 = lease_prefetch(self->granter, self->heap + (o - t->heap_lo), l);
     }
-    /* A key the lease table refuses now costs no row read (a set published
-       while claimers granted from the last one starts with some of those
-       keys). */
     for (Py_ssize_t i = lo; i < hi; i++) {
         Look *look = &looks[i - lo];
         look->looked = 0;
@@ -473,13 +468,25 @@ grant_run(ClaimPathObject *self, const Taken *t, GrantArgs *a, Py_ssize_t lo, Py
         look->word = a->word;
         if (a->looked == 1)
             memcpy(look->record, a->record, sizeof look->record);
-        /* json_each gives a string holding \u0000 back cut short: such a
-           key is read on its own. */
         if (memchr(a->key, 0, a->key_len) != NULL)
-            alone[n_alone++] = i;
+            alone[(*n_alone)++] = i;
         else
-            need[n++] = i;
+            need[(*n)++] = i;
     }
+}
+
+/* Grant a run of entries [lo, hi) (at most PREFETCH_RUN): refusals first,
+   then the rows of the rest, in one statement when there are enough of
+   them. 0, or -1 with an exception. */
+static int
+grant_run(ClaimPathObject *self, const Taken *t, GrantArgs *a, Py_ssize_t lo, Py_ssize_t hi,
+          PyObject *grants, PyObject *slow, long long *k)
+{
+    Look looks[PREFETCH_RUN];
+    Py_ssize_t need[PREFETCH_RUN], alone[PREFETCH_RUN]; /* entries whose row is read */
+    int found[PREFETCH_RUN];
+    int n = 0, n_alone = 0;
+    look_run(self, t, a, lo, hi, looks, need, &n, alone, &n_alone, k);
     if (n < ROWS_BATCH_MIN) { /* too few for a batch to pay: all on their own */
         memcpy(alone + n_alone, need, n * sizeof need[0]);
         n_alone += n;
@@ -559,6 +566,8 @@ int
 grant_taken(ClaimPathObject *self, const Taken *t, GrantArgs *a, PyObject *grants,
             PyObject *slow, long long *k)
 {
+    if (self->reader != NULL)
+        return grant_read(self, t, a, grants, slow, k);
     int in_txn = 0;
     if (t->count > 1) {
         if (sq.exec(self->db, "BEGIN", NULL, NULL, NULL) != SQLITE_OK) {

@@ -57,6 +57,7 @@ path_close(ClaimPathObject *self)
     self->entries = self->heap = NULL;
     /* A closed path keeps nothing alive (the claimer's bound method would
        make a cycle the collector cannot see: this type is not tracked). */
+    Py_CLEAR(self->reader);
     Py_CLEAR(self->granter);
     Py_CLEAR(self->grant_type);
     Py_CLEAR(self->decode_payload);
@@ -101,18 +102,27 @@ path_init(ClaimPathObject *self, PyObject *args, PyObject *kwds)
     int busy_ms, cache_kib;
     double low_water;
     const char *row_sql, *rows_sql;
+    PyObject *reader = Py_None;
     static char *kwlist[] = {"ready", "capacity", "heap_size", "low_water", "granter",
                              "sqlite_module", "db_path", "busy_timeout_ms", "cache_kib",
                              "limits", "grant_type", "decode_payload", "route_cadence",
-                             "cadence_of", "scan_once", "row_sql", "rows_sql", NULL};
+                             "cadence_of", "scan_once", "row_sql", "rows_sql", "reader", NULL};
     PyObject *limits;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OnndO!OsiiOOOO!OOss", kwlist, &ready,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OnndO!OziiOOOO!OOzz|O", kwlist, &ready,
                                      &capacity, &heap_size, &low_water, &GranterType, &granter,
                                      &module, &db_path, &busy_ms, &cache_kib, &limits,
                                      &grant_type, &decode_payload, &PyDict_Type, &route_cadence,
-                                     &cadence_of, &scan_once, &row_sql, &rows_sql))
+                                     &cadence_of, &scan_once, &row_sql, &rows_sql, &reader))
         return -1;
-    if (self->db || self->ready_held) {
+    /* Rows read from a SQLite file here (db_path and the statements), or
+       handed in by reader (shm/_claim_rows.c): one or the other. */
+    if (reader == Py_None ? (db_path == NULL || row_sql == NULL || rows_sql == NULL)
+                          : !PyCallable_Check(reader)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "ClaimPath: a db_path and its statements, or a callable reader");
+        return -1;
+    }
+    if (self->db || self->reader || self->ready_held) {
         PyErr_SetString(PyExc_TypeError, "ClaimPath: already initialised");
         return -1;
     }
@@ -133,7 +143,7 @@ path_init(ClaimPathObject *self, PyObject *args, PyObject *kwds)
         if (module_path == NULL)
             return -1;
     }
-    if (load_sqlite(module_path) < 0)
+    if (reader == Py_None && load_sqlite(module_path) < 0)
         return -1;
     if (capacity < 1 || heap_size < 1 || !(low_water >= 0 && low_water <= 1)) {
         PyErr_SetString(PyExc_ValueError, "ClaimPath: bad ready set figures");
@@ -160,6 +170,10 @@ path_init(ClaimPathObject *self, PyObject *args, PyObject *kwds)
         PyErr_NoMemory();
         return -1;
     }
+    if (reader != Py_None) {
+        self->reader = Py_NewRef(reader);
+        goto python_side;
+    }
     if (sq.open_v2(db_path, &self->db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_NOMUTEX, NULL) != SQLITE_OK) {
         if (self->db)
             set_row_error(self);
@@ -178,6 +192,7 @@ path_init(ClaimPathObject *self, PyObject *args, PyObject *kwds)
         path_close(self);
         return -1;
     }
+python_side:
     Py_INCREF(granter);
     self->granter = (GranterObject *)granter;
     Py_INCREF(grant_type);
@@ -213,7 +228,8 @@ path_claim(ClaimPathObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Format(PyExc_TypeError, "claim() takes 6 arguments (%zd given)", nargs);
         return NULL;
     }
-    if (self->db == NULL || self->granter == NULL || !self->granter->held) {
+    if ((self->db == NULL && self->reader == NULL) || self->granter == NULL ||
+        !self->granter->held) {
         PyErr_SetString(PyExc_ValueError, "ClaimPath is closed");
         return NULL;
     }
@@ -322,7 +338,9 @@ PyTypeObject ClaimPathType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "ClaimPath(ready, capacity, heap_size, low_water, granter, sqlite_module, db_path,"
               " busy_timeout_ms, cache_kib, limits, grant_type, decode_payload, route_cadence,"
-              " cadence_of, scan_once, row_sql, rows_sql)",
+              " cadence_of, scan_once, row_sql, rows_sql, reader=None): rows read from"
+              " db_path with row_sql and rows_sql, or (reader) handed in: reader(keys) -> rows,"
+              " each (key, route, cadence_s, sitemap, due_at, payload, job, version)",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)path_init,
     .tp_dealloc = (destructor)path_dealloc,

@@ -1,8 +1,9 @@
 /* The claim path's pieces (shm._claim.ClaimPath), shared between its C
  * files: shm/_claim_path.c (the type: its constructor, claim, close),
  * shm/_claim_take.c (the ready set's take), shm/_claim_sqlite.c (SQLite, from
- * the library Python's sqlite3 loaded) and shm/_claim_grant.c (the rows read
- * and the grants, the per-entry loop). The ready set's offsets are
+ * the library Python's sqlite3 loaded), shm/_claim_grant.c (the rows read
+ * and the grants, the per-entry loop) and shm/_claim_rows.c (the rows handed
+ * in by a reader: a node on PostgreSQL). The ready set's offsets are
  * shm/layout.h's. */
 
 #ifndef QUEUE_NODE_CLAIM_PATH_H
@@ -66,7 +67,8 @@ typedef struct {
     Py_ssize_t switches; /* to a pending set, by this path */
     /* the lease table */
     GranterObject *granter;
-    /* the schedule */
+    /* the schedule: a SQLite file read here, or (reader) rows handed in */
+    PyObject *reader; /* keys -> rows, or NULL: shm/_claim_rows.c */
     sqlite3 *db;
     sqlite3_stmt *stmt;      /* row_sql: one key */
     sqlite3_stmt *rows_stmt; /* rows_sql: a run of keys */
@@ -134,5 +136,11 @@ enum {
    before it stays in `grants`). */
 INTERNAL int grant_taken(ClaimPathObject *self, const Taken *t, GrantArgs *a, PyObject *grants,
                          PyObject *slow, long long *k);
+
+/* -- rows handed in (shm/_claim_rows.c) ---------------------------------------- */
+
+/* grant_taken with the rows from self->reader instead of SQLite. */
+INTERNAL int grant_read(ClaimPathObject *self, const Taken *t, GrantArgs *a, PyObject *grants,
+                        PyObject *slow, long long *k);
 
 #endif

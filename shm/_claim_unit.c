@@ -10,5 +10,6 @@
 #include "_claim_path.c"
 #include "_claim_take.c"
 #include "_claim_grant.c"
+#include "_claim_rows.c" /* after _claim_grant.c: it uses its run helpers */
 #include "_claim_sqlite.c"
 #include "_claim_walk.c"

@@ -30,9 +30,11 @@ Hazards:
   a grant after the deadline could be a key another node owns by then. That
   read is also given up at the deadline (``RowsClient.get_many_until``): a
   claim held by a fault ends ``not_granting`` then, not at the read's 10 s
-  timeout. The
-  C path reads SQLite, which no fleet node uses, and grants microseconds
-  after its take's check.
+  timeout. On the C path the same: with a SQLite schedule it reads the file
+  itself (no fleet node does) and grants microseconds after its take's
+  check; on PostgreSQL it reads each run's rows through ``_read_rows`` (the
+  row service's ``raw_rows``, given up at the deadline, the deadline
+  checked again after it) and grants in C.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from node.core.rows import (
     not_jobs,
 )
 from node.store.base import BadRow, ClaimSource
-from node.store.values import PAYLOAD_DECODER
+from node.store.values import PAYLOAD_DECODER, decode_payload
 from shm.leases import (
     C_STOP,
     CONSUMER_BYTES,
@@ -176,9 +178,10 @@ class Claimer:
 
     Two paths, the same steps: on the SQLite store a whole claim is one call
     into C (``shm._claim.ClaimPath``: the take, the row reads and the grants),
-    with its own connection to the schedule file; elsewhere (the memory store,
-    a build without the extension, PostgreSQL, whose rows a node's claimers
-    read through its row service: ``workers/rows``) the Python path below. ``close()`` closes
+    with its own connection to the schedule file; on PostgreSQL the same call,
+    its rows handed in by the row service (``workers/rows``) through
+    ``_read_rows``; elsewhere (the memory store, a build without the
+    extension, ``c_path=False``) the Python path below. ``close()`` closes
     the C path; closing the ready set or the lease table does as well.
     """
 
@@ -236,13 +239,19 @@ class Claimer:
         from shm.ready import ReadySet
 
         source = self.store.claim_source() if self._c_path else None
-        if source is None or not isinstance(self.ready, ReadySet) or self.ready.segment.read_only:
+        given = self._c_path and source is None and hasattr(self.store, "raw_rows")
+        if (source is None and not given) or not isinstance(self.ready, ReadySet) or (
+            self.ready.segment.read_only
+        ):
             return None  # not asked for, or a store it is not for
         if _claim is None:
             return _python_path("shm._claim is not built (pip install -e . builds it)")
         granter = self.leases.granter
         if granter is None:
             return _python_path("the lease table has no C grant")
+        if given:  # the rows through the row service (PostgreSQL), granted in C
+            return self._open_given_path(granter)
+        assert source is not None
         try:
             import _sqlite3  # the module whose SQLite the C path must share
         except ImportError:
@@ -273,6 +282,48 @@ class Claimer:
         self.ready.on_close(self.close)
         self.leases.on_close(self.close)
         return path
+
+    def _open_given_path(self, granter: Any) -> Any:
+        """The C path whose rows ``_read_rows`` hands in (shm/_claim_rows.c)."""
+        try:
+            path = _claim.ClaimPath(
+                self.ready.segment.mm,
+                self.ready.capacity,
+                self.ready.heap_size,
+                LOW_WATER_FRACTION,
+                granter,
+                None,
+                None,
+                0,
+                0,
+                (MIN_CADENCE_S, MAX_CADENCE_S, MIN_DUE_AT, MAX_DUE_AT),
+                Grant,
+                decode_payload,
+                self._route_cadence,
+                self._cadence_of,
+                PAYLOAD_DECODER.scan_once,  # type: ignore[attr-defined]
+                None,
+                None,
+                reader=self._read_rows,
+            )
+        except (BufferError, ValueError) as exc:
+            return _python_path(f"{type(exc).__name__}: {exc}")  # the Python path serves
+        self.ready.on_close(self.close)
+        self.leases.on_close(self.close)
+        return path
+
+    def _read_rows(self, keys: list[str]) -> list:
+        """A run's rows for the C path, through the row service: given up at
+        the grant deadline, and refused (NotGranting) once it has passed, as
+        ``_grant_entries`` reads them."""
+        until = self.ready.grant_until_ns
+        try:
+            rows = self.store.raw_rows(keys, until)  # type: ignore[attr-defined]
+        except StoreError:
+            self._refuse_past(until)  # a read cut short by the deadline: that is why
+            raise
+        self._refuse_past(until)
+        return rows  # type: ignore[no-any-return]
 
     # -- claims ---------------------------------------------------------------------
 
@@ -384,6 +435,14 @@ class Claimer:
             if grants:
                 return grants
             raise self._c_error(exc) from None
+        except NodeError as exc:  # from the row service's read (_read_rows): as the Python path
+            grants = getattr(exc, "grants", None) or []
+            if isinstance(exc, NotGranting):
+                stats.not_granting += 1
+            stats.granted += len(grants)
+            if grants:
+                return grants  # the leases granted before the failed read are live
+            raise
         stats.taken += k[_TAKEN]
         stats.gone += k[_GONE]
         stats.moved += k[_MOVED]
@@ -430,8 +489,7 @@ class Claimer:
     ) -> None:
         """The entries the C grant handed back (a slot mid-change, a long key,
         a full first pass): the Python grant, which knows every case."""
-        assert self._source is not None  # opened with the path
-        decode_payload = self._source.decode_payload
+        decode = decode_payload if self._source is None else self._source.decode_payload
         for key, version, cadence_s, payload, job, due_at, route in slow:
             lease = self._grant(key, consumer, lease_s, now, cadence_s, version)
             if lease is None:
@@ -440,7 +498,7 @@ class Claimer:
                 Grant(
                     lease.lease_id,
                     key,
-                    decode_payload(payload),
+                    decode(payload),
                     job,
                     due_at,
                     lease.expires_at,

@@ -75,10 +75,28 @@ class RowsClient:
         left_s = (until_ns - time.monotonic_ns()) / 1e9
         return self._rows(keys, min(CALL_TIMEOUT_S, max(MIN_CALL_S, left_s)))
 
+    def raw_rows(self, keys: list[str], until_ns: int = 0) -> list[list]:
+        """The rows of ``keys`` as the service sends them (each ``[key,
+        route, cadence_s, sitemap, due_at, payload, job, version]`` as stored,
+        not decoded): what the claim path in C takes (``shm/_claim_rows.c``).
+        ``until_ns``: given up at it, as ``get_many_until``; 0, no deadline."""
+        if not keys:
+            return []
+        if not until_ns:
+            return self._raw(keys, None)
+        left_s = (until_ns - time.monotonic_ns()) / 1e9
+        return self._raw(keys, min(CALL_TIMEOUT_S, max(MIN_CALL_S, left_s)))
+
     def _rows(self, keys: Iterable[str], timeout_s: float | None) -> dict[str, Row | BadRow]:
         wanted = keys if isinstance(keys, list) else list(keys)
         if not wanted:
             return {}
+        return {
+            stored[0]: stored_row((*stored, *_NO_OUTCOME))
+            for stored in self._raw(wanted, timeout_s)
+        }
+
+    def _raw(self, wanted: list[str], timeout_s: float | None) -> list[list]:
         try:
             reply = self._ipc.call("rows", timeout_s=timeout_s, keys=wanted)
         except IpcError as exc:
@@ -89,7 +107,8 @@ class RowsClient:
             if exc.code == "store_unavailable":
                 raise StoreUnavailable(exc.message) from None
             raise StoreError(f"{self.url}: {exc}") from None
-        return {stored[0]: stored_row((*stored, *_NO_OUTCOME)) for stored in reply["rows"]}
+        rows: list[list] = reply["rows"]
+        return rows
 
     def check_fork(self) -> None:
         return None  # the client reconnects in a child by itself

@@ -1,0 +1,296 @@
+"""The claim path in C with its rows handed in (``shm/_claim_rows.c``: a node
+on PostgreSQL, whose claimers read their rows through the node's row
+service) against the Python path over the same rows.
+
+Two nodes' segments side by side over one PostgreSQL schedule and one row
+service in process: the same set published into both ready sets, the same
+leases, holds and parkings in both lease tables; one Claimer takes the C
+path, the other the Python path (``c_path=False``). Every claim must answer
+the same grants in the same order, leave the same counters and the same set
+behind. The rows cover what a claim must skip or pass through: rows gone,
+rows another program made unschedulable (a cadence under the least, a
+sitemap flag of 2, a due time that is not a number), versions moved, rows
+not due, payloads that are not JSON, a row's own cadence and job, keys the
+lease table refuses, non-ASCII keys and a long key (which the C grant hands
+to the Python grant). A read that fails hands back what the claim granted
+before it, as the Python path does.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+
+from node.config import Config, RouteConfig
+from node.core.errors import StoreUnavailable
+from node.core.names import shm_segment_name
+from node.core.rows import RowWrite
+from node.store.postgres import PostgresStore
+from shm import segment
+from shm.leases import LeaseTable
+from shm.ready import ReadySet
+from tests import pg
+from workers.claim import Claimer, Grant
+from workers.rows import RowsClient
+from workers.rows.service import RowService
+
+pytestmark = pytest.mark.timeout(60)
+
+NOW = 1_700_000_000.0
+LONG = "https://example.com/" + "long/" * 60  # over the 208 bytes a slot holds inline
+
+
+@pytest.fixture
+def names():
+    pair = [f"tcr{uuid.uuid4().hex[:10]}" for _ in range(2)]
+    yield pair
+    for node in pair:
+        ReadySet.unlink(node)
+        segment.unlink(shm_segment_name(node, "leases"))
+
+
+@pytest.fixture
+def store(pg_url):
+    pg.reset(pg_url)
+    s = PostgresStore(pg_url)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def service(store):
+    """A row service over ``store`` on a fresh name, in a thread; its name."""
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    rows = RowService(name, store)
+    rfd, wfd = os.pipe2(os.O_NONBLOCK)
+    thread = threading.Thread(target=rows.serve, args=(rfd,), daemon=True)
+    thread.start()
+    yield name
+    rows.stop()
+    os.write(wfd, b"x")
+    thread.join(5)
+    os.close(rfd)
+    os.close(wfd)
+
+
+def _config() -> Config:
+    return Config(name="t", workers=1, routes={"r": RouteConfig(cadence_s=3600)})
+
+
+def _schedule(store: PostgresStore, url: str) -> list[str]:
+    """Rows of every kind; the keys in the order they are published."""
+    plain = [f"k{i:03d}" for i in range(90)]  # more than a run of 64
+    store.upsert(
+        [
+            RowWrite(key=k, route="r", due_at=NOW - 600 - i, payload={"n": i})
+            for i, k in enumerate(plain)
+        ]
+        + [
+            RowWrite(key="ключ-1", route="r", due_at=NOW - 60, payload=["ü", 1]),
+            RowWrite(key=LONG, route="r", due_at=NOW - 60, payload="long"),
+            RowWrite(key="own-cadence", route="r", cadence_s=120, due_at=NOW - 60, job="j2"),
+            RowWrite(key="no-payload", route="r", due_at=NOW - 60),
+            RowWrite(key="not-due", route="r", due_at=NOW + 600),
+            RowWrite(key="moved", route="r", due_at=NOW - 60),
+            RowWrite(key="other-route", route="unconfigured", due_at=NOW - 60, payload=7.5),
+        ]
+        + [RowWrite(key=k, route="r", due_at=NOW - 60) for k in ("raw", "spaced", "extra")]
+        + [RowWrite(key=k, route="r", due_at=NOW - 60) for k in ("bad-cadence", "bad-sitemap")]
+        + [RowWrite(key="bad-due", route="r", due_at=NOW - 60)]
+        + [RowWrite(key=k, route="r", due_at=NOW - 60) for k in ("leased", "held", "parked")],
+        now=NOW,
+    )
+    with psycopg.connect(url, autocommit=True) as conn:  # what another program might store
+        for key, payload in (
+            ("raw", "not json"),
+            ("spaced", ' \n{"a": [1, 2]} \t'),
+            ("extra", '{"a": 1} trailing'),
+        ):
+            conn.execute("UPDATE schedule SET payload = %s WHERE key = %s", (payload, key))
+        conn.execute("UPDATE schedule SET cadence_s = 5 WHERE key = 'bad-cadence'")
+        conn.execute("UPDATE schedule SET sitemap = 2 WHERE key = 'bad-sitemap'")
+        conn.execute("UPDATE schedule SET due_at = 'NaN' WHERE key = 'bad-due'")
+    return [
+        "k000", "ключ-1", "gone", "not-due", "moved", "leased", LONG, "own-cadence",
+        "held", "no-payload", "raw", "spaced", "extra", "bad-cadence", "parked",
+        "bad-sitemap", "bad-due", "other-route", *plain[1:],
+    ]  # fmt: skip
+
+
+def _entries(url: str, keys: list[str]) -> list[tuple]:
+    with psycopg.connect(url, autocommit=True) as conn:
+        versions = dict(conn.execute("SELECT key, version FROM schedule").fetchall())
+    out = []
+    for rank, key in enumerate(keys):
+        version = versions.get(key, 1)
+        if key == "moved":
+            version += 1  # the row moved on since this publish
+        out.append((key, version, int(NOW // 60) - 10, 1, float(len(keys) - rank)))
+    return out
+
+
+def _refusals(table: LeaseTable) -> None:
+    table.grant("leased", "other", 600, NOW - 1, 3600)
+    held = table.grant("held", "other", 600, NOW - 1, 3600)
+    table.release("held", held.lease_id, NOW - 1, "first miss")
+    for i in range(3):  # max_misses 3: parked (each hold has passed at the next grant)
+        at = NOW - 10**6 + 10**4 * i
+        lease = table.grant("parked", "other", 600, at, 3600)
+        table.release("parked", lease.lease_id, at, "again")
+
+
+def _strip(g: Grant) -> tuple:
+    """A grant, its lease id aside (the long key's comes later on the C path)."""
+    return (g.key, g.payload, g.job, g.due_at, g.expires_at, g.route, g.misses)
+
+
+def _sides(names: list[str], service: str, entries: list[tuple]) -> list[tuple]:
+    sides = []
+    for node, c_path in zip(names, (True, False), strict=True):
+        ready = ReadySet.create(node, capacity=200)
+        leases = LeaseTable.create(node, capacity=512, max_misses=3, now=NOW)
+        _refusals(leases)
+        ready.publish(entries, NOW)
+        rows = RowsClient(service, timeout_s=5)
+        sides.append((Claimer(_config(), rows, ready, leases, c_path=c_path), ready, leases, rows))
+    return sides
+
+
+def _close(sides: list[tuple]) -> None:
+    for claimer, ready, leases, rows in sides:
+        claimer.close()
+        leases.close()
+        ready.close()
+        rows.close()
+
+
+def test_the_c_path_with_rows_handed_in_claims_what_the_python_path_claims(
+    names, store, service, pg_url
+):
+    keys = _schedule(store, pg_url)
+    sides = _sides(names, service, _entries(pg_url, keys))
+    (fast, fast_ready, fast_leases, _), (slow, slow_ready, _, _) = sides
+    try:
+        assert fast.on_c_path and not slow.on_c_path
+        for n in (1, 3, 5, 2, 7, 70, 10, 40):
+            a, b = fast.claim(n, 30.0, "consumer", NOW), slow.claim(n, 30.0, "consumer", NOW)
+            # The same grants: the long key's (granted by the Python grant
+            # after the C path's run) may come last.
+            assert sorted(map(_strip, a), key=repr) == sorted(map(_strip, b), key=repr)
+            assert [g.key for g in a if g.key != LONG] == [g.key for g in b if g.key != LONG]
+            assert fast_ready.remaining() == slow_ready.remaining()
+        assert fast.stats.as_dict() == slow.stats.as_dict()
+        stats = fast.stats.as_dict()
+        assert stats["gone"] == 4  # no row, a bad cadence, a bad sitemap, a bad due time
+        assert (stats["moved"], stats["not_due"]) == (1, 1)
+        assert stats["refused"] == {"leased": 1, "held": 1, "parked": 1}
+        assert stats["granted"] == len(keys) - 9
+        live = {lease.key: lease.lease_id for lease in fast_leases.live(limit=1000)}
+        assert LONG in live and "ключ-1" in live
+        # The cadence each lease caps its hold at: the row's own, else the route's.
+        assert fast_leases.peek("own-cadence", live["own-cadence"])[1].cadence_s == 120
+        assert fast_leases.peek("k000", live["k000"])[1].cadence_s == 3600
+    finally:
+        _close(sides)
+
+
+def test_payloads_come_through_as_the_python_path_reads_them(names, store, service, pg_url):
+    keys = _schedule(store, pg_url)
+    sides = _sides(names, service, _entries(pg_url, keys))
+    try:
+        grants = {g.key: g for g in sides[0][0].claim(200, 30.0, "c", NOW)}
+        assert grants["raw"].payload == "not json"
+        assert grants["spaced"].payload == {"a": [1, 2]}
+        assert grants["extra"].payload == '{"a": 1} trailing'
+        assert grants["no-payload"].payload is None
+        assert grants["ключ-1"].payload == ["ü", 1]
+        assert grants["other-route"].payload == 7.5
+        assert grants["other-route"].route == "unconfigured"
+        assert grants["own-cadence"].job == "j2" and grants["k000"].job == "default"
+        assert all(type(g) is Grant for g in grants.values())
+    finally:
+        _close(sides)
+
+
+def test_a_failed_read_hands_back_what_the_claim_granted_before_it(
+    names, store, service, pg_url, monkeypatch
+):
+    """A claim of 90 reads two runs (64, then 26). When the second read fails
+    (the row service gone), the first run's 64 leases are live and handed
+    out; a claim whose first read fails is StoreUnavailable and grants
+    nothing, on the C path as on the Python path."""
+    keys = [f"k{i:03d}" for i in range(90)]
+    store.upsert([RowWrite(key=k, route="r", due_at=NOW - 600) for k in keys], now=NOW)
+    sides = _sides(names, service, _entries(pg_url, keys))
+    (fast, *_), (slow, *_) = sides
+    try:
+        reads: list[int] = []
+        real = fast.store.raw_rows
+
+        def second_fails(keys: list[str], until: int = 0) -> list:
+            reads.append(len(keys))
+            if len(reads) >= 2:
+                raise StoreUnavailable("the row service went away")
+            return real(keys, until)
+
+        monkeypatch.setattr(fast.store, "raw_rows", second_fails)
+        got = fast.claim(90, 30.0, "c", NOW)
+        assert reads == [64, 26]
+        assert [g.key for g in got] == keys[:64]
+        mine = {lease.key for lease in sides[0][2].live(limit=1000) if lease.consumer == "c"}
+        assert mine == set(keys[:64])
+        sides[0][1].publish(_entries(pg_url, keys), NOW)  # the 26 not granted, again
+        with pytest.raises(StoreUnavailable):
+            fast.claim(5, 30.0, "c", NOW)
+        monkeypatch.setattr(slow.store, "get_many", second_fails)
+        reads[:] = [1]
+        with pytest.raises(StoreUnavailable):
+            slow.claim(5, 30.0, "c", NOW)
+        assert fast.stats.granted == 64 and slow.stats.granted == 0
+    finally:
+        _close(sides)
+
+
+def test_a_deadline_that_passes_during_the_read_grants_nothing_of_that_run(
+    names, store, service, pg_url, monkeypatch
+):
+    """The grant deadline (a fleet's) passes while a run's rows are read (a
+    heartbeat that did not come): nothing of that run is granted, the runs
+    before it are handed out, and a claim that granted nothing is
+    NotGranting; both paths alike."""
+    from node.core.errors import NotGranting
+
+    keys = [f"k{i:03d}" for i in range(90)]
+    store.upsert([RowWrite(key=k, route="r", due_at=NOW - 600) for k in keys], now=NOW)
+    sides = _sides(names, service, _entries(pg_url, keys))
+    try:
+        for (claimer, ready, leases, rows), read in zip(
+            sides, ("raw_rows", "get_many_until"), strict=True
+        ):
+            ready.set_grant_until(time.monotonic_ns() + 60 * 10**9)
+            calls: list[int] = []
+            real = getattr(rows, read)
+
+            def lapses(keys: list[str], until: int, real=real, calls=calls, ready=ready) -> Any:
+                calls.append(len(keys))
+                if len(calls) == 2:  # the second run's read outlasts the deadline
+                    ready.set_grant_until(time.monotonic_ns() - 1)
+                return real(keys, until)
+
+            monkeypatch.setattr(rows, read, lapses)
+            got = claimer.claim(64, 30.0, "c", NOW)
+            assert len(got) == 64  # the first run, before the deadline
+            ready.set_grant_until(time.monotonic_ns() + 60 * 10**9)
+            with pytest.raises(NotGranting):
+                claimer.claim(26, 30.0, "c", NOW)
+            mine = {lease.key for lease in leases.live(limit=1000) if lease.consumer == "c"}
+            assert mine == {g.key for g in got}
+            assert claimer.stats.not_granting == 1
+    finally:
+        _close(sides)
