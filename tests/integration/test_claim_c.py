@@ -53,29 +53,32 @@ def _config() -> Config:
     return Config(name="t", workers=1, routes={"r": RouteConfig(cadence_s=3600)})
 
 
+def row_writes(plain: list[str], odd: tuple[str, ...]) -> list[RowWrite]:
+    """Rows of every kind: ``plain`` due in order, payloads of each shape, a
+    long and a non-ASCII key, a row's own cadence and job, one not due, one
+    to be moved, another route; then, due, the ``odd`` ones (for the caller
+    to make odd), ``bad-cadence``, ``bad-sitemap`` and the keys ``refusals``
+    leases, holds and parks."""
+    due = ("bad-cadence", "bad-sitemap", "leased", "held", "parked")
+    return [
+        RowWrite(key=k, route="r", due_at=NOW - 600 - i, payload={"n": i})
+        for i, k in enumerate(plain)
+    ] + [
+        RowWrite(key="ключ-1", route="r", due_at=NOW - 60, payload=["ü", 1]),
+        RowWrite(key=LONG, route="r", due_at=NOW - 60, payload="long"),
+        RowWrite(key="own-cadence", route="r", cadence_s=120, due_at=NOW - 60, job="j2"),
+        RowWrite(key="no-payload", route="r", due_at=NOW - 60),
+        RowWrite(key="not-due", route="r", due_at=NOW + 600),
+        RowWrite(key="moved", route="r", due_at=NOW - 60),
+        RowWrite(key="other-route", route="unconfigured", due_at=NOW - 60, payload=7.5),
+    ] + [RowWrite(key=k, route="r", due_at=NOW - 60) for k in (*odd, *due)]
+
+
 def _schedule(db: Path) -> list[str]:
     """Rows of every kind; returns the keys in the order they are published."""
     store = open_store(f"sqlite:///{db}")
     plain = [f"k{i:03d}" for i in range(40)]
-    store.upsert(
-        [
-            RowWrite(key=k, route="r", due_at=NOW - 600 - i, payload={"n": i})
-            for i, k in enumerate(plain)
-        ]
-        + [
-            RowWrite(key="ключ-1", route="r", due_at=NOW - 60, payload=["ü", 1]),
-            RowWrite(key=LONG, route="r", due_at=NOW - 60, payload="long"),
-            RowWrite(key="own-cadence", route="r", cadence_s=120, due_at=NOW - 60, job="j2"),
-            RowWrite(key="no-payload", route="r", due_at=NOW - 60),
-            RowWrite(key="not-due", route="r", due_at=NOW + 600),
-            RowWrite(key="moved", route="r", due_at=NOW - 60),
-            RowWrite(key="other-route", route="unconfigured", due_at=NOW - 60, payload=7.5),
-        ]
-        + [RowWrite(key=k, route="r", due_at=NOW - 60) for k in ("raw", "spaced", "extra", "blob")]
-        + [RowWrite(key=k, route="r", due_at=NOW - 60) for k in ("bad-cadence", "bad-sitemap")]
-        + [RowWrite(key=k, route="r", due_at=NOW - 60) for k in ("leased", "held", "parked")],
-        now=NOW,
-    )
+    store.upsert(row_writes(plain, ("raw", "spaced", "extra", "blob")), now=NOW)
     store.close()
     conn = sqlite3.connect(db)
     with conn:  # what another program might store
@@ -100,6 +103,12 @@ def _entries(db: Path, keys: list[str]) -> list[tuple]:
     conn = sqlite3.connect(db)
     versions = dict(conn.execute("SELECT key, version FROM schedule"))
     conn.close()
+    return entries_of(versions, keys)
+
+
+def entries_of(versions: dict[str, int], keys: list[str]) -> list[tuple]:
+    """The set to publish, best first: each key at its row's version (1 for
+    a key with no row), but ``moved``'s, which names the version before."""
     out = []
     for rank, key in enumerate(keys):
         version = versions.get(key, 1)
@@ -109,7 +118,8 @@ def _entries(db: Path, keys: list[str]) -> list[tuple]:
     return out
 
 
-def _refusals(table: LeaseTable) -> None:
+def refusals(table: LeaseTable) -> None:
+    """Keys the lease table refuses: ``leased``, ``held`` and ``parked``."""
     table.grant("leased", "other", 600, NOW - 1, 3600)
     held = table.grant("held", "other", 600, NOW - 1, 3600)
     table.release("held", held.lease_id, NOW - 1, "first miss")
@@ -153,7 +163,7 @@ def test_the_c_path_claims_what_the_python_path_claims(names, tmp_path):
     for node, c_path in zip(names, (True, False), strict=True):
         ready = ReadySet.create(node, capacity=100)
         leases = LeaseTable.create(node, capacity=256, max_misses=3, now=NOW)
-        _refusals(leases)
+        refusals(leases)
         ready.publish(entries, NOW)
         store = open_store(f"sqlite:///{db}")
         claimer = Claimer(_config(), store, ready, leases, c_path=c_path)
@@ -245,7 +255,7 @@ def test_the_c_path_records_where_it_leased_each_entry_for_the_keeper(names, tmp
     db = tmp_path / "schedule.db"
     keys = _schedule(db)
     with _claimer_on(names[0], db, 100, max_misses=3) as (claimer, ready, leases):
-        _refusals(leases)
+        refusals(leases)
         published = [e[0] for e in _entries(db, keys)]
         assert ready.publish(_entries(db, keys), NOW) == len(published)
         with LeaseTable.attach(names[0]) as plain, LeaseTable.attach(names[0]) as hinted:

@@ -18,94 +18,41 @@ before it, as the Python path does.
 
 from __future__ import annotations
 
-import os
-import threading
 import time
-import uuid
 from typing import Any
 
 import psycopg
 import pytest
 
-from node.config import Config, RouteConfig
 from node.core.errors import StoreUnavailable
-from node.core.names import shm_segment_name
 from node.core.rows import RowWrite
 from node.store.postgres import PostgresStore
-from shm import segment
 from shm.leases import LeaseTable
 from shm.ready import ReadySet
-from tests import pg
+from tests.integration import test_claim_c, test_rows_service
+from tests.integration.test_claim_c import LONG, NOW, entries_of, refusals, row_writes
 from workers.claim import Claimer, Grant
 from workers.rows import RowsClient
-from workers.rows.service import RowService
 
 pytestmark = pytest.mark.timeout(60)
 
-NOW = 1_700_000_000.0
-LONG = "https://example.com/" + "long/" * 60  # over the 208 bytes a slot holds inline
+# This run's database emptied, a PostgresStore on it; a row service over a
+# store, in a thread; two node names, their segments unlinked after
+# (test_rows_service.py's and test_claim_c.py's fixtures).
+store, serve = test_rows_service.store, test_rows_service.serve
+names = test_claim_c.names
 
 
 @pytest.fixture
-def names():
-    pair = [f"tcr{uuid.uuid4().hex[:10]}" for _ in range(2)]
-    yield pair
-    for node in pair:
-        ReadySet.unlink(node)
-        segment.unlink(shm_segment_name(node, "leases"))
-
-
-@pytest.fixture
-def store(pg_url):
-    pg.reset(pg_url)
-    s = PostgresStore(pg_url)
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def service(store):
-    """A row service over ``store`` on a fresh name, in a thread; its name."""
-    name = f"t-{uuid.uuid4().hex[:12]}"
-    rows = RowService(name, store)
-    rfd, wfd = os.pipe2(os.O_NONBLOCK)
-    thread = threading.Thread(target=rows.serve, args=(rfd,), daemon=True)
-    thread.start()
-    yield name
-    rows.stop()
-    os.write(wfd, b"x")
-    thread.join(5)
-    os.close(rfd)
-    os.close(wfd)
-
-
-def _config() -> Config:
-    return Config(name="t", workers=1, routes={"r": RouteConfig(cadence_s=3600)})
+def service(store, serve):
+    """A row service over this run's database, in a thread: its node name."""
+    return serve(store).name
 
 
 def _schedule(store: PostgresStore, url: str) -> list[str]:
     """Rows of every kind; the keys in the order they are published."""
     plain = [f"k{i:03d}" for i in range(90)]  # more than a run of 64
-    store.upsert(
-        [
-            RowWrite(key=k, route="r", due_at=NOW - 600 - i, payload={"n": i})
-            for i, k in enumerate(plain)
-        ]
-        + [
-            RowWrite(key="ключ-1", route="r", due_at=NOW - 60, payload=["ü", 1]),
-            RowWrite(key=LONG, route="r", due_at=NOW - 60, payload="long"),
-            RowWrite(key="own-cadence", route="r", cadence_s=120, due_at=NOW - 60, job="j2"),
-            RowWrite(key="no-payload", route="r", due_at=NOW - 60),
-            RowWrite(key="not-due", route="r", due_at=NOW + 600),
-            RowWrite(key="moved", route="r", due_at=NOW - 60),
-            RowWrite(key="other-route", route="unconfigured", due_at=NOW - 60, payload=7.5),
-        ]
-        + [RowWrite(key=k, route="r", due_at=NOW - 60) for k in ("raw", "spaced", "extra")]
-        + [RowWrite(key=k, route="r", due_at=NOW - 60) for k in ("bad-cadence", "bad-sitemap")]
-        + [RowWrite(key="bad-due", route="r", due_at=NOW - 60)]
-        + [RowWrite(key=k, route="r", due_at=NOW - 60) for k in ("leased", "held", "parked")],
-        now=NOW,
-    )
+    store.upsert(row_writes(plain, ("raw", "spaced", "extra", "bad-due")), now=NOW)
     with psycopg.connect(url, autocommit=True) as conn:  # what another program might store
         for key, payload in (
             ("raw", "not json"),
@@ -126,23 +73,7 @@ def _schedule(store: PostgresStore, url: str) -> list[str]:
 def _entries(url: str, keys: list[str]) -> list[tuple]:
     with psycopg.connect(url, autocommit=True) as conn:
         versions = dict(conn.execute("SELECT key, version FROM schedule").fetchall())
-    out = []
-    for rank, key in enumerate(keys):
-        version = versions.get(key, 1)
-        if key == "moved":
-            version += 1  # the row moved on since this publish
-        out.append((key, version, int(NOW // 60) - 10, 1, float(len(keys) - rank)))
-    return out
-
-
-def _refusals(table: LeaseTable) -> None:
-    table.grant("leased", "other", 600, NOW - 1, 3600)
-    held = table.grant("held", "other", 600, NOW - 1, 3600)
-    table.release("held", held.lease_id, NOW - 1, "first miss")
-    for i in range(3):  # max_misses 3: parked (each hold has passed at the next grant)
-        at = NOW - 10**6 + 10**4 * i
-        lease = table.grant("parked", "other", 600, at, 3600)
-        table.release("parked", lease.lease_id, at, "again")
+    return entries_of(versions, keys)
 
 
 def _strip(g: Grant) -> tuple:
@@ -155,10 +86,11 @@ def _sides(names: list[str], service: str, entries: list[tuple]) -> list[tuple]:
     for node, c_path in zip(names, (True, False), strict=True):
         ready = ReadySet.create(node, capacity=200)
         leases = LeaseTable.create(node, capacity=512, max_misses=3, now=NOW)
-        _refusals(leases)
+        refusals(leases)
         ready.publish(entries, NOW)
         rows = RowsClient(service, timeout_s=5)
-        sides.append((Claimer(_config(), rows, ready, leases, c_path=c_path), ready, leases, rows))
+        claimer = Claimer(test_claim_c._config(), rows, ready, leases, c_path=c_path)
+        sides.append((claimer, ready, leases, rows))
     return sides
 
 

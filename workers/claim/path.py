@@ -250,41 +250,24 @@ class Claimer:
         if granter is None:
             return _python_path("the lease table has no C grant")
         if given:  # the rows through the row service (PostgreSQL), granted in C
-            return self._open_given_path(granter)
-        assert source is not None
-        try:
-            import _sqlite3  # the module whose SQLite the C path must share
-        except ImportError:
-            return _python_path("this Python has no _sqlite3 module")
-        try:
-            path = _claim.ClaimPath(
-                self.ready.segment.mm,
-                self.ready.capacity,
-                self.ready.heap_size,
-                LOW_WATER_FRACTION,
-                granter,
+            sqlite: tuple = (None, None, 0, 0, None, None)
+            decode: Callable[[Any], Any] = decode_payload
+            reader: dict[str, Any] = {"reader": self._read_rows}
+        else:
+            assert source is not None
+            try:
+                import _sqlite3  # the module whose SQLite the C path must share
+            except ImportError:
+                return _python_path("this Python has no _sqlite3 module")
+            sqlite = (
                 getattr(_sqlite3, "__file__", None),
                 source.db_path,
                 source.busy_timeout_ms,
                 source.cache_kib,
-                (MIN_CADENCE_S, MAX_CADENCE_S, MIN_DUE_AT, MAX_DUE_AT),
-                Grant,
-                source.decode_payload,
-                self._route_cadence,
-                self._cadence_of,
-                PAYLOAD_DECODER.scan_once,  # type: ignore[attr-defined]
                 source.row_sql,
                 source.rows_sql,
             )
-        except (ImportError, BufferError, ValueError, _claim.RowError) as exc:
-            return _python_path(f"{type(exc).__name__}: {exc}")  # the Python path serves
-        self._source = source
-        self.ready.on_close(self.close)
-        self.leases.on_close(self.close)
-        return path
-
-    def _open_given_path(self, granter: Any) -> Any:
-        """The C path whose rows ``_read_rows`` hands in (shm/_claim_rows.c)."""
+            decode, reader = source.decode_payload, {}
         try:
             path = _claim.ClaimPath(
                 self.ready.segment.mm,
@@ -292,22 +275,19 @@ class Claimer:
                 self.ready.heap_size,
                 LOW_WATER_FRACTION,
                 granter,
-                None,
-                None,
-                0,
-                0,
+                *sqlite[:4],
                 (MIN_CADENCE_S, MAX_CADENCE_S, MIN_DUE_AT, MAX_DUE_AT),
                 Grant,
-                decode_payload,
+                decode,
                 self._route_cadence,
                 self._cadence_of,
                 PAYLOAD_DECODER.scan_once,  # type: ignore[attr-defined]
-                None,
-                None,
-                reader=self._read_rows,
+                *sqlite[4:],
+                **reader,
             )
-        except (BufferError, ValueError) as exc:
+        except (ImportError, BufferError, ValueError, _claim.RowError) as exc:
             return _python_path(f"{type(exc).__name__}: {exc}")  # the Python path serves
+        self._source = source
         self.ready.on_close(self.close)
         self.leases.on_close(self.close)
         return path
