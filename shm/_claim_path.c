@@ -33,6 +33,10 @@
 static void
 path_close(ClaimPathObject *self)
 {
+    if (self->busy) { /* the claim running (its reader called back) closes at its end */
+        self->close_pending = 1;
+        return;
+    }
     if (self->stmt) {
         sq.finalize(self->stmt);
         self->stmt = NULL;
@@ -208,6 +212,24 @@ python_side:
     return 0;
 }
 
+/* The counters as a tuple (K_* order), or NULL with an exception. */
+static PyObject *
+counters_of(const long long *k)
+{
+    PyObject *counters = PyTuple_New(K_N);
+    if (counters == NULL)
+        return NULL;
+    for (int i = 0; i < K_N; i++) {
+        PyObject *v = PyLong_FromLongLong(k[i]);
+        if (v == NULL) {
+            Py_DECREF(counters);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(counters, i, v);
+    }
+    return counters;
+}
+
 /* claim(max, holder, lease_s, now, owner, stop) -> (grants, slow, counters)
  *
  * As Claimer.claim: take up to `max` entries (again while the set, or the
@@ -217,10 +239,11 @@ python_side:
  * retries, switches to a pending set). Raises RowError (sqlite code,
  * message) on a store error, RuntimeError("unstable") when the set would not
  * read steadily, RuntimeError("not_granting") once the grant deadline has
- * passed (every take checks it) and RuntimeError("sealed") when the lease
- * table is sealed;
- * leases granted before an error are in the exception's `grants` attribute,
- * so none is lost. */
+ * passed (every take checks it), RuntimeError("sealed") when the lease
+ * table is sealed, RuntimeError("busy") while another claim of this path
+ * runs (its reader calling back, or another thread), and what a reader
+ * raises; leases granted before an error are in the exception's `grants`
+ * attribute, so none is lost, with `slow` and `counters` as returned. */
 static PyObject *
 path_claim(ClaimPathObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -229,8 +252,12 @@ path_claim(ClaimPathObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     if ((self->db == NULL && self->reader == NULL) || self->granter == NULL ||
-        !self->granter->held) {
+        !self->granter->held || self->close_pending) {
         PyErr_SetString(PyExc_ValueError, "ClaimPath is closed");
+        return NULL;
+    }
+    if (self->busy) { /* from its own reader, or another thread: one claim at a time */
+        PyErr_SetString(PyExc_RuntimeError, "busy");
         return NULL;
     }
     Py_ssize_t max_n = PyLong_AsSsize_t(args[0]);
@@ -255,11 +282,12 @@ path_claim(ClaimPathObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     long long k[K_N] = {0};
-    PyObject *grants = PyList_New(0), *slow = PyList_New(0);
+    PyObject *grants = PyList_New(0), *slow = PyList_New(0), *result = NULL;
+    Py_ssize_t switches = self->switches;
+    self->busy = 1;
     if (grants == NULL || slow == NULL)
         goto fail;
     char *ready = (char *)self->ready.buf;
-    Py_ssize_t switches = self->switches;
     while (PyList_GET_SIZE(grants) + PyList_GET_SIZE(slow) < max_n) {
         Py_ssize_t want = max_n - PyList_GET_SIZE(grants) - PyList_GET_SIZE(slow);
         if (want > self->ready_capacity)
@@ -292,33 +320,39 @@ path_claim(ClaimPathObject *self, PyObject *const *args, Py_ssize_t nargs)
            set may be pending (take switches to it), or nothing is left. */
     }
     k[K_SWITCHES] = self->switches - switches;
-    PyObject *counters = PyTuple_New(K_N);
+    PyObject *counters = counters_of(k);
     if (counters == NULL)
         goto fail;
-    for (int i = 0; i < K_N; i++) {
-        PyObject *v = PyLong_FromLongLong(k[i]);
-        if (v == NULL) {
-            Py_DECREF(counters);
-            goto fail;
-        }
-        PyTuple_SET_ITEM(counters, i, v);
-    }
-    return Py_BuildValue("(NNN)", grants, slow, counters);
+    result = Py_BuildValue("(NNN)", grants, slow, counters);
+    goto out;
 fail:
-    /* Hand back what was granted with the error: those leases are live. */
+    /* Hand back what was granted with the error, and the counters: those
+       leases are live, the entries taken gone from the set. */
+    k[K_SWITCHES] = self->switches - switches;
     if (grants != NULL && PyErr_Occurred()) {
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
         PyErr_NormalizeException(&type, &value, &tb);
         if (value != NULL) {
+            PyObject *counters = counters_of(k);
             PyObject_SetAttrString(value, "grants", grants);
             PyObject_SetAttrString(value, "slow", slow ? slow : Py_None);
+            if (counters != NULL)
+                PyObject_SetAttrString(value, "counters", counters);
+            Py_XDECREF(counters);
+            PyErr_Clear(); /* (a failed attribute: the claim's own error stands) */
         }
         PyErr_Restore(type, value, tb);
     }
     Py_XDECREF(grants);
     Py_XDECREF(slow);
-    return NULL;
+out:
+    self->busy = 0;
+    if (self->close_pending) { /* closed from within the claim: now */
+        self->close_pending = 0;
+        path_close(self);
+    }
+    return result;
 }
 
 static PyMethodDef path_methods[] = {

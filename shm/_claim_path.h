@@ -84,6 +84,9 @@ typedef struct {
     /* scratch for one take */
     char *entries;
     char *heap;
+    /* A claim runs (the reader may release the GIL for seconds): another
+       claim is refused meanwhile, and a close waits for its end. */
+    int busy, close_pending;
 } ClaimPathObject;
 
 INTERNAL extern PyObject *RowError; /* (sqlite code, message) */

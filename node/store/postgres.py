@@ -349,8 +349,8 @@ class PostgresStore(Store):
             self._listener = None
         self._pool.close()
 
-    # claim_source(): None (the base's): the claim path in C reads SQLite
-    # only; claims on this store take the Python path (get / get_many).
+    # claim_source(): None (the base's): no file for the claim path in C to
+    # open; a node's claims read their rows through its row service.
 
     # -- writes ----------------------------------------------------------------
 

@@ -226,3 +226,74 @@ def test_a_deadline_that_passes_during_the_read_grants_nothing_of_that_run(
             assert claimer.stats.not_granting == 1
     finally:
         _close(sides)
+
+
+def test_a_malformed_answer_hands_back_what_the_claim_granted_before_it(
+    names, store, service, pg_url, monkeypatch
+):
+    """An answer the C path cannot take (a row of the wrong length, not a
+    sequence): the claim ends there, and the leases of the runs before are
+    handed out, not left leased to nobody; the entries taken count."""
+    keys = [f"k{i:03d}" for i in range(90)]
+    store.upsert([RowWrite(key=k, route="r", due_at=NOW - 600) for k in keys], now=NOW)
+    sides = _sides(names, service, _entries(pg_url, keys))
+    fast, _ready, leases, rows = sides[0]
+    try:
+        real = rows.raw_rows
+        for bad in ([["k064", "r"]], 7):
+            answers: list[int] = []
+
+            def malformed(keys: list[str], until: int, bad: Any = bad, answers=answers) -> Any:
+                answers.append(len(keys))
+                return real(keys, until) if len(answers) == 1 else bad
+
+            monkeypatch.setattr(rows, "raw_rows", malformed)
+            got = fast.claim(90, 30.0, "c", NOW)
+            assert len(got) == 64 and answers == [64, 26]
+            mine = {lease.key for lease in leases.live(limit=1000) if lease.consumer == "c"}
+            assert {g.key for g in got} <= mine
+            sides[0][1].publish(_entries(pg_url, keys), NOW)  # the 26 not granted, again
+            with pytest.raises((ValueError, TypeError)):
+                fast.claim(1, 30.0, "c", NOW)  # its one read answers badly: nothing granted
+            sides[0][1].publish(_entries(pg_url, keys), NOW)
+            for g in got:
+                assert leases.complete(g.key, g.lease_id, NOW).value == "completed"
+        assert fast.stats.taken >= 2 * 90
+    finally:
+        _close(sides)
+
+
+def test_a_claim_from_within_a_read_is_refused_and_a_close_waits_for_the_claim(
+    names, store, service, pg_url, monkeypatch
+):
+    """The read releases the GIL for as long as the row service takes: a
+    second claim of the same Claimer meanwhile (from the reader itself here;
+    another thread alike) is refused, never run over the first one's entries,
+    and a close meanwhile takes effect when the claim ends."""
+    keys = [f"k{i:03d}" for i in range(10)]
+    store.upsert([RowWrite(key=k, route="r", due_at=NOW - 600) for k in keys], now=NOW)
+    sides = _sides(names, service, _entries(pg_url, keys))
+    fast, _ready, leases, rows = sides[0]
+    try:
+        real = rows.raw_rows
+        seen: list[str] = []
+
+        def reenter(keys: list[str], until: int) -> Any:
+            try:
+                fast.claim(5, 30.0, "inner", NOW)
+            except RuntimeError as exc:
+                seen.append(str(exc))
+            fast.close()  # waits for this claim to end
+            return real(keys, until)
+
+        monkeypatch.setattr(rows, "raw_rows", reenter)
+        got = fast.claim(3, 30.0, "outer", NOW)
+        assert seen == ["a claim of this Claimer is running: one at a time"]
+        assert [g.key for g in got] == keys[:3]
+        holders = {lease.key: lease.consumer for lease in leases.live(limit=1000)}
+        assert {k: holders[k] for k in keys[:3]} == dict.fromkeys(keys[:3], "outer")
+        assert "inner" not in holders.values()
+        monkeypatch.setattr(rows, "raw_rows", real)
+        assert [g.key for g in fast.claim(2, 30.0, "after", NOW)] == keys[3:5]  # reopened
+    finally:
+        _close(sides)

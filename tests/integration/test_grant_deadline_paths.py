@@ -180,7 +180,7 @@ class _ReadOutlastsDeadline:
         return self._read(self.store.get_many(keys))
 
     def claim_source(self) -> None:
-        return None  # the Python path, as a PostgreSQL node's claimers
+        return None  # the Python path (no raw_rows: not the row service)
 
     def close(self) -> None:
         self.store.close()

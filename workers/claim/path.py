@@ -406,23 +406,18 @@ class Claimer:
             self._holder = (consumer, truncated(consumer, CONSUMER_BYTES))
         try:
             grants, slow, k = path.claim(max_n, self._holder[1], lease_s, now, owner_bits(), C_STOP)
-        except (_claim.RowError, RuntimeError) as exc:
-            # Leases granted before the error are live: hand them out.
-            grants = getattr(exc, "grants", None) or []
-            if str(exc) == "not_granting":
-                stats.not_granting += 1
-            stats.granted += len(grants)
-            if grants:
-                return grants
-            raise self._c_error(exc) from None
-        except NodeError as exc:  # from the row service's read (_read_rows): as the Python path
-            grants = getattr(exc, "grants", None) or []
-            if isinstance(exc, NotGranting):
-                stats.not_granting += 1
-            stats.granted += len(grants)
-            if grants:
-                return grants  # the leases granted before the failed read are live
-            raise
+        except Exception as exc:  # noqa: BLE001 - every error hands back the live leases
+            return self._claim_c_failed(exc, lease_s, consumer, now)
+        self._count(k)
+        if slow:
+            self._grant_slow(slow, lease_s, consumer, now, grants)
+        stats.granted += len(grants)
+        return grants
+
+    def _count(self, k: tuple[int, ...]) -> None:
+        """A C claim's counters into the stats (and the keeper woken when it
+        raised the low-water flag)."""
+        stats = self.stats
         stats.taken += k[_TAKEN]
         stats.gone += k[_GONE]
         stats.moved += k[_MOVED]
@@ -438,10 +433,36 @@ class Claimer:
         if k[_LOW_WATER]:
             stats.low_water += 1
             self._wake()
-        if slow:
-            self._grant_slow(slow, lease_s, consumer, now, grants)
+
+    def _claim_c_failed(
+        self, exc: Exception, lease_s: float, consumer: str, now: float
+    ) -> list[Grant]:
+        """A C claim that ended in an error: the leases it granted before are
+        live, so they are handed out (with the entries the C grant handed
+        back, when the row service's read failed and the deadline still
+        holds); with none, the node's error for it. Its counters count."""
+        stats = self.stats
+        counters = getattr(exc, "counters", None)
+        if counters is not None:
+            self._count(counters)
+        grants = list(getattr(exc, "grants", None) or [])
+        slow = getattr(exc, "slow", None)
+        if isinstance(exc, NotGranting) or str(exc) == "not_granting":
+            stats.not_granting += 1
+        elif slow and isinstance(exc, StoreError):
+            try:
+                self._refuse_past(self.ready.grant_until_ns)
+                self._grant_slow(slow, lease_s, consumer, now, grants)
+            except NotGranting:
+                stats.not_granting += 1
         stats.granted += len(grants)
-        return grants
+        if grants:
+            if not isinstance(exc, NodeError | _claim.RowError | RuntimeError):
+                warn("claim_cut_short", granted=len(grants), error=repr(exc))
+            return grants
+        if isinstance(exc, _claim.RowError | RuntimeError):
+            raise self._c_error(exc) from None
+        raise exc
 
     def _c_error(self, exc: Exception) -> Exception:
         """The node's error for a C claim's failure that granted nothing."""
@@ -457,6 +478,8 @@ class Claimer:
             )
         if what == "not_granting":
             return not_granting(self.ready.grant_until_ns, time.monotonic_ns())
+        if what == "busy":  # a claim from within a claim, or a second thread
+            return RuntimeError("a claim of this Claimer is running: one at a time")
         if what == "sealed":
             return NodeRestarted(
                 f"{self.leases.segment.name} is sealed: the node that owns it stopped "

@@ -11,10 +11,12 @@ claim path, and every claimer reads a batch's rows through it: one request
 over a UNIX socket, one ``SELECT … WHERE key = ANY($1)`` there.
 
 ``RowsClient`` is what the claim path (``workers.claim.Claimer``) reads
-through then, in place of a store: ``get``, ``get_many`` and
-``claim_source()`` (None: the Python path). It answers what the store would,
-row for row (the rows are decoded here by the store's own ``stored_row``),
-so the claim's checks (gone, version moved, not due) are the same. When the
+through then, in place of a store: ``raw_rows`` for the claim path in C (the
+rows as sent, checked there: ``shm/_claim_rows.c``), ``get`` and
+``get_many`` for the Python path (decoded here by the store's own
+``stored_row``), and ``claim_source()`` None (the C path opens no file). It
+answers what the store would, row for row, so the claim's checks (gone,
+version moved, not due) are the same. When the
 service cannot be reached (stopped, restarting after a crash) or its pool
 cannot reach the server, a read raises ``StoreUnavailable``, as the store
 would: ``LocalClaimer`` answers it ``ClientError(503, "store_unavailable")``,
@@ -58,7 +60,7 @@ class RowsClient:
         self._ipc = IpcClient(rows_address(name), timeout_s, peer="the row service")
 
     def claim_source(self) -> ClaimSource | None:
-        return None  # the claim path in C reads SQLite only
+        return None  # no file for the C path to open: its rows come from raw_rows
 
     def get(self, key: str) -> Row | BadRow | None:
         return self.get_many([key]).get(key)
