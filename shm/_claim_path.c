@@ -82,6 +82,7 @@ path_close_method(ClaimPathObject *self, PyObject *Py_UNUSED(ignored))
 static PyObject *
 path_abandon(ClaimPathObject *self, PyObject *Py_UNUSED(ignored))
 {
+    self->busy = 0; /* a claim another thread of the parent ran is no claim here */
     self->stmt = NULL;
     self->rows_stmt = NULL;
     self->db = NULL;
@@ -92,6 +93,7 @@ path_abandon(ClaimPathObject *self, PyObject *Py_UNUSED(ignored))
 static void
 path_dealloc(ClaimPathObject *self)
 {
+    self->busy = 0; /* no claim runs on an object nothing refers to */
     path_close(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }

@@ -94,6 +94,13 @@ def _sides(names: list[str], service: str, entries: list[tuple]) -> list[tuple]:
     return sides
 
 
+def _plain(n: int, names: list[str], store: PostgresStore, service: str, url: str) -> tuple:
+    """``n`` plain rows, due in key order, and both sides over them: (keys, sides)."""
+    keys = [f"k{i:03d}" for i in range(n)]
+    store.upsert([RowWrite(key=k, route="r", due_at=NOW - 600) for k in keys], now=NOW)
+    return keys, _sides(names, service, _entries(url, keys))
+
+
 def _close(sides: list[tuple]) -> None:
     for claimer, ready, leases, rows in sides:
         claimer.close()
@@ -157,9 +164,7 @@ def test_a_failed_read_hands_back_what_the_claim_granted_before_it(
     (the row service gone), the first run's 64 leases are live and handed
     out; a claim whose first read fails is StoreUnavailable and grants
     nothing, on the C path as on the Python path."""
-    keys = [f"k{i:03d}" for i in range(90)]
-    store.upsert([RowWrite(key=k, route="r", due_at=NOW - 600) for k in keys], now=NOW)
-    sides = _sides(names, service, _entries(pg_url, keys))
+    keys, sides = _plain(90, names, store, service, pg_url)
     (fast, *_), (slow, *_) = sides
     try:
         reads: list[int] = []
@@ -198,9 +203,7 @@ def test_a_deadline_that_passes_during_the_read_grants_nothing_of_that_run(
     NotGranting; both paths alike."""
     from node.core.errors import NotGranting
 
-    keys = [f"k{i:03d}" for i in range(90)]
-    store.upsert([RowWrite(key=k, route="r", due_at=NOW - 600) for k in keys], now=NOW)
-    sides = _sides(names, service, _entries(pg_url, keys))
+    keys, sides = _plain(90, names, store, service, pg_url)
     try:
         for (claimer, ready, leases, rows), read in zip(
             sides, ("raw_rows", "get_many_until"), strict=True
@@ -234,9 +237,7 @@ def test_a_malformed_answer_hands_back_what_the_claim_granted_before_it(
     """An answer the C path cannot take (a row of the wrong length, not a
     sequence): the claim ends there, and the leases of the runs before are
     handed out, not left leased to nobody; the entries taken count."""
-    keys = [f"k{i:03d}" for i in range(90)]
-    store.upsert([RowWrite(key=k, route="r", due_at=NOW - 600) for k in keys], now=NOW)
-    sides = _sides(names, service, _entries(pg_url, keys))
+    keys, sides = _plain(90, names, store, service, pg_url)
     fast, _ready, leases, rows = sides[0]
     try:
         real = rows.raw_rows
@@ -270,9 +271,7 @@ def test_a_claim_from_within_a_read_is_refused_and_a_close_waits_for_the_claim(
     second claim of the same Claimer meanwhile (from the reader itself here;
     another thread alike) is refused, never run over the first one's entries,
     and a close meanwhile takes effect when the claim ends."""
-    keys = [f"k{i:03d}" for i in range(10)]
-    store.upsert([RowWrite(key=k, route="r", due_at=NOW - 600) for k in keys], now=NOW)
-    sides = _sides(names, service, _entries(pg_url, keys))
+    keys, sides = _plain(10, names, store, service, pg_url)
     fast, _ready, leases, rows = sides[0]
     try:
         real = rows.raw_rows

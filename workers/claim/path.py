@@ -249,41 +249,46 @@ class Claimer:
         granter = self.leases.granter
         if granter is None:
             return _python_path("the lease table has no C grant")
-        if given:  # the rows through the row service (PostgreSQL), granted in C
-            sqlite: tuple = (None, None, 0, 0, None, None)
-            decode: Callable[[Any], Any] = decode_payload
-            reader: dict[str, Any] = {"reader": self._read_rows}
-        else:
+        # Where its rows come from: handed in through the row service
+        # (PostgreSQL: no file), or read from the SQLite file by the C path itself.
+        rows: dict[str, Any] = {
+            "sqlite_module": None,
+            "db_path": None,
+            "busy_timeout_ms": 0,
+            "cache_kib": 0,
+            "row_sql": None,
+            "rows_sql": None,
+            "decode_payload": decode_payload,
+            "reader": self._read_rows,
+        }
+        if not given:
             assert source is not None
             try:
                 import _sqlite3  # the module whose SQLite the C path must share
             except ImportError:
                 return _python_path("this Python has no _sqlite3 module")
-            sqlite = (
-                getattr(_sqlite3, "__file__", None),
-                source.db_path,
-                source.busy_timeout_ms,
-                source.cache_kib,
-                source.row_sql,
-                source.rows_sql,
-            )
-            decode, reader = source.decode_payload, {}
+            rows = {
+                "sqlite_module": getattr(_sqlite3, "__file__", None),
+                "db_path": source.db_path,
+                "busy_timeout_ms": source.busy_timeout_ms,
+                "cache_kib": source.cache_kib,
+                "row_sql": source.row_sql,
+                "rows_sql": source.rows_sql,
+                "decode_payload": source.decode_payload,
+            }
         try:
             path = _claim.ClaimPath(
-                self.ready.segment.mm,
-                self.ready.capacity,
-                self.ready.heap_size,
-                LOW_WATER_FRACTION,
-                granter,
-                *sqlite[:4],
-                (MIN_CADENCE_S, MAX_CADENCE_S, MIN_DUE_AT, MAX_DUE_AT),
-                Grant,
-                decode,
-                self._route_cadence,
-                self._cadence_of,
-                PAYLOAD_DECODER.scan_once,  # type: ignore[attr-defined]
-                *sqlite[4:],
-                **reader,
+                ready=self.ready.segment.mm,
+                capacity=self.ready.capacity,
+                heap_size=self.ready.heap_size,
+                low_water=LOW_WATER_FRACTION,
+                granter=granter,
+                limits=(MIN_CADENCE_S, MAX_CADENCE_S, MIN_DUE_AT, MAX_DUE_AT),
+                grant_type=Grant,
+                route_cadence=self._route_cadence,
+                cadence_of=self._cadence_of,
+                scan_once=PAYLOAD_DECODER.scan_once,  # type: ignore[attr-defined]
+                **rows,
             )
         except (ImportError, BufferError, ValueError, _claim.RowError) as exc:
             return _python_path(f"{type(exc).__name__}: {exc}")  # the Python path serves

@@ -74,8 +74,7 @@ class RowsClient:
         could be granted no more (``workers/claim/path.py``), so a claim whose
         read a network fault holds ends at the deadline, not at the call's
         timeout (``CALL_TIMEOUT_S``)."""
-        left_s = (until_ns - time.monotonic_ns()) / 1e9
-        return self._rows(keys, min(CALL_TIMEOUT_S, max(MIN_CALL_S, left_s)))
+        return self._rows(keys, _timeout_until(until_ns))
 
     def raw_rows(self, keys: list[str], until_ns: int = 0) -> list[list]:
         """The rows of ``keys`` as the service sends them (each ``[key,
@@ -84,10 +83,7 @@ class RowsClient:
         ``until_ns``: given up at it, as ``get_many_until``; 0, no deadline."""
         if not keys:
             return []
-        if not until_ns:
-            return self._raw(keys, None)
-        left_s = (until_ns - time.monotonic_ns()) / 1e9
-        return self._raw(keys, min(CALL_TIMEOUT_S, max(MIN_CALL_S, left_s)))
+        return self._raw(keys, _timeout_until(until_ns) if until_ns else None)
 
     def _rows(self, keys: Iterable[str], timeout_s: float | None) -> dict[str, Row | BadRow]:
         wanted = keys if isinstance(keys, list) else list(keys)
@@ -117,6 +113,13 @@ class RowsClient:
 
     def close(self) -> None:
         self._ipc.close()
+
+
+def _timeout_until(until_ns: int) -> float:
+    """A read's timeout that ends it at ``until_ns`` (CLOCK_MONOTONIC), within
+    MIN_CALL_S and CALL_TIMEOUT_S."""
+    left_s = (until_ns - time.monotonic_ns()) / 1e9
+    return min(CALL_TIMEOUT_S, max(MIN_CALL_S, left_s))
 
 
 def _shown(message: str) -> str:
