@@ -25,7 +25,8 @@ from setuptools import Extension, setup
 
 TEST_STOPS = os.environ.get("QUEUE_NODE_TEST_STOPS") == "1"
 STOPS = [("QUEUE_NODE_TEST_STOPS", "1")] if TEST_STOPS else []
-SHARED = ["shm/layout.h", "shm/_publish.h"]  # the offsets; the counted publish and the stops
+# the offsets; the counted publish and the stops; the key column writers read
+SHARED = ["shm/layout.h", "shm/_publish.h", "shm/_key_column.h"]
 # Each module's C files are split by concern for the reader and compiled as one
 # translation unit (shm/_atomic_unit.c, shm/_claim_unit.c include them), so a
 # call from one file into another on the claim path (the key hash, the grant,
@@ -67,7 +68,9 @@ claim = Extension(
 )
 best = Extension(
     "keeper._best",
-    sources=["keeper/_best.c", "keeper/_best_order.c"],  # the merge of class runs; order merges
+    # the merge of class runs; order merges; the keys by slot (KeyColumn)
+    sources=["keeper/_best.c", "keeper/_best_order.c", "keeper/_keys.c", "keeper/_keys_lookup.c"],
+    depends=["keeper/_keys.h", "shm/_key_column.h"],
     extra_compile_args=["-O2"],
 )
 # A group commit's RESULT records (node/completion/segments/format.py falls

@@ -83,7 +83,8 @@ def _best_and_write(buckets, ready, now: float, k: int, exclude) -> int:
     """The best ``k`` (``exclude`` passed over) written into ``ready``."""
     if hasattr(buckets, "best_gathered"):
         picked = buckets.best_gathered(now, k, exclude=exclude)
-        return len(ready.publish_gathered(*picked[:7], now))
+        written = ready.publish_gathered(*picked[:7], now)  # a list of keys before 2026-12-05
+        return written if isinstance(written, int) else len(written)
     return ready.publish_columns(*buckets.best_columns(now, k, exclude=exclude), now)
 
 

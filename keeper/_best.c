@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_keys.h"
+
 static inline double
 rank_of(int64_t value, double now, double cadence, double boost)
 {
@@ -265,8 +267,9 @@ done:
  * as they are. kth: the k-th pick's rank, or None when there are fewer than
  * k. marks: a bytearray of len(values), 1 at each pick.
  *
- * exclude (None, or a container of keys; keys the table's list of keys by
- * slot): a candidate whose key is in it is passed over, neither picked nor
+ * exclude (None, or a container of keys; keys the table's keys by slot, a
+ * KeyColumn or a list; a set is looked up by the column's bytes, with no str
+ * made): a candidate whose key is in it is passed over, neither picked nor
  * marked; skipped says how many were (those the merge reached: ranked above
  * the k-th pick, or all when there are fewer than k). */
 static PyObject *
@@ -279,11 +282,12 @@ best_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *starts = args[1], *cadences = args[2], *boosts = args[3], *cids = args[4];
     PyObject *keys = args[7], *exclude = args[8] == Py_None ? NULL : args[8];
+    KeyColumn *col = KeyColumn_Check(keys) ? (KeyColumn *)keys : NULL;
     if (!PyList_Check(starts) || !PyList_Check(cadences) || !PyList_Check(boosts) ||
-        !PyList_Check(cids) || (exclude != NULL && !PyList_Check(keys))) {
+        !PyList_Check(cids) || (exclude != NULL && !PyList_Check(keys) && col == NULL)) {
         PyErr_SetString(PyExc_TypeError,
                         "pick(): starts, cadences, boosts and cids are lists, and keys is a "
-                        "list when exclude is given");
+                        "KeyColumn or a list when exclude is given");
         return NULL;
     }
     Py_ssize_t classes = PyList_GET_SIZE(starts);
@@ -310,12 +314,14 @@ best_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     double *cad = NULL, *bst = NULL;
     int32_t *cid_of = NULL;
     int any_set = exclude != NULL && PyAnySet_Check(exclude);
+    KeySet ks = {NULL, 0, NULL}; /* exclude's keys, for a KeyColumn's */
     if (view.len % 8 || (view.len && ((uintptr_t)view.buf) % 8)) {
         PyErr_SetString(PyExc_ValueError, "pick(): values are not aligned int64");
         goto done;
     }
     const int64_t *values = (const int64_t *)view.buf;
-    Py_ssize_t n = view.len / 8, nkeys = exclude != NULL ? PyList_GET_SIZE(keys) : 0;
+    Py_ssize_t n = view.len / 8, nkeys = exclude == NULL ? 0
+                                         : col != NULL ? col->len : PyList_GET_SIZE(keys);
     Py_ssize_t room = classes ? classes : 1;
     if (tourney_alloc(&t, room, &win) < 0)
         goto done;
@@ -370,6 +376,10 @@ best_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     double *ranks = (double *)PyBytes_AS_STRING(out[4]);
     char *marks = PyByteArray_AS_STRING(out[5]);
     memset(marks, 0, n);
+    /* (built last: no Python code runs from here on, which could change the
+     * set under the KeySet) */
+    if (col != NULL && any_set && keyset_build(&ks, exclude) < 0)
+        goto done;
     Py_ssize_t got = 0, skipped = 0;
     while (got < want && size > 0) {
         Py_ssize_t w = t.loser[0], at = t.at[w];
@@ -383,8 +393,17 @@ best_pick(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 PyErr_SetString(PyExc_IndexError, "pick(): a slot out of range of keys");
                 goto done;
             }
-            PyObject *key = PyList_GET_ITEM(keys, slot);
-            int in = any_set ? PySet_Contains(exclude, key) : PySequence_Contains(exclude, key);
+            int in;
+            if (col != NULL && any_set)
+                in = keyset_has(&ks, col, slot);
+            else {
+                PyObject *key = col != NULL ? PySequence_GetItem(keys, slot)
+                                            : Py_NewRef(PyList_GET_ITEM(keys, slot));
+                if (key == NULL)
+                    goto done;
+                in = any_set ? PySet_Contains(exclude, key) : PySequence_Contains(exclude, key);
+                Py_DECREF(key);
+            }
             if (in < 0)
                 goto done;
             take = !in;
@@ -417,6 +436,7 @@ done:
     for (int j = 0; j < 6; j++)
         Py_XDECREF(out[j]);
     tourney_free(&t, win);
+    keyset_free(&ks);
     PyMem_Free(cad);
     PyMem_Free(bst);
     PyMem_Free(cid_of);
@@ -482,129 +502,6 @@ best_flag(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-/* move_keys(keys, table, mask, held, det, cids, mins, flag, by_class) -> moved
- *
- * The key loop of Buckets.detach_many / attach_many (keeper/buckets/detach.py
- * _move_many): each key of keys (any iterable of str) is looked up in the key
- * table (table: int32 cells, linear probing from hash(key) & mask, -1 empty;
- * held: the list of keys by slot), and a row found whose det flag is not
- * flag gets it, its order value (mins[slot] << 32 | slot) appended to
- * by_class[cids[slot]] (a dict of lists, made as needed). Returns how many
- * rows were flagged. The same lookups and the same answer as the Python loop,
- * with no Python frame a key. */
-static PyObject *
-best_move_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    (void)module;
-    if (nargs != 9 || !PyList_Check(args[3]) || !PyByteArray_Check(args[4]) ||
-        !PyDict_Check(args[8])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "move_keys(keys, table, mask, held: list, det: bytearray, cids, mins, "
-                        "flag, by_class: dict)");
-        return NULL;
-    }
-    PyObject *held = args[3], *by_class = args[8];
-    Py_ssize_t mask = PyLong_AsSsize_t(args[2]);
-    long flag = PyLong_AsLong(args[7]);
-    if (PyErr_Occurred())
-        return NULL;
-    if (flag < 0 || flag > 255) {
-        PyErr_SetString(PyExc_ValueError, "move_keys(): flag is a byte");
-        return NULL;
-    }
-    Py_buffer tb, cb, mb;
-    if (PyObject_GetBuffer(args[1], &tb, PyBUF_SIMPLE) < 0)
-        return NULL;
-    if (PyObject_GetBuffer(args[5], &cb, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&tb);
-        return NULL;
-    }
-    if (PyObject_GetBuffer(args[6], &mb, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&tb);
-        PyBuffer_Release(&cb);
-        return NULL;
-    }
-    PyObject *it = NULL, *key = NULL, *result = NULL;
-    Py_ssize_t moved = 0;
-    Py_ssize_t cells = tb.len / 4, nheld = PyList_GET_SIZE(held);
-    Py_ssize_t ndet = PyByteArray_GET_SIZE(args[4]);
-    Py_ssize_t nrows = cb.len / 4 < mb.len / 4 ? cb.len / 4 : mb.len / 4;
-    /* (an empty buffer's pointer may be anywhere: array's is a static "") */
-    if (mask < 0 || mask + 1 != cells || (cells & mask) || tb.len % 4 ||
-        ((uintptr_t)tb.buf % 4) || (cb.len && (uintptr_t)cb.buf % 4) ||
-        (mb.len && (uintptr_t)mb.buf % 4)) {
-        PyErr_SetString(PyExc_ValueError, "move_keys(): the table is not int32 cells of mask + 1");
-        goto done;
-    }
-    const int32_t *table = (const int32_t *)tb.buf, *cids = (const int32_t *)cb.buf,
-                  *mins = (const int32_t *)mb.buf;
-    if ((it = PyObject_GetIter(args[0])) == NULL)
-        goto done;
-    while ((key = PyIter_Next(it)) != NULL) {
-        Py_hash_t h = PyObject_Hash(key);
-        if (h == -1)
-            goto done;
-        Py_ssize_t i = (Py_ssize_t)h & mask;
-        int32_t slot;
-        for (;;) {
-            slot = table[i];
-            if (slot < 0)
-                break;
-            if (slot >= nheld || slot >= ndet || slot >= nrows) {
-                PyErr_SetString(PyExc_IndexError, "move_keys(): a slot out of range");
-                goto done;
-            }
-            PyObject *there = PyList_GET_ITEM(held, slot);
-            if (there == key)
-                break;
-            int eq = PyObject_RichCompareBool(there, key, Py_EQ);
-            if (eq < 0)
-                goto done;
-            if (eq)
-                break;
-            i = (i + 1) & mask;
-        }
-        Py_CLEAR(key);
-        char *det = PyByteArray_AS_STRING(args[4]); /* a compare may have run Python */
-        if (slot < 0 || det[slot] == (char)flag)
-            continue;
-        det[slot] = (char)flag;
-        PyObject *cid = PyLong_FromLong(cids[slot]);
-        PyObject *value = PyLong_FromLongLong((long long)mins[slot] * 4294967296LL +
-                                              (long long)(uint32_t)slot);
-        if (cid == NULL || value == NULL) {
-            Py_XDECREF(cid);
-            Py_XDECREF(value);
-            goto done;
-        }
-        PyObject *values = PyDict_GetItemWithError(by_class, cid);
-        int bad = 0;
-        if (values == NULL) {
-            if (PyErr_Occurred() || (values = PyList_New(0)) == NULL)
-                bad = 1;
-            else {
-                bad = PyDict_SetItem(by_class, cid, values) < 0;
-                Py_DECREF(values); /* the dict holds it, or it is gone */
-            }
-        }
-        bad = bad || PyList_Append(values, value) < 0;
-        Py_DECREF(cid);
-        Py_DECREF(value);
-        if (bad)
-            goto done;
-        moved++;
-    }
-    if (!PyErr_Occurred())
-        result = PyLong_FromSsize_t(moved);
-done:
-    Py_XDECREF(key);
-    Py_XDECREF(it);
-    PyBuffer_Release(&tb);
-    PyBuffer_Release(&cb);
-    PyBuffer_Release(&mb);
-    return result;
-}
-
 /* keeper/_best_order.c: the order merges. */
 PyObject *best_sort_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *best_merge_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
@@ -620,7 +517,7 @@ static PyMethodDef best_methods[] = {
      "positions, slots, minutes, classes, ranks, marks): merge, as C arrays, exclude passed over"},
     {"move_keys", (PyCFunction)(void (*)(void))best_move_keys, METH_FASTCALL,
      "move_keys(keys, table, mask, held, det, cids, mins, flag, by_class) -> moved: "
-     "_move_many's key loop"},
+     "_move_many's key loop (keeper/_keys.c)"},
     {"flag", (PyCFunction)(void (*)(void))best_flag, METH_FASTCALL,
      "flag(flags, at, value): flags[i] = value for each i in at"},
     {"sort_runs", (PyCFunction)(void (*)(void))best_sort_runs, METH_FASTCALL,
@@ -645,5 +542,8 @@ static struct PyModuleDef best_module = {
 PyMODINIT_FUNC
 PyInit__best(void)
 {
-    return PyModule_Create(&best_module);
+    PyObject *module = PyModule_Create(&best_module);
+    if (module != NULL && kc_add_to_module(module) < 0)
+        Py_CLEAR(module);
+    return module;
 }

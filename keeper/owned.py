@@ -39,6 +39,7 @@ MEMBERSHIP = "membership"  # the doubt a membership change leaves until its walk
 # node's pause shows in every node's state (``now.paused_nodes``).
 PAUSE_READ_S = 1.0
 MISSED = ("held", "parked")  # a lease table slot's states after a miss
+OWN_CHUNK = 50_000  # held keys made into strs at a time, to ask their owners
 
 
 class Owned(KeeperBase):
@@ -236,9 +237,15 @@ class Owned(KeeperBase):
         held row, for a lapse); their number."""
         if self.ownership is None:
             return 0
-        keys = [item[0] for item in self.buckets.items()]
-        owned = self._owned(keys) if keep else set()
-        assert owned is not None  # a fleet keeper's
+        # The keys to drop, their strs made a chunk of slots at a time (the
+        # buckets hold none: keeper/_keys.c), so only those dropped are held.
+        keys: list[str] = []
+        slots = self.buckets.held_slots()
+        for at in range(0, len(slots), OWN_CHUNK):
+            chunk = self.buckets.keys_at(slots[at : at + OWN_CHUNK])
+            owned = self._owned(chunk) if keep else set()
+            assert owned is not None  # a fleet keeper's
+            keys += [key for key in chunk if key not in owned] if owned else chunk
         if self.leases is not None:
             # The excluded keys are followed at each publish only: a key
             # granted from the live set since then must be seen leased now,
@@ -254,11 +261,9 @@ class Owned(KeeperBase):
         # Dropped while loading, rows the saved counts' ownership owned are
         # counted at the load's end with the others it left out.
         past = self._saved_ownership if self._loading else None
-        left = set() if past is None else set(past.mine([k for k in keys if k not in owned]))
+        left = set() if past is None else set(past.mine(keys))
         dropped = 0
         for key in keys:
-            if key in owned:
-                continue
             before = get(key)
             remove(key)
             dropped += 1

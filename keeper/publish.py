@@ -66,9 +66,12 @@ class Publish(KeeperBase):
             self.next_state = 0.0
         k = 0 if self.paused_node or waiting else self.config.ready_size
         picked = self.buckets.best_gathered(now, k, paused_routes=self.paused_routes)
-        keys = self.ready.publish_gathered(*picked[:7], now, ahead=ahead)
+        written = self.ready.publish_gathered(*picked[:7], now, ahead=ahead)
+        # The live set's keys, made once it is published (the buckets hold
+        # no str a row: keeper/_keys.c).
+        keys = picked.keys_written(written)
         if keep_out:  # the keys written (fewer when the heap was full) leave the orders
-            self.buckets.detach_gathered(picked, len(keys))
+            self.buckets.detach_gathered(picked, written)
             self._out.update(keys)
         self._sets[self.ready.last_slot] = keys
         spent = time.perf_counter() - t0

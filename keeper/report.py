@@ -8,6 +8,7 @@ of ``trust.verify``, ``trust.repairs`` and ``trust.store`` (``COUNTS_META``).
 
 from __future__ import annotations
 
+from itertools import islice
 from operator import add
 from typing import Any, NamedTuple
 
@@ -45,6 +46,7 @@ COUNTED_EVENTS = (
 )
 # Changes read a query when a starting keeper replays its predecessor's last ones.
 REPLAY_BATCH = 10_000
+MOVED_CHUNK = 50_000  # held rows read at a time, to ask the saved ownership
 # Lease-table states (shm/leases CODE_NAMES) of a key that is leased.
 LEASED_NAMES = frozenset({"leased", "claiming"})
 # A state document whose input law did not close (taken mid-flight) is
@@ -382,18 +384,15 @@ class Report(KeeperBase):
         crossings, which leaves them out), and how many are due now and not
         leased: received here, as the walk after a membership change counts
         a row it gains (a key leased here was routed here, received once)."""
-        keys: list[str] = []
-        minutes: list[int] = []
-        for key, held_minute, _cid, _version in self.buckets.items():
-            keys.append(key)
-            minutes.append(held_minute)
-        was_mine = set(past.mine(keys))
         crossed = came = 0
-        for key, held_minute in zip(keys, minutes, strict=True):
-            if held_minute > minute or key in was_mine:
-                continue
-            crossed += held_minute > since
-            came += not self._leased_in_table(key)
+        rows = self.buckets.items()  # (a str a key made as read: a chunk at a time)
+        while chunk := list(islice(rows, MOVED_CHUNK)):
+            was_mine = set(past.mine([row[0] for row in chunk]))
+            for key, held_minute, _cid, _version in chunk:
+                if held_minute > minute or key in was_mine:
+                    continue
+                crossed += held_minute > since
+                came += not self._leased_in_table(key)
         return crossed, came
 
     def _moved_out(self, since: int, minute: int, replayed: dict[str, Replayed]) -> tuple[int, int]:

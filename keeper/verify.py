@@ -8,6 +8,7 @@ came after the read, and the event wins.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator
 from itertools import islice
 from typing import Any, NamedTuple
@@ -55,7 +56,10 @@ class VerifyWalk:
         self.total = max(total, 1)
         self.after: str | None = None
         self.table_done = False
-        self.own_keys: list[str] | None = None
+        # The slots holding a row when the table walk ended (their keys are
+        # made a chunk at a time: a str a row for all at once would take
+        # about as much memory again as the keys held).
+        self.own_slots: array[int] | None = None
         self.own_pos = 0
         self.compared = 0
         self.repairs = 0
@@ -180,9 +184,9 @@ class Verify(KeeperBase):
             walk.membership = self._doubt == "membership" or self._reown_pending
             if self._doubt is not None:
                 # One pass over the copy (a few tenths of a second and about
-                # 100 MB at 1M rows, while nothing vouches anyway) spares the
-                # walk a lookup of each row in the buckets and a read of each
-                # own key back from the table.
+                # 200 MB at 1M rows, the keys made as strs, while nothing
+                # vouches anyway) spares the walk a lookup of each row in the
+                # buckets and a read of each own key back from the table.
                 walk.held = {}
                 walk.filling = self.buckets.items()
                 walk.total = max(walk.total - len(self.buckets), 1)  # the table alone
@@ -214,11 +218,14 @@ class Verify(KeeperBase):
                 walk.after = rows[-1].key
             if len(rows) < VERIFY_CHUNK:
                 walk.table_done = True
-                walk.own_keys = [item[0] for item in self.buckets.items()]
+                walk.own_slots = self.buckets.held_slots()
             return
-        assert walk.own_keys is not None
-        keys = walk.own_keys[walk.own_pos : walk.own_pos + VERIFY_CHUNK]
-        walk.own_pos += len(keys)
+        assert walk.own_slots is not None
+        slots = walk.own_slots[walk.own_pos : walk.own_pos + VERIFY_CHUNK]
+        walk.own_pos += len(slots)
+        # (a slot emptied since holds no key; one taken again holds a key
+        # held now, as worth checking)
+        keys = self.buckets.keys_at(slots)
         snap_seq = self.store.last_seq()
         found = self.store.get_many(keys)
         self.drain_feed(now)
@@ -227,7 +234,7 @@ class Verify(KeeperBase):
             if key not in found and self._reconcile(key, None, snap_seq, gone_ok=gone_ok):
                 walk.repairs += 1
         walk.compared += len(keys)
-        if walk.own_pos >= len(walk.own_keys):
+        if walk.own_pos >= len(walk.own_slots):
             self._finish_verify(now)
 
     def _finish_verify(self, now: float) -> None:

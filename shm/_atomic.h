@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_key_column.h"
 #include "_publish.h"
 #include "layout.h"
 

@@ -107,16 +107,18 @@ view_write_entries(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 /* write_gathered(entries_off, heap_off, heap_size, n, keys, versions, slots,
- *                dues, cids, ranks) -> (written, heap_used, all_ascii, keys_written)
+ *                dues, cids, ranks) -> (written, heap_used, all_ascii)
  *
  * write_entries for a writer that holds its rows in columns by slot (the
  * keeper's buckets, keeper/buckets/best.py best_gathered): entry i is
  * (keys[slots[i]], versions[slots[i]], dues[i], cids[i], ranks[i]). keys is
- * a list of str and versions a buffer of int64, both indexed by slot; slots,
+ * a list of str or a key column (the keeper's KeyColumn: its UTF-8 copied
+ * from where it lies, shm/_key_column.h) and versions a buffer of int64, both
+ * indexed by slot; slots,
  * dues and cids are buffers of at least n int32, ranks of at least n double
  * (array('i'), array('d'), or the bytes keeper._best.pick gives). No Python
- * object is made an entry: keys_written is the list of the keys written (the
- * table's own strs). The same bytes as write_entries of the gathered
+ * object is made an entry (the keys written are keys[slots[i]] for i below
+ * written: a column makes them only when asked, after the publication). The same bytes as write_entries of the gathered
  * columns, the same stop at a full heap, the same errors for a field out of
  * range; a slot out of range of keys or versions is an IndexError. */
 static int
@@ -143,15 +145,25 @@ view_write_gathered(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (slot_args(self, args, "write_gathered", &entries_off, &heap_off, &heap_size, &n) < 0)
         return NULL;
     PyObject *keys = args[4];
+    const KeyColumnAPI *column = NULL; /* keys a key column (shm/_key_column.h) */
     if (!PyList_Check(keys)) {
-        PyErr_SetString(PyExc_TypeError, "write_gathered(): keys is a list");
-        return NULL;
+        PyObject *capsule = PyObject_GetAttrString((PyObject *)Py_TYPE(keys), "_api");
+        if (capsule != NULL)
+            column = PyCapsule_GetPointer(capsule, KEY_COLUMN_CAPSULE);
+        Py_XDECREF(capsule);
+        if (column != NULL && !PyObject_TypeCheck(keys, column->type))
+            column = NULL; /* another type carrying the capsule: not a column */
+        if (column == NULL) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_TypeError, "write_gathered(): keys is a list or a key column");
+            return NULL;
+        }
     }
     Py_buffer bufs[5];
     static const char *what[5] = {"versions", "slots", "dues", "cids", "ranks"};
     static const Py_ssize_t item[5] = {8, 4, 4, 4, 8};
     int got = 0;
-    PyObject *written = NULL, *result = NULL;
+    PyObject *result = NULL;
     for (; got < 5; got++)
         if (gathered_buffer(args[5 + got], &bufs[got], got ? n : 0, item[got], what[got]) < 0)
             goto done;
@@ -159,9 +171,7 @@ view_write_gathered(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
     const int32_t *slots = (const int32_t *)bufs[1].buf, *dues = (const int32_t *)bufs[2].buf,
                   *cids = (const int32_t *)bufs[3].buf;
     const double *ranks = (const double *)bufs[4].buf;
-    Py_ssize_t nversions = bufs[0].len / 8, nkeys = PyList_GET_SIZE(keys);
-    if ((written = PyList_New(n)) == NULL)
-        goto done;
+    Py_ssize_t nversions = bufs[0].len / 8, nkeys = column ? PY_SSIZE_T_MAX : PyList_GET_SIZE(keys);
     char *entries = (char *)self->view.buf + entries_off;
     char *heap = (char *)self->view.buf + heap_off;
     Py_ssize_t used = 0, i = 0;
@@ -173,17 +183,27 @@ view_write_gathered(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
                          (int)slot);
             break;
         }
-        PyObject *key = PyList_GET_ITEM(keys, slot);
-        if (!PyUnicode_Check(key)) {
-            PyErr_Format(PyExc_TypeError, "ready entry %zd: the key is not a str", i);
-            break;
-        }
         Py_ssize_t klen;
-        const char *utf8 = PyUnicode_AsUTF8AndSize(key, &klen);
-        if (utf8 == NULL)
-            break;
-        if (!PyUnicode_IS_ASCII(key))
-            ascii = 0;
+        const char *utf8;
+        if (column != NULL) {
+            int key_ascii = 0;
+            if ((utf8 = column->key(keys, slot, &klen, &key_ascii)) == NULL) {
+                PyErr_Format(klen < 0 ? PyExc_IndexError : PyExc_TypeError,
+                             "ready entry %zd: slot %d holds no key", i, (int)slot);
+                break;
+            }
+            ascii &= key_ascii;
+        } else {
+            PyObject *key = PyList_GET_ITEM(keys, slot);
+            if (!PyUnicode_Check(key)) {
+                PyErr_Format(PyExc_TypeError, "ready entry %zd: the key is not a str", i);
+                break;
+            }
+            if ((utf8 = PyUnicode_AsUTF8AndSize(key, &klen)) == NULL)
+                break;
+            if (!PyUnicode_IS_ASCII(key))
+                ascii = 0;
+        }
         if (klen > heap_size - used)
             break; /* the heap is full: the keys that fit whole, and stop */
         int64_t version = versions[slot];
@@ -198,18 +218,10 @@ view_write_gathered(ViewObject *self, PyObject *const *args, Py_ssize_t nargs)
                   (uint64_t)version, dues[i], ranks[i]);
         memcpy(heap + used, utf8, klen);
         used += klen;
-        Py_INCREF(key);
-        PyList_SET_ITEM(written, i, key);
     }
-    for (Py_ssize_t j = i; j < n; j++)
-        PyList_SET_ITEM(written, j, Py_NewRef(Py_None));
-    if (PyErr_Occurred())
-        goto done;
-    if (i < n && PyList_SetSlice(written, i, n, NULL) < 0)
-        goto done;
-    result = Py_BuildValue("(nnOO)", i, used, ascii ? Py_True : Py_False, written);
+    if (!PyErr_Occurred())
+        result = Py_BuildValue("(nnO)", i, used, ascii ? Py_True : Py_False);
 done:
-    Py_XDECREF(written);
     for (int b = 0; b < got; b++)
         PyBuffer_Release(&bufs[b]);
     return result;

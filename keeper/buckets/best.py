@@ -143,6 +143,14 @@ class Gathered(NamedTuple):
     classes: list[int]  # each run's class id
     marks: bytearray  # 1 at each pick's position
 
+    def keys_written(self, count: int) -> list[str]:
+        """The keys of the first ``count`` picks (those ``publish_gathered``
+        wrote), made now: the column holds no str."""
+        take = getattr(self.keys, "take", None)
+        if take is not None:
+            return cast(list[str], take(self.slots, count))
+        return cast(list[str], _getter(_ints(self.slots)[:count])(self.keys)) if count else []
+
     def columns(self) -> Columns:
         """The picks as ``best_columns``' lists."""
         slots = _ints(self.slots)

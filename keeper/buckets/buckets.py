@@ -25,6 +25,7 @@ from typing import Any
 from keeper.buckets.best import Best
 from keeper.buckets.counts import Counts
 from keeper.buckets.detach import Detach
+from keeper.buckets.table import PyKeyColumn, new_key_column
 from keeper.order import SLOT_BITS, SLOT_MASK, Order
 
 try:  # _enter's loop in C (keeper/_best_order.c); the Python below does the same
@@ -46,7 +47,7 @@ _CLASS_FIELDS = itemgetter(2, 3, 4)  # (route, cadence_s, sitemap) of a walked r
 def _enter_probing(
     table: array[int],
     mask: int,
-    held: list[str | None],
+    held: PyKeyColumn,
     rows: Sequence[WalkedRow],
     cids: list[int],
     add: dict[int, Any],
@@ -57,26 +58,22 @@ def _enter_probing(
     """``Buckets._enter``'s loop when a walked key may be held already
     (``old_slot``: ``KeyTable._old_slot`` while the key table grows, else None)."""
     slot = len(held)
-    append = held.append
+    append, find = held.append, held.find
     found = []
     for j, ((key, version, _route, _cadence, _sitemap, due_at), cid) in enumerate(
         zip(rows, cids, strict=True)
     ):
-        i = hash(key) & mask
+        i = find(key, table, mask)
         held_at = table[i]
-        while held_at >= 0:
-            if held[held_at] == key:
-                found.append((j, held_at))
-                break
-            i = (i + 1) & mask
-            held_at = table[i]
+        if held_at >= 0:
+            found.append((j, held_at))
         else:
             if old_slot is not None and (held_at := old_slot(key)) >= 0:
                 found.append((j, held_at))
                 continue
             minute = floor(due_at) // 60
+            append(key)  # first: a key the column refuses leaves the table as it was
             table[i] = slot
-            append(key)
             add[cid](minute << SLOT_BITS | slot)
             version_of(version)
             minute_of(minute)
@@ -114,12 +111,9 @@ class Buckets(Best, Detach, Counts):
         """Insert or move a row. False (and nothing changed) when the row held
         is as new or newer: versions decide, so a repair or a walked row never
         overwrites a newer event. Raises TooManyClasses with nothing changed."""
-        table, mask, keys = self._table, self._mask, self._keys
-        i = hash(key) & mask
+        table, keys = self._table, self._keys
+        i = keys.find(key, table, self._mask)
         slot = table[i]
-        while slot >= 0 and keys[slot] != key:
-            i = (i + 1) & mask
-            slot = table[i]
         if slot < 0 and self._old is not None:  # the table grows: look in the old one
             i = self._cell(key)
             slot = table[i]
@@ -149,8 +143,9 @@ class Buckets(Best, Detach, Counts):
             self._drain(self.DRAIN_STEP)
             i = self._cell(key)
         if self._free:
-            slot = self._free.pop()
-            keys[slot] = key
+            slot = self._free[-1]
+            keys[slot] = key  # first: a key the column refuses changes nothing
+            self._free.pop()
             self._vers[slot] = version
             self._mins[slot] = minute
             self._cids[slot] = cid
@@ -275,15 +270,11 @@ class Buckets(Best, Detach, Counts):
     ) -> list[tuple[int, int]]:
         """The rows of a chunk whose key is held: ``(row index, slot)``. Marks
         those held as new or newer ``_STALE`` in ``cids``."""
-        table, mask, held, vers = self._table, self._mask, self._keys, self._vers
+        table, mask, find, vers = self._table, self._mask, self._keys.find, self._vers
         growing = self._old is not None
         found = []
         for j, key in enumerate(keys):
-            i = hash(key) & mask
-            slot = table[i]
-            while slot >= 0 and held[slot] != key:
-                i = (i + 1) & mask
-                slot = table[i]
+            slot = table[find(key, table, mask)]
             if slot < 0 and growing:
                 slot = self._old_slot(key)
             if slot >= 0:
@@ -301,9 +292,17 @@ class Buckets(Best, Detach, Counts):
         index, slot)`` and left alone. Plain loops: cheaper here than passes
         of ``map``, each of which would miss the cache again."""
         table, mask, held = self._table, self._mask, self._keys
-        if not probe and _best is not None:  # the loop below, in C
-            versions_c, minutes_c, groups = _best.enter_rows(rows, cids, table, mask, len(held))
+        first = len(held)
+        if not probe:
+            # The keys first, all or none: a key the column refuses (not
+            # UTF-8) leaves the table as it was.
             held += keys
+        if not probe and _best is not None:  # the loop below, in C
+            try:
+                versions_c, minutes_c, groups = _best.enter_rows(rows, cids, table, mask, first)
+            except BaseException:
+                held.truncate(first)
+                raise
             self._vers += versions_c
             self._mins += minutes_c
             self._cids += array("i", cids)
@@ -314,7 +313,7 @@ class Buckets(Best, Detach, Counts):
             return []
         pending: dict[int, list[int]] = {cid: [] for cid in set(cids)}
         add = {cid: values.append for cid, values in pending.items()}
-        slot = len(held)
+        slot = first
         versions: list[int] = []
         minutes: list[int] = []
         version_of, minute_of = versions.append, minutes.append
@@ -332,8 +331,8 @@ class Buckets(Best, Detach, Counts):
                 version_of(version)
                 minute_of(minute)
                 slot += 1
-            held += keys
         else:
+            new_key_column().extend(keys)  # a key the column refuses: nothing changed
             old_slot = None if self._old is None else self._old_slot
             found = _enter_probing(
                 table, mask, held, rows, cids, add, version_of, minute_of, old_slot

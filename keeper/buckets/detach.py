@@ -106,11 +106,7 @@ class Detach(KeyTable):
             _best.move_keys(keys, table, mask, held, det, cids, mins, flag, by_class)
             return self._move_classes(by_class, detached)
         for key in keys:
-            i = hash(key) & mask
-            slot = table[i]
-            while slot >= 0 and held[slot] != key:
-                i = (i + 1) & mask
-                slot = table[i]
+            slot = table[held.find(key, table, mask)]
             if slot < 0 and self._old is not None:  # the table grows
                 slot = table[self._cell(key)]
             if slot < 0 or det[slot] == flag:

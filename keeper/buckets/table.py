@@ -5,14 +5,21 @@ buckets in one ``__init__``; the other modules add methods.
 
 Layout, chosen for memory (``bench/bench_buckets.py`` measures it against a
 plain dict-and-sets layout; the numbers are in its docstring: about 156 to
-160 bytes a row at 1,000,000 rows with 54-character keys, where the plain
+160 bytes a row at 1,000,000 rows with 54-character keys while the keys were
+str objects, 118 since they are UTF-8 in the ``KeyColumn``
+(docs/performance.md, "The keeper's keys as UTF-8 by slot"), where the plain
 layout takes 380 to 515, and 4 to 5 µs an applied change):
 
 - A row lives in a **slot**, an index into five parallel columns:
-  ``_keys`` (list of str), ``_vers`` (int64), ``_mins`` (int32 due minute),
-  ``_cids`` (int32 class id) and ``_det`` (a bytearray: 1 when the row is
-  detached, keeper/buckets/detach.py). No Python object is made per row
-  except the key string itself, which every structure shares.
+  ``_keys`` (a ``KeyColumn``), ``_vers`` (int64), ``_mins`` (int32 due
+  minute), ``_cids`` (int32 class id) and ``_det`` (a bytearray: 1 when the
+  row is detached, keeper/buckets/detach.py). No Python object is held a
+  row: the C ``KeyColumn`` (keeper/_keys.c) keeps each key's UTF-8 in a
+  block of its own with the low 32 bits of its hash beside it (76 bytes a
+  54-character key, where a str in a list took 120), makes a str only when
+  asked for one (``keys[slot]``), and does the key table's probe on the
+  bytes (``find``). Without the C build it is a list of str
+  (``PyKeyColumn``).
 - ``_table`` maps a key to its slot: an open-addressing hash table (linear
   probing, deletion by backward shift, so no tombstones) of int32 slot
   numbers, kept at most 2/3 full. A dict would cost a per-row int object
@@ -35,10 +42,16 @@ import sys
 from array import array
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import compress
 
 from keeper.classes import ClassTable
 from keeper.order import BLOCK_LOAD, SLOT_BITS, Order
+
+try:
+    from keeper import _best  # type: ignore[attr-defined]  # C, built by setup.py
+except ImportError:  # pragma: no cover - a build without the C extension
+    _best = None  # type: ignore[assignment]
 
 # Refused rows named in the keeper's trust (the newest).
 REFUSED_KEYS = 20
@@ -55,17 +68,50 @@ Entry = tuple[str, int, int, int, float]  # (key, version, minute, class id, ran
 _SLOT_HALF, _MINUTE_HALF = (0, 1) if sys.byteorder == "little" else (1, 0)
 
 
-def _shift_out(table: array[int], mask: int, keys: list[str | None], i: int) -> None:
+class PyKeyColumn(list[str | None]):
+    """``keeper._best.KeyColumn`` in Python, for a build without it: the keys
+    as str in a list, with the column's methods."""
+
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` slots (a list grows as it must)."""
+
+    def truncate(self, slots: int) -> None:
+        """Drop the slots from ``slots`` on."""
+        del self[slots:]
+
+    def hash_at(self, slot: int) -> int | None:
+        """The hash of the slot's key (None: the slot holds none)."""
+        key = self[slot]
+        return None if key is None else hash(key)
+
+    def find(self, key: str, table: array[int], mask: int) -> int:
+        """The cell of ``table`` holding ``key``'s slot, or the empty cell
+        ending its probe (linear, from ``hash(key) & mask``)."""
+        i = hash(key) & mask
+        slot = table[i]
+        while slot >= 0 and self[slot] != key:
+            i = (i + 1) & mask
+            slot = table[i]
+        return i
+
+
+def new_key_column() -> PyKeyColumn:
+    """An empty column of keys by slot: the C one where built."""
+    return _best.KeyColumn() if _best is not None else PyKeyColumn()
+
+
+def _shift_out(table: array[int], mask: int, keys: PyKeyColumn, i: int) -> None:
     """Empty cell ``i`` of an open-addressing ``table`` and shift later members
     of its cluster back, so every key stays reachable from its home cell
     without tombstones."""
+    hash_at = keys.hash_at
     j = i
     while True:
         j = (j + 1) & mask
         slot = table[j]
         if slot < 0:
             break
-        home = hash(keys[slot]) & mask
+        home = hash_at(slot) & mask  # type: ignore[operator]  # a slot in the table holds a key
         # The entry at j may fill the hole at i unless its home lies in
         # the cyclic range (i, j].
         if (i < home <= j) if i < j else (home > i or home <= j):
@@ -100,7 +146,7 @@ class KeyTable:
     ) -> None:
         self.classes = classes
         self._block_load = max(2, block_load)
-        self._keys: list[str | None] = []
+        self._keys = new_key_column()
         self._vers = array("q")
         self._mins = array("i")
         self._cids = array("i")
@@ -177,6 +223,7 @@ class KeyTable:
         """Size the key table for ``rows`` rows now, instead of doubling while
         they arrive: no insert starts a growth until more than ``rows`` rows
         are held. Call it with the table's row count before a load."""
+        self._keys.reserve(rows)
         cells = len(self._table)
         while rows * 3 > cells * 2:
             cells <<= 1
@@ -200,11 +247,12 @@ class KeyTable:
             return
         # A plain loop: passes of ``map`` over the table cost three times
         # as much here (each pass misses the cache again).
-        table, mask = self._table, self._mask
-        for slot, key in enumerate(self._keys):
-            if key is None:
+        table, mask, hash_at = self._table, self._mask, self._keys.hash_at
+        for slot in range(len(self._keys)):
+            h = hash_at(slot)
+            if h is None:
                 continue
-            i = hash(key) & mask
+            i = h & mask
             while table[i] >= 0:
                 i = (i + 1) & mask
             table[i] = slot
@@ -215,13 +263,13 @@ class KeyTable:
         when it is all moved."""
         old, old_mask = self._old, self._old_mask
         assert old is not None
-        table, mask, keys = self._table, self._mask, self._keys
+        table, mask, hash_at = self._table, self._mask, self._keys.hash_at
         start, done, end = self._drain_from, self._drained, len(old)
         while done < end:
             c = (start + done) & old_mask
             slot = old[c]
             if slot >= 0:
-                i = hash(keys[slot]) & mask
+                i = hash_at(slot) & mask  # type: ignore[operator]  # a slot in a cell holds a key
                 while table[i] >= 0:
                     i = (i + 1) & mask
                 table[i] = slot
@@ -239,13 +287,9 @@ class KeyTable:
         """The table cell holding ``key``'s slot, or the empty cell ending its
         probe sequence. While the table grows, a key still in ``_old`` moves
         to the table first."""
-        table, mask, keys = self._table, self._mask, self._keys
-        i = hash(key) & mask
-        slot = table[i]
-        while slot >= 0 and keys[slot] != key:
-            i = (i + 1) & mask
-            slot = table[i]
-        if slot < 0 and self._old is not None:
+        table, keys = self._table, self._keys
+        i = keys.find(key, table, self._mask)
+        if table[i] < 0 and self._old is not None:
             old = self._old
             c = self._old_cell(key)
             if old[c] >= 0:
@@ -255,14 +299,8 @@ class KeyTable:
 
     def _old_cell(self, key: str) -> int:
         """``_cell`` in ``_old`` (which must be there)."""
-        old, mask, keys = self._old, self._old_mask, self._keys
-        assert old is not None
-        i = hash(key) & mask
-        slot = old[i]
-        while slot >= 0 and keys[slot] != key:
-            i = (i + 1) & mask
-            slot = old[i]
-        return i
+        assert self._old is not None
+        return self._keys.find(key, self._old, self._old_mask)
 
     def _old_slot(self, key: str) -> int:
         """The slot of a key not in the table but maybe still in ``_old``
@@ -362,6 +400,18 @@ class KeyTable:
 
     def __len__(self) -> int:
         return self._live
+
+    def held_slots(self) -> array[int]:
+        """The slots holding a row now, ascending (``keys_at`` makes their
+        keys a chunk at a time)."""
+        held = bytearray(b"\x01") * len(self._keys)
+        for slot in self._free:
+            held[slot] = 0
+        return array("i", compress(range(len(held)), held))
+
+    def keys_at(self, slots: Iterable[int]) -> list[str]:
+        """The keys ``slots`` hold now, leaving out those that hold none."""
+        return [key for key in map(self._keys.__getitem__, slots) if key is not None]
 
     def items(self) -> Iterator[tuple[str, int, int, int]]:
         """``(key, due minute, class id, version)`` of every row, in no order."""

@@ -126,40 +126,39 @@ class ReadyWriter(ReadySetBase):
         n: int,
         now: float,
         ahead: bool = False,
-    ) -> list[str]:
+    ) -> int:
         """``publish_columns`` for a writer that keeps its rows in columns by
         slot (the keeper's buckets): entry i is ``(keys[slots[i]],
         versions[slots[i]], due_minutes[i], class_ids[i], ranks[i])`` for i
-        below ``n``. ``keys`` is a list of str by slot, ``versions`` a buffer
-        of int64 by slot (``array('q')``); ``slots``, ``due_minutes`` and
-        ``class_ids`` buffers of int32, ``ranks`` of double (``array('i')``,
-        ``array('d')``, or the bytes ``keeper._best.pick`` gives). Written by
-        one call into C (``_atomic.View.write_gathered``) that makes no
-        Python object an entry. Returns the keys written, in order (fewer
-        than ``n`` when the heap filled), and the slot holds the same bytes
-        as ``publish_columns`` of the gathered columns."""
+        below ``n``. ``keys`` is a list of str by slot, or the keeper's
+        ``KeyColumn`` (keeper/_keys.c), whose UTF-8 the writer copies where it
+        lies; ``versions`` a buffer of int64 by slot (``array('q')``);
+        ``slots``, ``due_minutes`` and ``class_ids`` buffers of int32,
+        ``ranks`` of double (``array('i')``, ``array('d')``, or the bytes
+        ``keeper._best.pick`` gives). Written by one call into C
+        (``_atomic.View.write_gathered``) that makes no Python object an
+        entry. Returns how many were written, the first of ``slots`` (fewer
+        than ``n`` when the heap filled; the keeper makes their keys after
+        the publication, ``Gathered.keys_written``), and the slot holds the
+        same bytes as ``publish_columns`` of the gathered columns."""
         n = min(n, self.capacity)
-        out: list[str] = []
 
         def fill(view: Any, mm: Any, base: int) -> tuple[int, int, int]:
             entries_at, heap_at = base + SLOT_HEADER_SIZE, base + self._heap_at
             write = getattr(view, "write_gathered", None)
             if write is not None:
-                count, used, ascii, written = write(
+                count, used, ascii = write(
                     entries_at, heap_at, self.heap_size, n,
                     keys, versions, slots, due_minutes, class_ids, ranks,
-                )  # fmt: skip
+                )[:3]  # fmt: skip
             else:  # an older build of shm._atomic: gather, then write_entries
                 cols = _gather(keys, versions, slots, due_minutes, class_ids, ranks, n)
                 count, used, ascii = view.write_entries(
                     entries_at, heap_at, self.heap_size, n, *cols
                 )
-                written = cols[0][:count]
-            out.extend(written)
             return count, used, FLAG_ASCII if ascii else 0
 
-        self._publish(fill, now, ahead)
-        return out
+        return self._publish(fill, now, ahead)
 
     def _publish(self, chunks: Any, now: float, ahead: bool) -> int:
         """Write a set into the slot not active: ``chunks`` are an iterable of
