@@ -148,15 +148,24 @@ kc_length(KeyColumn *self)
     return self->len;
 }
 
-static PyObject *
-kc_item(KeyColumn *self, Py_ssize_t slot)
+/* Whether a slot holds a key: 1, 0 (none), -1 with an IndexError (no such
+ * slot). */
+static int
+kc_holds(const KeyColumn *self, Py_ssize_t slot)
 {
     if (slot < 0 || slot >= self->len) {
         PyErr_SetString(PyExc_IndexError, "KeyColumn index out of range");
-        return NULL;
+        return -1;
     }
-    if (self->at[slot] == NULL)
-        Py_RETURN_NONE;
+    return self->at[slot] != NULL;
+}
+
+static PyObject *
+kc_item(KeyColumn *self, Py_ssize_t slot)
+{
+    int holds = kc_holds(self, slot);
+    if (holds <= 0)
+        return holds < 0 ? NULL : Py_NewRef(Py_None);
     return kc_block_str(self->at[slot]);
 }
 
@@ -222,17 +231,22 @@ kc_append_method(KeyColumn *self, PyObject *key)
     Py_RETURN_NONE;
 }
 
+/* A number of slots from a Python int (-1 with an exception: not an int,
+ * or negative). */
+static Py_ssize_t
+kc_slots_arg(PyObject *arg, const char *what)
+{
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n < 0 && !PyErr_Occurred())
+        PyErr_Format(PyExc_ValueError, "%s(): a negative number of slots", what);
+    return PyErr_Occurred() ? -1 : n;
+}
+
 static PyObject *
 kc_reserve(KeyColumn *self, PyObject *arg)
 {
-    Py_ssize_t n = PyLong_AsSsize_t(arg);
-    if (n == -1 && PyErr_Occurred())
-        return NULL;
-    if (n < 0) {
-        PyErr_SetString(PyExc_ValueError, "reserve(): a negative number of slots");
-        return NULL;
-    }
-    if (kc_grow(self, n) < 0)
+    Py_ssize_t n = kc_slots_arg(arg, "reserve");
+    if (n < 0 || kc_grow(self, n) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -240,13 +254,9 @@ kc_reserve(KeyColumn *self, PyObject *arg)
 static PyObject *
 kc_truncate(KeyColumn *self, PyObject *arg)
 {
-    Py_ssize_t n = PyLong_AsSsize_t(arg);
-    if (n == -1 && PyErr_Occurred())
+    Py_ssize_t n = kc_slots_arg(arg, "truncate");
+    if (n < 0)
         return NULL;
-    if (n < 0) {
-        PyErr_SetString(PyExc_ValueError, "truncate(): a negative number of slots");
-        return NULL;
-    }
     while (self->len > n)
         PyMem_Free(self->at[--self->len]);
     Py_RETURN_NONE;
@@ -258,12 +268,9 @@ kc_hash_at(KeyColumn *self, PyObject *arg)
     Py_ssize_t slot = PyLong_AsSsize_t(arg);
     if (slot == -1 && PyErr_Occurred())
         return NULL;
-    if (slot < 0 || slot >= self->len) {
-        PyErr_SetString(PyExc_IndexError, "KeyColumn index out of range");
-        return NULL;
-    }
-    if (self->at[slot] == NULL)
-        Py_RETURN_NONE;
+    int holds = kc_holds(self, slot);
+    if (holds <= 0)
+        return holds < 0 ? NULL : Py_NewRef(Py_None);
     return PyLong_FromUnsignedLong(self->hash[slot]);
 }
 
