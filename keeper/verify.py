@@ -9,8 +9,8 @@ came after the read, and the event wins.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator
-from itertools import islice
+from itertools import compress, repeat
+from operator import ge, gt
 from typing import Any, NamedTuple
 
 from keeper.base import KeeperBase
@@ -70,11 +70,15 @@ class VerifyWalk:
         # adds were gained, counted received and in repairs.membership.
         self.membership = False
         # A repair walk (``_repair_step``): what the copy held at its start,
-        # key -> version << 32 | due minute; each key the table walk meets
-        # is taken out, and those left at the end are not in the table.
-        self.held: dict[str, int] | None = None
-        # Filled a step at a time (HELD_CHUNK), so that no step stalls.
-        self.filling: Iterator[tuple[str, int, int, int]] | None = None
+        # by slot, version << 32 | due minute (-1: no row); a slot whose key
+        # the table walk meets is marked in ``met``, and the keys of those
+        # left at the end are looked for in the table. 9 bytes a row, where
+        # a dict by key took about 200 (the buckets hold no str a key).
+        self.start: array[int] | None = None
+        self.met = bytearray()
+        # The next slot to copy into ``start``, a step at a time (HELD_CHUNK,
+        # so that no step stalls); None once all are.
+        self.filling: int | None = None
 
 
 class Verify(KeeperBase):
@@ -183,12 +187,12 @@ class Verify(KeeperBase):
             # gained (received), even when a later doubt (a gap) took its place.
             walk.membership = self._doubt == "membership" or self._reown_pending
             if self._doubt is not None:
-                # One pass over the copy (a few tenths of a second and about
-                # 200 MB at 1M rows, the keys made as strs, while nothing
-                # vouches anyway) spares the walk a lookup of each row in the
-                # buckets and a read of each own key back from the table.
-                walk.held = {}
-                walk.filling = self.buckets.items()
+                # One pass over the copy (a few tenths of a second at 1M
+                # rows, while nothing vouches anyway) spares the walk a
+                # reconcile of each row and a read of each own key back from
+                # the table.
+                walk.start = array("q")
+                walk.filling = 0
                 walk.total = max(walk.total - len(self.buckets), 1)  # the table alone
             self.status = "verifying"
             self.state.heartbeat(now, self.status, self.exact, self._phase())
@@ -196,7 +200,7 @@ class Verify(KeeperBase):
     def _verify_step(self, now: float) -> None:
         walk = self._verify
         assert walk is not None
-        if walk.held is not None:
+        if walk.start is not None:
             self._repair_step(walk, now)
             return
         if not walk.table_done:
@@ -265,14 +269,14 @@ class Verify(KeeperBase):
         version and minute is not looked at further, the others are
         reconciled (versions decide); at the end, the keys held at the start
         that the table did not have."""
-        held = walk.held
-        assert held is not None
+        assert walk.start is not None
         if walk.filling is not None:
-            before = len(held)
-            taken = islice(walk.filling, HELD_CHUNK)
-            held.update((key, version << 32 | minute) for key, minute, _cid, version in taken)
-            if len(held) - before < HELD_CHUNK:
+            end = min(walk.filling + HELD_CHUNK, self.buckets.slots())
+            walk.start += self.buckets.versions_minutes(walk.filling, end)
+            walk.filling = end
+            if end >= self.buckets.slots():
                 walk.filling = None
+                walk.met = bytearray(len(walk.start))
             return
         snap_seq = self._begin_read()
         try:
@@ -293,8 +297,20 @@ class Verify(KeeperBase):
     ) -> int:
         """A repair step's chunk reconciled: the rows that differ from what
         the copy held at the walk's start. Returns the repairs."""
-        held = walk.held
-        assert held is not None
+        start, met = walk.start, walk.met
+        assert start is not None
+        slot_of, copied = self.buckets.slot_of, len(start)
+
+        def take(key: str) -> int:
+            """What the copy held at the start in the slot that holds ``key``
+            now, the first time it is met (-1: no row then, met before, or
+            the key held nowhere: those are reconciled)."""
+            slot = slot_of(key)
+            if slot < 0 or slot >= copied or met[slot]:
+                return -1
+            met[slot] = 1
+            return start[slot]
+
         mine = self._owned([row[0] for row in rows] + [b.key for b in bad])
         if mine is not None:  # a fleet node's own rows only
             rows = [row for row in rows if row[0] in mine]
@@ -302,8 +318,7 @@ class Verify(KeeperBase):
         gained = walk.membership
         reconcile = self._reconcile
         repairs = 0
-        pop = held.pop
-        differ = [j for j, row in enumerate(rows) if pop(row[0], -1) != row[1] << 32 | int(row[5] // 60)]  # noqa: E501 - one comprehension: the hot loop of the walk
+        differ = [j for j, row in enumerate(rows) if take(row[0]) != row[1] << 32 | int(row[5] // 60)]  # noqa: E501 - one comprehension: the hot loop of the walk
         for j in differ:
             key, version, route, cadence_s, sitemap, due_at = rows[j]
             row = _Walked(key, version, route, cadence_s, bool(sitemap), due_at)
@@ -311,7 +326,7 @@ class Verify(KeeperBase):
         for bad_row in bad:
             if type(bad_row.key) is not str:
                 continue  # a blob, text that is not UTF-8: never held
-            pop(bad_row.key, None)
+            take(bad_row.key)
             repairs += reconcile(bad_row.key, bad_row, snap_seq)
         walk.compared += len(rows) + len(bad)
         return repairs
@@ -321,12 +336,17 @@ class Verify(KeeperBase):
         not meet, gone from the table or written again after the walk passed
         them. Read now, as the verification walk reads its own keys (few,
         unless rows went). Returns the repairs."""
-        assert walk.held is not None
-        left = list(walk.held)
-        walk.held = {}
+        start, met = walk.start, walk.met
+        assert start is not None
+        # The slots that held a row at the start and were not met: the keys
+        # they hold now (a slot taken again since holds a key held now, as
+        # worth the read).
+        unmet = compress(range(len(start)), map(gt, map(ge, start, repeat(0)), met))
+        left = self.buckets.keys_at(unmet)
+        walk.start, walk.met = array("q"), bytearray()
         repairs = 0
-        for start in range(0, len(left), VERIFY_CHUNK):
-            keys = left[start : start + VERIFY_CHUNK]
+        for at in range(0, len(left), VERIFY_CHUNK):
+            keys = left[at : at + VERIFY_CHUNK]
             snap_seq = self.store.last_seq()
             found = self.store.get_many(keys)
             self.drain_feed(now)

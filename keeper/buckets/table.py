@@ -121,6 +121,10 @@ def _shift_out(table: array[int], mask: int, keys: PyKeyColumn, i: int) -> None:
     table[i] = _EMPTY
 
 
+def _version_minute(version: int, minute: int) -> int:
+    return version << 32 | minute
+
+
 def minute_of(t: float) -> int:
     """The due minute of a unix time: ``floor(t / 60)``."""
     return int(t // 60)
@@ -400,6 +404,23 @@ class KeyTable:
 
     def __len__(self) -> int:
         return self._live
+
+    def slots(self) -> int:
+        """How many slots there are, held or free (``versions_minutes``)."""
+        return len(self._keys)
+
+    def slot_of(self, key: str) -> int:
+        """The slot holding ``key`` (-1: none)."""
+        return self._table[self._cell(key)]
+
+    def versions_minutes(self, lo: int, hi: int) -> array[int]:
+        """``version << 32 | due minute`` of the slots from ``lo`` to ``hi``,
+        -1 for a slot that holds no row."""
+        out = array("q", map(_version_minute, self._vers[lo:hi], self._mins[lo:hi]))
+        for slot in self._free:
+            if lo <= slot < hi:
+                out[slot - lo] = -1
+        return out
 
     def held_slots(self) -> array[int]:
         """The slots holding a row now, ascending (``keys_at`` makes their
