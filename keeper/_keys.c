@@ -184,6 +184,11 @@ kc_ass_item(KeyColumn *self, Py_ssize_t slot, PyObject *key)
     unsigned char *block = NULL;
     if (key != Py_None && (block = kc_block(key, &h)) == NULL)
         return -1;
+    if (slot >= self->len) { /* a key's __hash__ ran Python that truncated the column */
+        PyMem_Free(block);
+        PyErr_SetString(PyExc_IndexError, "KeyColumn assignment index out of range");
+        return -1;
+    }
     PyMem_Free(self->at[slot]);
     self->at[slot] = block;
     self->hash[slot] = (uint32_t)h;

@@ -42,7 +42,11 @@ keyset_build(KeySet *ks, PyObject *set)
     while ((key = PyIter_Next(it)) != NULL) {
         int kept = PyList_Append(ks->keep, key);
         Py_DECREF(key);
-        if (kept < 0 || (h = PyObject_Hash(key)) == -1)
+        if (kept < 0)
+            break;
+        if (!PyUnicode_CheckExact(key))
+            continue; /* (its hash could run Python) */
+        if ((h = PyObject_Hash(key)) == -1)
             break;
 #endif
         Py_ssize_t len;

@@ -237,15 +237,6 @@ class Owned(KeeperBase):
         held row, for a lapse); their number."""
         if self.ownership is None:
             return 0
-        # The keys to drop, their strs made a chunk of slots at a time (the
-        # buckets hold none: keeper/_keys.c), so only those dropped are held.
-        keys: list[str] = []
-        slots = self.buckets.held_slots()
-        for at in range(0, len(slots), OWN_CHUNK):
-            chunk = self.buckets.keys_at(slots[at : at + OWN_CHUNK])
-            owned = self._owned(chunk) if keep else set()
-            assert owned is not None  # a fleet keeper's
-            keys += [key for key in chunk if key not in owned] if owned else chunk
         if self.leases is not None:
             # The excluded keys are followed at each publish only: a key
             # granted from the live set since then must be seen leased now,
@@ -261,18 +252,29 @@ class Owned(KeeperBase):
         # Dropped while loading, rows the saved counts' ownership owned are
         # counted at the load's end with the others it left out.
         past = self._saved_ownership if self._loading else None
-        left = set() if past is None else set(past.mine(keys))
         dropped = 0
-        for key in keys:
-            before = get(key)
-            remove(key)
-            dropped += 1
-            if key in left and before is not None:
-                self._left_out[key] = (before[0], before[2])
-            if key in exclude and self._leased(key):
-                self.fenced.add(key)  # in flight: its lease's end decides
-            elif before is not None and counting and not self._finished_unapplied(key, before[2]):
-                self._withdraw(key, before, None)
+        # A chunk of slots at a time: their keys made (the buckets hold no
+        # str a key: keeper/_keys.c), asked for and dropped. A removal frees
+        # only its own slot, so the later slots hold what they held.
+        slots = self.buckets.held_slots()
+        for at in range(0, len(slots), OWN_CHUNK):
+            keys = self.buckets.keys_at(slots[at : at + OWN_CHUNK])
+            if keep:
+                owned = self._owned(keys)
+                assert owned is not None  # a fleet keeper's
+                keys = [key for key in keys if key not in owned]
+            left = set() if past is None else set(past.mine(keys))
+            for key in keys:
+                before = get(key)
+                remove(key)
+                dropped += 1
+                if key in left and before is not None:
+                    self._left_out[key] = (before[0], before[2])
+                if key in exclude and self._leased(key):
+                    self.fenced.add(key)  # in flight: its lease's end decides
+                elif (before is not None and counting
+                      and not self._finished_unapplied(key, before[2])):  # fmt: skip
+                    self._withdraw(key, before, None)
         if self.refused_due:  # received here, held nowhere, another node's now: it leaves
             kept = self._owned(list(self.refused_due)) or set()
             for key in [k for k in self.refused_due if k not in kept]:

@@ -9,8 +9,8 @@ came after the read, and the event wins.
 from __future__ import annotations
 
 from array import array
-from itertools import compress, repeat
-from operator import ge, gt
+from itertools import compress
+from operator import not_
 from typing import Any, NamedTuple
 
 from keeper.base import KeeperBase
@@ -34,6 +34,9 @@ VERIFY_CHUNK = 2_000
 REPAIR_CHUNK = 10_000
 # Rows of the copy taken into the repair walk's record a step (~40 ms).
 HELD_CHUNK = 50_000
+# A repair walk's mark of a slot (``VerifyWalk.met``).
+HELD, MET, NO_ROW = 0, 1, 2
+_NO_ROW_OF_FREE = bytes.maketrans(b"\x01", bytes([NO_ROW]))  # free_flags' 1 -> NO_ROW
 
 
 class _Walked(NamedTuple):
@@ -70,14 +73,17 @@ class VerifyWalk:
         # adds were gained, counted received and in repairs.membership.
         self.membership = False
         # A repair walk (``_repair_step``): what the copy held at its start,
-        # by slot, version << 32 | due minute (-1: no row); a slot whose key
-        # the table walk meets is marked in ``met``, and the keys of those
-        # left at the end are looked for in the table. 9 bytes a row, where
-        # a dict by key took about 200 (the buckets hold no str a key).
-        self.start: array[int] | None = None
+        # by slot: each slot's version and due minute (``start_vers``,
+        # ``start_mins``) and a mark (``met``: HELD, MET once the walk met
+        # the key that holds the slot, NO_ROW for a slot free at the start).
+        # The keys of the slots still HELD at the end are looked for in the
+        # table. 13 bytes a row, where a dict by key took about 63 (and the
+        # buckets hold no str a key to share with it).
+        self.start_vers: array[int] | None = None
+        self.start_mins = array("i")
         self.met = bytearray()
-        # The next slot to copy into ``start``, a step at a time (HELD_CHUNK,
-        # so that no step stalls); None once all are.
+        # The next slot to copy, a step at a time (HELD_CHUNK, so that no
+        # step stalls); None once all are.
         self.filling: int | None = None
 
 
@@ -191,7 +197,8 @@ class Verify(KeeperBase):
                 # rows, while nothing vouches anyway) spares the walk a
                 # reconcile of each row and a read of each own key back from
                 # the table.
-                walk.start = array("q")
+                walk.start_vers = array("q")
+                walk.met = self.buckets.free_flags().translate(_NO_ROW_OF_FREE)
                 walk.filling = 0
                 walk.total = max(walk.total - len(self.buckets), 1)  # the table alone
             self.status = "verifying"
@@ -200,7 +207,7 @@ class Verify(KeeperBase):
     def _verify_step(self, now: float) -> None:
         walk = self._verify
         assert walk is not None
-        if walk.start is not None:
+        if walk.start_vers is not None:
             self._repair_step(walk, now)
             return
         if not walk.table_done:
@@ -269,14 +276,13 @@ class Verify(KeeperBase):
         version and minute is not looked at further, the others are
         reconciled (versions decide); at the end, the keys held at the start
         that the table did not have."""
-        assert walk.start is not None
+        assert walk.start_vers is not None
         if walk.filling is not None:
-            end = min(walk.filling + HELD_CHUNK, self.buckets.slots())
-            walk.start += self.buckets.versions_minutes(walk.filling, end)
-            walk.filling = end
-            if end >= self.buckets.slots():
-                walk.filling = None
-                walk.met = bytearray(len(walk.start))
+            end = min(walk.filling + HELD_CHUNK, len(walk.met))
+            vers, mins = self.buckets.columns_at(walk.filling, end)
+            walk.start_vers += vers
+            walk.start_mins += mins
+            walk.filling = None if end >= len(walk.met) else end
             return
         snap_seq = self._begin_read()
         try:
@@ -297,19 +303,19 @@ class Verify(KeeperBase):
     ) -> int:
         """A repair step's chunk reconciled: the rows that differ from what
         the copy held at the walk's start. Returns the repairs."""
-        start, met = walk.start, walk.met
-        assert start is not None
-        slot_of, copied = self.buckets.slot_of, len(start)
+        vers, mins, met = walk.start_vers, walk.start_mins, walk.met
+        assert vers is not None
+        slot_of, copied = self.buckets.slot_of, len(met)
 
-        def take(key: str) -> int:
+        def take(key: str) -> tuple[int, int] | None:
             """What the copy held at the start in the slot that holds ``key``
-            now, the first time it is met (-1: no row then, met before, or
+            now, the first time it is met (None: no row then, met before, or
             the key held nowhere: those are reconciled)."""
             slot = slot_of(key)
-            if slot < 0 or slot >= copied or met[slot]:
-                return -1
-            met[slot] = 1
-            return start[slot]
+            if slot < 0 or slot >= copied or met[slot] != HELD:
+                return None
+            met[slot] = MET
+            return vers[slot], mins[slot]
 
         mine = self._owned([row[0] for row in rows] + [b.key for b in bad])
         if mine is not None:  # a fleet node's own rows only
@@ -318,7 +324,7 @@ class Verify(KeeperBase):
         gained = walk.membership
         reconcile = self._reconcile
         repairs = 0
-        differ = [j for j, row in enumerate(rows) if take(row[0]) != row[1] << 32 | int(row[5] // 60)]  # noqa: E501 - one comprehension: the hot loop of the walk
+        differ = [j for j, row in enumerate(rows) if take(row[0]) != (row[1], int(row[5] // 60))]  # noqa: E501 - one comprehension: the hot loop of the walk
         for j in differ:
             key, version, route, cadence_s, sitemap, due_at = rows[j]
             row = _Walked(key, version, route, cadence_s, bool(sitemap), due_at)
@@ -336,14 +342,15 @@ class Verify(KeeperBase):
         not meet, gone from the table or written again after the walk passed
         them. Read now, as the verification walk reads its own keys (few,
         unless rows went). Returns the repairs."""
-        start, met = walk.start, walk.met
-        assert start is not None
-        # The slots that held a row at the start and were not met: the keys
-        # they hold now (a slot taken again since holds a key held now, as
-        # worth the read).
-        unmet = compress(range(len(start)), map(gt, map(ge, start, repeat(0)), met))
-        left = self.buckets.keys_at(unmet)
-        walk.start, walk.met = array("q"), bytearray()
+        vers, met = walk.start_vers, walk.met
+        assert vers is not None
+        # The slots that held a row at the start, not met, and whose row has
+        # not changed since (one that has came through the feed, which has
+        # its key in hand: a delete it has yet to apply is its to count).
+        version_at = self.buckets.version_at
+        unmet = compress(range(len(met)), map(not_, met))
+        left = self.buckets.keys_at(slot for slot in unmet if version_at(slot) == vers[slot])
+        walk.start_vers, walk.start_mins, walk.met = array("q"), array("i"), bytearray()
         repairs = 0
         for at in range(0, len(left), VERIFY_CHUNK):
             keys = left[at : at + VERIFY_CHUNK]

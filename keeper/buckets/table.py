@@ -44,6 +44,7 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import compress
+from operator import not_
 
 from keeper.classes import ClassTable
 from keeper.order import BLOCK_LOAD, SLOT_BITS, Order
@@ -119,10 +120,6 @@ def _shift_out(table: array[int], mask: int, keys: PyKeyColumn, i: int) -> None:
         table[i] = slot
         i = j
     table[i] = _EMPTY
-
-
-def _version_minute(version: int, minute: int) -> int:
-    return version << 32 | minute
 
 
 def minute_of(t: float) -> int:
@@ -405,30 +402,30 @@ class KeyTable:
     def __len__(self) -> int:
         return self._live
 
-    def slots(self) -> int:
-        """How many slots there are, held or free (``versions_minutes``)."""
-        return len(self._keys)
-
     def slot_of(self, key: str) -> int:
         """The slot holding ``key`` (-1: none)."""
         return self._table[self._cell(key)]
 
-    def versions_minutes(self, lo: int, hi: int) -> array[int]:
-        """``version << 32 | due minute`` of the slots from ``lo`` to ``hi``,
-        -1 for a slot that holds no row."""
-        out = array("q", map(_version_minute, self._vers[lo:hi], self._mins[lo:hi]))
+    def version_at(self, slot: int) -> int:
+        """The version of the row in ``slot`` (a free slot's is stale)."""
+        return self._vers[slot]
+
+    def columns_at(self, lo: int, hi: int) -> tuple[array[int], array[int]]:
+        """Copies of the versions and due minutes of the slots from ``lo`` to
+        ``hi`` (a free slot's are stale: ``free_flags`` says which)."""
+        return self._vers[lo:hi], self._mins[lo:hi]
+
+    def free_flags(self) -> bytearray:
+        """A byte a slot: 1 for a slot that holds no row, else 0."""
+        flags = bytearray(len(self._keys))
         for slot in self._free:
-            if lo <= slot < hi:
-                out[slot - lo] = -1
-        return out
+            flags[slot] = 1
+        return flags
 
     def held_slots(self) -> array[int]:
         """The slots holding a row now, ascending (``keys_at`` makes their
         keys a chunk at a time)."""
-        held = bytearray(b"\x01") * len(self._keys)
-        for slot in self._free:
-            held[slot] = 0
-        return array("i", compress(range(len(held)), held))
+        return array("i", compress(range(len(self._keys)), map(not_, self.free_flags())))
 
     def keys_at(self, slots: Iterable[int]) -> list[str]:
         """The keys ``slots`` hold now, leaving out those that hold none."""

@@ -270,3 +270,17 @@ def test_the_ready_set_writer_reads_only_a_key_column_through_its_capsule(tmp_pa
     finally:
         ready.close()
         ReadySet.unlink(name)
+
+
+def test_a_slot_set_by_a_key_whose_hash_truncates_the_column_is_refused():
+    c = _best.KeyColumn()
+    c.extend(["a", "b"])
+
+    class Truncating(str):
+        def __hash__(self) -> int:
+            c.truncate(0)
+            return 1
+
+    with pytest.raises(IndexError):
+        c[1] = Truncating("zz")  # the slot is gone once the hash has run
+    assert len(c) == 0
