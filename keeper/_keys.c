@@ -34,7 +34,8 @@
 #include "../shm/_key_column.h"
 
 
-PyObject *
+/* A new str of a block's key. */
+static PyObject *
 kc_block_str(const unsigned char *block)
 {
     Py_ssize_t len = KC_LEN(block);

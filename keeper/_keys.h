@@ -31,9 +31,6 @@ kc_equal(const KeyColumn *col, Py_ssize_t slot, Py_hash_t h, const char *utf8, P
            memcmp(KC_UTF8(block), utf8, (size_t)len) == 0;
 }
 
-/* A new str of a block's key. */
-PyObject *kc_block_str(const unsigned char *block);
-
 /* A key table's buffer, checked (int32 cells, mask + 1 of them, a power of
  * two): 0, or -1 with an exception. */
 int kc_table(PyObject *obj, Py_ssize_t mask, Py_buffer *view);

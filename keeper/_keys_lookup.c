@@ -79,9 +79,7 @@ keyset_has(const KeySet *ks, const KeyColumn *col, Py_ssize_t slot)
     for (Py_ssize_t i = (Py_ssize_t)(h & (size_t)ks->mask); ks->cell[i].utf8 != NULL;
          i = (i + 1) & ks->mask) {
         const KeySetCell *c = &ks->cell[i];
-        const unsigned char *block;
-        if (c->hash == h && (block = col->at[slot]) != NULL && (uint32_t)KC_LEN(block) == c->len &&
-            memcmp(c->utf8, KC_UTF8(block), (size_t)c->len) == 0)
+        if (kc_equal(col, slot, c->hash, c->utf8, c->len))
             return 1;
     }
     return 0;

@@ -35,8 +35,7 @@ REPAIR_CHUNK = 10_000
 # Rows of the copy taken into the repair walk's record a step (~40 ms).
 HELD_CHUNK = 50_000
 # A repair walk's mark of a slot (``VerifyWalk.met``).
-HELD, MET, NO_ROW = 0, 1, 2
-_NO_ROW_OF_FREE = bytes.maketrans(b"\x01", bytes([NO_ROW]))  # free_flags' 1 -> NO_ROW
+HELD, NO_ROW, MET = 0, 1, 2  # (NO_ROW: Buckets.free_flags' mark of a free slot)
 
 
 class _Walked(NamedTuple):
@@ -198,7 +197,7 @@ class Verify(KeeperBase):
                 # reconcile of each row and a read of each own key back from
                 # the table.
                 walk.start_vers = array("q")
-                walk.met = self.buckets.free_flags().translate(_NO_ROW_OF_FREE)
+                walk.met = self.buckets.free_flags()
                 walk.filling = 0
                 walk.total = max(walk.total - len(self.buckets), 1)  # the table alone
             self.status = "verifying"

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, cast
 
 from keeper.buckets.counts import Counts
 from keeper.buckets.detach import Detach
-from keeper.buckets.table import _MINUTE_HALF, _SLOT_HALF, Entry
+from keeper.buckets.table import _MINUTE_HALF, _SLOT_HALF, Entry, PyKeyColumn
 from keeper.order import SLOT_BITS, SLOT_MASK
 
 try:  # the k-way merge best_columns ranks with; the Python below does the same
@@ -130,7 +130,7 @@ class Gathered(NamedTuple):
     picks' columns are buffers of ``n`` int32 (``slots``, ``minutes``,
     ``cids``, ``positions``) or double (``ranks``)."""
 
-    keys: list[str | None]
+    keys: PyKeyColumn
     versions: array[int]
     slots: Any
     minutes: Any
@@ -146,10 +146,7 @@ class Gathered(NamedTuple):
     def keys_written(self, count: int) -> list[str]:
         """The keys of the first ``count`` picks (those ``publish_gathered``
         wrote), made now: the column holds no str."""
-        take = getattr(self.keys, "take", None)
-        if take is not None:
-            return cast(list[str], take(self.slots, count))
-        return cast(list[str], _getter(_ints(self.slots)[:count])(self.keys)) if count else []
+        return cast(list[str], self.keys.take(self.slots, count))  # a written slot holds a key
 
     def columns(self) -> Columns:
         """The picks as ``best_columns``' lists."""
@@ -176,7 +173,7 @@ def _getter(positions: list[int]):
     return lambda seq: [seq[i] for i in positions]
 
 
-def _empty(keys: list[str | None], vers: array[int]) -> Gathered:
+def _empty(keys: PyKeyColumn, vers: array[int]) -> Gathered:
     none = array("i")
     return Gathered(keys, vers, none, none, none, array("d"), 0, none, array("q"), [0], [],
                     bytearray())  # fmt: skip

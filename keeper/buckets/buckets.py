@@ -297,20 +297,20 @@ class Buckets(Best, Detach, Counts):
             # The keys first, all or none: a key the column refuses (not
             # UTF-8) leaves the table as it was.
             held += keys
-        if not probe and _best is not None:  # the loop below, in C
-            try:
-                versions_c, minutes_c, groups = _best.enter_rows(rows, cids, table, mask, first)
-            except BaseException:
-                held.truncate(first)
-                raise
-            self._vers += versions_c
-            self._mins += minutes_c
-            self._cids += array("i", cids)
-            self._det += bytes(len(versions_c))
-            self._live += len(versions_c)
-            for cid, run in groups:
-                self._pend(cid, run)
-            return []
+            if _best is not None:  # the loop below, in C
+                try:
+                    versions_c, minutes_c, groups = _best.enter_rows(rows, cids, table, mask, first)
+                except BaseException:
+                    held.truncate(first)
+                    raise
+                self._vers += versions_c
+                self._mins += minutes_c
+                self._cids += array("i", cids)
+                self._det += bytes(len(versions_c))
+                self._live += len(versions_c)
+                for cid, run in groups:
+                    self._pend(cid, run)
+                return []
         pending: dict[int, list[int]] = {cid: [] for cid in set(cids)}
         add = {cid: values.append for cid, values in pending.items()}
         slot = first

@@ -45,6 +45,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import compress
 from operator import not_
+from typing import Any
 
 from keeper.classes import ClassTable
 from keeper.order import BLOCK_LOAD, SLOT_BITS, Order
@@ -79,6 +80,10 @@ class PyKeyColumn(list[str | None]):
     def truncate(self, slots: int) -> None:
         """Drop the slots from ``slots`` on."""
         del self[slots:]
+
+    def take(self, slots: Any, n: int) -> list[str | None]:
+        """The keys of the first ``n`` slots of an int32 buffer."""
+        return [self[slot] for slot in memoryview(slots).cast("B").cast("i")[:n]]
 
     def hash_at(self, slot: int) -> int | None:
         """The hash of the slot's key (None: the slot holds none)."""

@@ -150,7 +150,7 @@ class ReadyWriter(ReadySetBase):
                 count, used, ascii = write(
                     entries_at, heap_at, self.heap_size, n,
                     keys, versions, slots, due_minutes, class_ids, ranks,
-                )[:3]  # fmt: skip
+                )  # fmt: skip
             else:  # an older build of shm._atomic: gather, then write_entries
                 cols = _gather(keys, versions, slots, due_minutes, class_ids, ranks, n)
                 count, used, ascii = view.write_entries(
