@@ -1,0 +1,154 @@
+"""``node.client``'s reading of an answer's head (``_read_header_block``,
+``_Response``) against http.client's own: the same fields from the same
+bytes, the same limits, and whole answers from a real server over a real
+socket (a length, chunks, an HTTP/1.0 answer that closes, a 204, a 100
+Continue before the answer), each read by ``Client`` as http.client would."""
+
+from __future__ import annotations
+
+import http.client
+import io
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from node.client import Client, ClientError, _read_header_block
+
+pytestmark = pytest.mark.timeout(30)
+
+BLOCKS = [
+    b"Content-Type: application/msgpack\r\nContent-Length: 12\r\n\r\n",
+    b"content-length:7\r\nX-Empty:\r\nX-Spaced:   a b  \r\n\r\n",
+    b"Set-Cookie: a=1\r\nSet-Cookie: b=2\r\nDate: Sat, 05 Dec 2026 07:30:00 GMT\r\n\r\n",
+    b"X-Latin: caf\xe9\r\nServer: x\n\n",  # bare LF, a byte past ASCII
+    b"X-Folded: one\r\n  two\r\n\tthree\r\nAfter: 1\r\n\r\n",
+    b"\r\n",  # no fields
+    b"Only: this",  # the stream ends without the blank line
+]
+
+
+def _fields(msg: http.client.HTTPMessage) -> list[tuple[str, str]]:
+    # Folded values compare by their words: the email package keeps the
+    # fold's line breaks inside the value, the reader joins with a space.
+    return [(name, " ".join(value.split())) for name, value in msg.items()]
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_the_same_fields_as_http_client(block: bytes) -> None:
+    ours = _read_header_block(io.BytesIO(block))
+    theirs = http.client.parse_headers(io.BytesIO(block))
+    assert isinstance(ours, http.client.HTTPMessage)
+    assert _fields(ours) == _fields(theirs)
+    assert ours.get_all("set-cookie") == theirs.get_all("set-cookie")
+
+
+def test_the_rest_of_the_stream_is_left_unread() -> None:
+    fp = io.BytesIO(b"A: 1\r\n\r\nbody bytes")
+    _read_header_block(fp)
+    assert fp.read() == b"body bytes"
+
+
+def test_http_clients_limits() -> None:
+    too_many = b"".join(b"X-%d: v\r\n" % i for i in range(101)) + b"\r\n"
+    with pytest.raises(http.client.HTTPException, match="more than 100 headers"):
+        _read_header_block(io.BytesIO(too_many))
+    long_line = b"X-Long: " + b"a" * 70_000 + b"\r\n\r\n"
+    with pytest.raises(http.client.LineTooLong):
+        _read_header_block(io.BytesIO(long_line))
+
+
+# -- whole answers over a socket ---------------------------------------------------------
+
+BODY = b'{"ok": true}'
+REFUSAL = b'{"error": {"code": "lease_conflict", "message": "no"}}'
+ANSWERS = {
+    "/length": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY,
+    "/chunked": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n5\r\n" + BODY[:5] + b"\r\n7\r\n" + BODY[5:]
+    + b"\r\n0\r\n\r\n",
+    "/old": b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n" + BODY,
+    "/close": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY,
+    "/nothing": b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n",
+    "/continue": b"HTTP/1.1 100 Continue\r\nX-Interim: 1\r\n\r\n"
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY,
+    "/refused": b"HTTP/1.1 409 Conflict\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\n\r\n" % len(REFUSAL) + REFUSAL,
+}
+CLOSES = {"/old", "/close"}
+
+
+class _Server:
+    """A socket server that answers each request with the bytes its path
+    names, and counts the connections it accepted."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rb") as rfile:
+            while True:
+                line = rfile.readline()
+                if not line:
+                    return
+                path = line.split()[1].decode()
+                length = 0
+                while (header := rfile.readline()) not in (b"\r\n", b""):
+                    name, _, value = header.decode().partition(":")
+                    if name.lower() == "content-length":
+                        length = int(value)
+                rfile.read(length)
+                conn.sendall(ANSWERS[path])
+                if path in CLOSES:
+                    return
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[_Server]:
+    srv = _Server()
+    yield srv
+    srv.sock.close()
+
+
+@pytest.mark.parametrize("path", ["/length", "/chunked", "/old", "/close", "/continue"])
+def test_answers_read_whole(server: _Server, path: str) -> None:
+    with Client(f"http://127.0.0.1:{server.port}", wire="json") as client:
+        assert client.request("GET", path) == {"ok": True}
+        assert client.request("GET", "/length") == {"ok": True}  # the next one too
+
+
+def test_a_kept_connection_is_reused_and_a_closed_one_is_not(server: _Server) -> None:
+    with Client(f"http://127.0.0.1:{server.port}", wire="json") as client:
+        before = server.connections
+        for _ in range(3):
+            client.request("GET", "/length")
+            client.request("POST", "/chunked", {"a": 1})
+        assert server.connections == before + 1
+        client.request("GET", "/close")
+        client.request("GET", "/length")
+        assert server.connections == before + 2
+
+
+def test_an_empty_answer_and_an_error(server: _Server) -> None:
+    with Client(f"http://127.0.0.1:{server.port}", wire="json") as client:
+        assert client.request("POST", "/nothing", {"a": 1}) is None
+        with pytest.raises(ClientError) as err:
+            client.request("GET", "/refused")
+        assert (err.value.status, err.value.code) == (409, "lease_conflict")
+        assert client.request("GET", "/length") == {"ok": True}
