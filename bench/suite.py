@@ -302,6 +302,19 @@ def pg_store_figures(docs: list[dict], setup: dict) -> list[Fig]:
     return out
 
 
+def write_back_figures(docs: list[dict], setup: dict) -> list[Fig]:
+    """bench/bench_write_back.py: the CPU of a group's write-back in SQLite,
+    as the schema is and without the change log's trigger, a figure a round."""
+    out = []
+    for doc in docs:
+        where = {**setup, "group": doc["group"], "groups": doc["groups"]}
+        name = f"store.sqlite.write_back.{doc['way'].replace('-', '_')}"
+        out.append(fig(f"{name}.us_per_row", doc["us_a_row"], "us", where))
+        out.append(fig(f"{name}.statement_ms", doc["statement_ms"], "ms", where))
+        out.append(fig(f"{name}.commit_ms", doc["commit_ms"], "ms", where))
+    return out
+
+
 def ledger_figures(docs: list[dict], setup: dict) -> list[Fig]:
     out = []
     for doc in docs:
@@ -411,6 +424,9 @@ STEPS: tuple[Step, ...] = (
          poll_figures),
     Step("sync", ("bench/bench_sync.py",), ("--rows", "20000", "--seconds", "1"),
          ("--rows", "200000", "--seconds", "5"), sync_figures),
+    Step("write_back", ("bench/bench_write_back.py",),
+         ("--rows", "20000", "--groups", "100", "--repeat", "1"),
+         ("--rows", "400000", "--groups", "400", "--repeat", "2"), write_back_figures),
     Step("pg_store", ("bench/bench_pg_store.py",), ("--rows", "20000", "--repeat", "1"),
          ("--rows", "200000", "--repeat", "3"), pg_store_figures),
     Step("churn", ("bench/bench_churn.py",), (), ("--rows", "1000000", "--minutes", "10"),
