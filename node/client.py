@@ -27,6 +27,7 @@ import base64
 import http.client
 import json
 import os
+import re
 import socket
 import threading
 import urllib.parse
@@ -93,34 +94,74 @@ def _item_answer(doc: Any, key: str) -> int | None | ClientError:
     return ClientError(status, code, f"{message} (key {key!r})", "lease_id", doc)
 
 
+# http.client's limits on an answer's head: a line's bytes, and its lines
+# (the blank line that ends the head counts, as http.client counts it).
+_MAXLINE: int = http.client._MAXLINE  # type: ignore[attr-defined]
+_MAXHEADERS: int = http.client._MAXHEADERS  # type: ignore[attr-defined]
+# The email package's line ends and its test of a header line: a name of
+# printable ASCII but the colon, then a colon (email.feedparser's headerRE).
+_LINE_ENDS = re.compile(r"(\r\n|\r|\n)")
+_FIELD = re.compile(r"[\041-\071\073-\176]*:")
+# A block of plain "Name: value" lines, each ending in CR LF (what servers
+# send): its fields by one pattern, the same as the rules below give.
+_PLAIN_BLOCK = re.compile(r"(?:[\041-\071\073-\176]+:[^\r\n]*\r\n)*\r\n")
+_PLAIN_FIELD = re.compile(r"([\041-\071\073-\176]+):[ \t]*([^\r\n]*)\r\n")
+
+
 def _read_header_block(fp: Any) -> http.client.HTTPMessage:
-    """An HTTP header block, read up to its blank line, as the
-    ``HTTPMessage`` http.client would make of it, with http.client's limits
-    (a line of 64 KiB, 100 headers). http.client parses the block with the
-    email package (16 us for an answer's four headers here, 2 this way);
-    the client pays that on every request."""
-    fields: list[list[str]] = []
+    """An answer's header block, read up to its blank line, as the
+    ``HTTPMessage`` http.client makes of it, with http.client's limits.
+    http.client parses the block with the email package (16 us for an
+    answer's four headers; 2 to 3 this way, on every request)."""
+    lines = []
     while True:
-        line = fp.readline(http.client._MAXLINE + 1)  # type: ignore[attr-defined]
-        if len(line) > http.client._MAXLINE:  # type: ignore[attr-defined]
+        line = fp.readline(_MAXLINE + 1)
+        if len(line) > _MAXLINE:
             raise http.client.LineTooLong("header line")
+        lines.append(line)
+        if len(lines) > _MAXHEADERS:
+            raise http.client.HTTPException(f"got more than {_MAXHEADERS} headers")
         if line in (b"\r\n", b"\n", b""):
             break
-        if len(fields) >= http.client._MAXHEADERS:  # type: ignore[attr-defined]
-            raise http.client.HTTPException(
-                f"got more than {http.client._MAXHEADERS} headers"  # type: ignore[attr-defined]
-            )
-        text = line.decode("iso-8859-1")
-        if text[0] in " \t" and fields:  # a folded line continues the field before
-            fields[-1][1] += " " + text.strip()
-            continue
-        name, colon, value = text.partition(":")
-        if colon:
-            fields.append([name, value.strip()])
     msg = http.client.HTTPMessage()
-    for name, value in fields:
-        msg[name] = value
+    for name, value in _fields(b"".join(lines).decode("iso-8859-1")):
+        msg.set_raw(name, value)
     return msg
+
+
+def _fields(block: str) -> list[tuple[str, str]]:
+    """A header block's fields by the email package's rules: lines end at
+    CR LF, CR or LF; a line that starts with a space or a tab continues the
+    field before it (dropped when there is none); a line with an empty name
+    or one that starts with ``From `` is dropped; the first line that is no
+    header ends the fields; a value loses its leading blanks and its last
+    line end, and keeps the rest as sent."""
+    if _PLAIN_BLOCK.fullmatch(block) is not None:
+        return _PLAIN_FIELD.findall(block)
+    parts = _LINE_ENDS.split(block)
+    if len(parts) % 2:
+        parts.append("")  # the last line has no end (the answer stopped there)
+    fields: list[tuple[str, str]] = []
+    name: str | None = None
+    value: list[str] = []
+    for i in range(0, len(parts), 2):
+        text, end = parts[i], parts[i + 1]
+        if text[:1] in (" ", "\t"):
+            if name is not None:
+                value.append(text + end)
+            continue
+        envelope = text.startswith("From ")
+        if not text or not envelope and _FIELD.match(text) is None:
+            break  # the blank line, or no header: the fields end here
+        colon = text.find(":")
+        if colon <= 0 or envelope:
+            continue  # no name, or an envelope line: dropped
+        if name is not None:
+            fields.append((name, "".join(value).rstrip("\r\n")))
+        name, value = text[:colon], [text[colon + 1 :].lstrip(" \t") + end]
+    if name is not None:
+        fields.append((name, "".join(value).rstrip("\r\n")))
+    return fields
 
 
 class _Response(http.client.HTTPResponse):
