@@ -219,12 +219,22 @@ def buckets_figures(docs: list[dict], setup: dict) -> list[Fig]:
     return out
 
 
+# The state document's class counts: the 18 classes the target is set at,
+# and the 1,000 it is reported at (bench_state.py makes 1,002: 6 a route).
+STATE_MANY_CLASSES = 1000
+
+
 def state_figures(docs: list[dict], setup: dict) -> list[Fig]:
     out = []
     for doc in docs:
         where = {**setup, "rows": doc["rows"], "classes": doc["classes"], "calls": doc["calls"]}
-        name = f"keeper.state_doc.rows{doc['rows']}"
-        out.append(fig(f"{name}.p50_ms", doc["p50_ms"], "ms", where, target=0.5, better="lower"))
+        if doc["classes"] >= STATE_MANY_CLASSES:  # reported, no target
+            name = f"keeper.state_doc.classes{STATE_MANY_CLASSES}"
+            out.append(fig(f"{name}.p50_ms", doc["p50_ms"], "ms", where))
+        else:
+            name = f"keeper.state_doc.rows{doc['rows']}"
+            out.append(fig(f"{name}.p50_ms", doc["p50_ms"], "ms", where, target=0.5,
+                           better="lower"))  # fmt: skip
         out.append(fig(f"{name}.p99_ms", doc["p99_ms"], "ms", where))
     return out
 
@@ -416,6 +426,9 @@ STEPS: tuple[Step, ...] = (
          ("--rows", "50000", "--changes", "50000"), ("--rows", "1000000",), buckets_figures),
     Step("state_doc", ("bench/bench_state.py", "doc"),
          ("--rows", "20000", "--calls", "100"), ("--rows", "250000", "1000000"), state_figures),
+    Step("state_doc_classes", ("bench/bench_state.py", "doc", "--classes", "1000"),
+         ("--rows", "20000", "--calls", "20"), ("--rows", "1000000", "--calls", "100"),
+         state_figures),
     Step("completion_commit", ("bench/bench_completion.py", "commit"),
          ("--seconds", "1"), ("--seconds", "3"), commit_figures),
     Step("completion_recover", ("bench/bench_completion.py", "recover"),
@@ -439,8 +452,6 @@ QUICK_SKIPS = {"keeper_startup_1m", "churn"}  # full-only sizes
 
 # Figures issue 16 names that no bench measures yet: reported, never dropped.
 NOT_MEASURED = (
-    fig("keeper.state_doc.classes1000.p50_ms", None, "ms", {"classes": 1000},
-        not_run="bench/bench_state.py builds 18 classes only; no 1,000-class document yet"),
     fig("model.node_over_direct", None, "x", {"rows": 100_000, "procs": 2},
         not_run="bench/bench_model.py (the model extra; on CPUs a 100,000-row run takes hours): "
                 "not in the suite, run it on its own",
