@@ -550,6 +550,12 @@ def test_out_of_range_renewals(world: World) -> None:
         ("/held?limit=5&parked=1", "unknown_field", "parked"),
         ("/rows?key=due-1&version=3", "unknown_field", "version"),
         ("/queue-state?scope=cluster&x=1", "unknown_field", "x"),
+        # a parameter given twice: which value was meant is the caller's to say
+        ("/jobs/default/results?wait_s=0&wait_s=soon", "invalid_wait_s", "wait_s"),
+        ("/results?max=5&max=6", "invalid_max", "max"),
+        ("/leases?limit=5&limit=5", "invalid_limit", "limit"),
+        ("/rows?key=due-1&key=due-2", "invalid_key", "key"),
+        ("/queue-state?scope=cluster&scope=cluster", "invalid_scope", "scope"),
     ],
 )
 def test_out_of_range_query_parameters(world: World, query: str, code: str, field: str) -> None:

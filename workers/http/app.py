@@ -271,14 +271,34 @@ def parse_delete(body: Any) -> list[str]:
     return [check_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
 
 
+# The code a query parameter's bad value is refused with (one given twice
+# included); a name not here is refused as bad_request.
+QUERY_CODES = {
+    "key": "invalid_key",
+    "scope": "invalid_scope",
+    "max": "invalid_max",
+    "wait_s": "invalid_wait_s",
+    "limit": "invalid_limit",
+}
+
+
 def known_query(request: web.Request, *allowed: str) -> None:
     """Refuse a query parameter the endpoint does not know, as an unknown
     body field is refused: ``?maxx=5`` would otherwise poll the default 100
-    and the typo would go unnoticed."""
+    and the typo would go unnoticed. Refuse one given more than once too
+    (``?wait_s=0&wait_s=soon``): which value was meant is the caller's to
+    say, and the readers would take the first without a word."""
     unknown = sorted(set(request.query) - set(allowed))
     if unknown:
         raise ValidationError(
             "unknown_field", f"unknown query parameter {unknown[0]!r}", unknown[0]
+        )
+    if len(request.query) > len(set(request.query)):
+        twice = sorted(name for name in set(request.query) if len(request.query.getall(name)) > 1)
+        raise ValidationError(
+            QUERY_CODES.get(twice[0], "bad_request"),
+            f"query parameter {twice[0]!r} is given more than once; give it once",
+            twice[0],
         )
 
 
