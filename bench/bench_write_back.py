@@ -104,11 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     source = template(args.rows, scattered=True)
     print(f"template {source}; CPU a group, p50 (ms)")
     with tempfile.TemporaryDirectory(prefix="qn-wb-") as tmp:
-        for _ in range(args.repeat):
+        for round_ in range(args.repeat):
             for way in WAYS:
                 db = Path(tmp) / f"{way}.db"
                 shutil.copyfile(source, db)
-                res = keep(measure(db, way, args.groups, args.group))
+                res = keep({**measure(db, way, args.groups, args.group), "round": round_})
                 print(
                     f"{way:<12} begin {res['begin_ms']:.3f}  statement {res['statement_ms']:.3f}"
                     f"  commit {res['commit_ms']:.3f}  = {res['total_ms']:.3f} ms,"

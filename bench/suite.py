@@ -314,10 +314,12 @@ def pg_store_figures(docs: list[dict], setup: dict) -> list[Fig]:
 
 def write_back_figures(docs: list[dict], setup: dict) -> list[Fig]:
     """bench/bench_write_back.py: the CPU of a group's write-back in SQLite,
-    as the schema is and without the change log's trigger, a figure a round."""
+    as the schema is and without the change log's trigger, a figure a round
+    (the round in its setup)."""
     out = []
     for doc in docs:
-        where = {**setup, "group": doc["group"], "groups": doc["groups"]}
+        where = {**setup, "group": doc["group"], "groups": doc["groups"],
+                 "round": doc.get("round", 0)}  # fmt: skip
         name = f"store.sqlite.write_back.{doc['way'].replace('-', '_')}"
         out.append(fig(f"{name}.us_per_row", doc["us_a_row"], "us", where))
         out.append(fig(f"{name}.statement_ms", doc["statement_ms"], "ms", where))
