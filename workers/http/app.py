@@ -271,42 +271,37 @@ def parse_delete(body: Any) -> list[str]:
     return [check_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
 
 
-# The code a query parameter's bad value is refused with (one given twice
-# included); a name not here is refused as bad_request.
-QUERY_CODES = {
-    "key": "invalid_key",
-    "scope": "invalid_scope",
-    "max": "invalid_max",
-    "wait_s": "invalid_wait_s",
-    "limit": "invalid_limit",
-}
-
-
 def known_query(request: web.Request, *allowed: str) -> None:
     """Refuse a query parameter the endpoint does not know, as an unknown
     body field is refused: ``?maxx=5`` would otherwise poll the default 100
-    and the typo would go unnoticed. Refuse one given more than once too
-    (``?wait_s=0&wait_s=soon``): which value was meant is the caller's to
-    say, and the readers would take the first without a word."""
+    and the typo would go unnoticed."""
     unknown = sorted(set(request.query) - set(allowed))
     if unknown:
         raise ValidationError(
             "unknown_field", f"unknown query parameter {unknown[0]!r}", unknown[0]
         )
-    if len(request.query) > len(set(request.query)):
-        twice = sorted(name for name in set(request.query) if len(request.query.getall(name)) > 1)
+
+
+def query_value(request: web.Request, name: str, code: str) -> str | None:
+    """Query parameter ``name``'s value (None when absent). One given more
+    than once (``?wait_s=0&wait_s=soon``) is refused with ``code``, the
+    code of a bad value of it: which value was meant is the caller's to
+    say, and taking the first would pass over it without a word."""
+    values = request.query.getall(name, ())
+    if len(values) > 1:
         raise ValidationError(
-            QUERY_CODES.get(twice[0], "bad_request"),
-            f"query parameter {twice[0]!r} is given more than once; give it once",
-            twice[0],
+            code, f"query parameter {name!r} is given more than once; give it once", name
         )
+    return values[0] if values else None
 
 
 def strict_query(request: web.Request, name: str, code: str) -> str:
     """The first value of query parameter ``name``, its percent-encoding
     decoded as strict UTF-8. aiohttp decodes bytes that are not UTF-8 as
     U+FFFD, which would turn ``?key=%FF`` into a different, valid key; that
-    is the caller's mistake (``code``), not a lookup of some other row."""
+    is the caller's mistake (``code``), not a lookup of some other row;
+    so is the parameter given more than once."""
+    query_value(request, name, code)
     for pair in request.rel_url.raw_query_string.split("&"):
         raw_name, _, raw_value = pair.partition("=")
         if urllib.parse.unquote_plus(raw_name) != name:

@@ -52,6 +52,7 @@ from workers.http.app import (
     _safely,
     _wake,
     known_query,
+    query_value,
     read_body,
 )
 from workers.http.cluster import in_a_fleet
@@ -79,9 +80,9 @@ def parse_scope(request: web.Request, *others: str) -> str | None:
     """``?scope=``: None (this node) or ``cluster``; anything else is 400
     (so is a query parameter other than scope and ``others``)."""
     known_query(request, "scope", *others)
-    if "scope" not in request.query:
+    scope = query_value(request, "scope", "invalid_scope")
+    if scope is None:
         return None
-    scope = request.query["scope"]
     if scope != CLUSTER:
         raise ValidationError(
             "invalid_scope", f"scope {scope!r} is not known; give scope=cluster or none", "scope"

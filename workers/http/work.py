@@ -55,7 +55,7 @@ from workers.claim import (
     refuse,
     why_not_granted,
 )
-from workers.http.app import CTX, known_query, read_body
+from workers.http.app import CTX, known_query, query_value, read_body
 from workers.http.errors import (
     ERROR_CODES,
     MSGPACK_TYPES,
@@ -169,7 +169,7 @@ def _required(body: dict[str, Any], name: str) -> Any:
 
 
 def _int_query(request: web.Request, name: str, default: int, high: int, code: str) -> int:
-    raw = request.query.get(name)
+    raw = query_value(request, name, code)
     if raw is None:
         return default
     # Plain decimal digits only: int() would also take "1_000", " 5" and
@@ -181,7 +181,7 @@ def _int_query(request: web.Request, name: str, default: int, high: int, code: s
 
 
 def _wait_query(request: web.Request) -> float:
-    raw = request.query.get("wait_s")
+    raw = query_value(request, "wait_s", "invalid_wait_s")
     if raw is None:
         return 0.0
     try:
