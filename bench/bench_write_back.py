@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.bench_cycle import template  # noqa: E402 - after the path fix above
-from bench.common import add_json_option, keep, write_json  # noqa: E402
+from bench.common import add_json_option, keep, percentile, write_json  # noqa: E402
 from node.core.rows import ORIGIN_WRITEBACK  # noqa: E402
 from node.store import queries as q  # noqa: E402
 from node.store.sqlite import SQLiteStore  # noqa: E402
@@ -81,7 +81,7 @@ def measure(db: Path, way: str, groups: int, group: int) -> dict:
         if g % CHECKPOINT_EVERY == CHECKPOINT_EVERY - 1:
             store.checkpoint_wal()
     store.close()
-    p50 = {name: sorted(values)[len(values) // 2] * 1e3 for name, values in parts.items()}
+    p50 = {name: (percentile(sorted(values), 0.5) or 0.0) * 1e3 for name, values in parts.items()}
     total = sum(p50.values())
     return {
         "way": way,
