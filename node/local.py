@@ -11,9 +11,11 @@ How LocalClaimer finds the node: it needs the node's resolved configuration
 (the store URL, the routes' cadences), which the supervisor writes to
 ``<data-dir>/run/config.json``. It looks, in order, at ``data_dir`` if given,
 ``$QUEUE_NODE_RUN_CONFIG`` (set for every process the supervisor starts),
-``$QUEUE_NODE_DATA_DIR``, then ``./node-data`` (the default data directory),
-and uses the first whose configuration names this node. Anything else:
-``NodeNotRunning`` saying where it looked.
+``$QUEUE_NODE_DATA_DIR``, then the node of that name running on this host
+(its supervisor's pid is in its state buffer, and the supervisor gives every
+process it starts the configuration's path), then ``./node-data`` (the
+default data directory), and uses the first whose configuration names this
+node. Anything else: ``NodeNotRunning`` saying where it looked.
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ def find_config(name: str, data_dir: str | os.PathLike[str] | None = None) -> Co
             candidates.append(Path(os.environ[ENV_CONFIG]))
         if os.environ.get(ENV_DATA_DIR):
             candidates.append(Path(os.environ[ENV_DATA_DIR]) / "run" / "config.json")
+        running = _running_config(name)
+        if running is not None:
+            candidates.append(running)
         candidates.append(DEFAULT_DATA_DIR / "run" / "config.json")
     for path in candidates:
         try:
@@ -85,6 +90,29 @@ def find_config(name: str, data_dir: str | os.PathLike[str] | None = None) -> Co
         f"no run configuration of node {name!r} found (tried {tried}); pass data_dir= "
         "the node's --data-dir"
     )
+
+
+def _running_config(name: str) -> Path | None:
+    """The configuration path of the node ``name`` running here as this
+    user, or None: its state buffer names its supervisor, which starts every
+    process of the node with ``$QUEUE_NODE_RUN_CONFIG``. Another user's node
+    is None (its processes' environments are not readable); what the path
+    holds is checked by the caller (the name), and the segments by
+    ``_attach`` (this data directory's identity)."""
+    import psutil
+
+    from shm.state import StateBuffer
+
+    try:
+        with StateBuffer.attach(name, read_only=True) as buf:
+            supervisor = buf.segment.owner_pid
+        for child in psutil.Process(supervisor).children():
+            path = child.environ().get(ENV_CONFIG)
+            if path:
+                return Path(path)
+    except (NodeError, OSError, psutil.Error):
+        pass  # no such node, or not this user's: the other candidates say so
+    return None
 
 
 def refusal(exc: WorkRefused | ValidationError) -> ClientError:
@@ -324,7 +352,9 @@ class LocalClaimer:
         try:
             answer = self.ledger.call("complete", items=request)
         except IpcError as exc:
-            if self._opened and self._restarted():
+            # Not attached: an earlier call found the node stopped and no
+            # new one up (``_reattach``); still so, most likely.
+            if not self._opened or self._restarted():
                 raise ClientError(
                     503, "node_restarted", f"node {self.name!r} restarted: {exc}; send it again"
                 ) from None
