@@ -639,10 +639,13 @@ def test_ack_of_ids_never_offered_acks_nothing(world: World) -> None:
 def test_ack_of_an_id_past_64_bits_is_never_offered(world: World, id_: int) -> None:
     """Regression: an id past 2**64 was a 500 (msgpack cannot carry it to the
     ledger). No id that large was ever offered."""
-    body = {"ids": [world.offered_id, id_]}
+    never = world.offered_id + 1000
+    body = {"ids": [world.offered_id, id_, never]}
     answer = unchanged(world, lambda: send_json(world.node, "POST", "/jobs/default/ack", body))
     error = assert_error(answer, 409, "never_offered", "ids")
-    assert str(id_) in error["message"]
+    # every id never offered named: the one the ledger never held too
+    assert str(id_) in error["message"] and str(never) in error["message"], error
+    assert str(world.offered_id) not in error["message"].split(": ", 1)[1].split(", "), error
 
 
 @pytest.mark.parametrize(

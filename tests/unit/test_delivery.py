@@ -68,6 +68,12 @@ def test_an_ack_naming_a_never_offered_id_is_refused_whole():
             d.ack("a", bad, T0)
         assert exc.value.ids == [bad[1]]
         assert d.offered("a") == 2  # nothing in that ack was retired
+    # Every id never offered is named, those pending for another job first.
+    with pytest.raises(NeverOffered) as exc:
+        d.retire("a", [99, 1, 3, 6], T0, owner=lambda rid: "b" if rid == 6 else None)
+    assert exc.value.ids == [6, 99, 3]
+    assert str(exc.value) == "job 'a': ids never offered: 6, 99, 3"
+    assert d.offered("a") == 2
     assert d.ack("a", [1], T0) == 1
     with pytest.raises(NeverOffered):
         d.ack("zzz", [6], T0)

@@ -21,6 +21,7 @@ from node.core.errors import ValidationError
 from node.core.ids import number_of
 from node.core.rows import check_job
 from node.fleet.cluster import sum_accounting
+from node.ipc import IpcError, RemoteError
 from workers.claim import decode_result
 from workers.http import cluster
 from workers.http.app import CTX
@@ -144,6 +145,22 @@ async def all_results(request: web.Request) -> web.Response:
     return await _poll(request, None)
 
 
+async def _never_offered(ctx: Any, work: Any, job: str, ids: list[int]) -> list[int]:
+    """Which of ``ids`` this node's ledger would refuse to ack for ``job``
+    (asked with ``check``: nothing is acked), so that a 409 names every id
+    never offered. In a fleet, or when the ledger cannot say: none (the
+    caller's 409 names the ids it knows of)."""
+    if not ids or cluster.in_a_fleet(ctx):
+        return []
+    try:
+        await work.ledger.call("ack", timeout_s=LEDGER_TIMEOUT_S, job=job, ids=ids, check=True)
+    except RemoteError as exc:
+        return list(exc.ids or ()) if exc.code == "never_offered" else []
+    except IpcError:
+        return []
+    return []
+
+
 @routes.post("/jobs/{job}/ack")
 async def ack(request: web.Request) -> web.Response:
     work = _work(request)
@@ -165,9 +182,13 @@ async def ack(request: web.Request) -> web.Response:
     # JSON carries integers of any size; the ledger's socket (msgpack) and its
     # ids (SQLite rowids) stop at 2**63. No id past that was ever offered.
     beyond = [value for value in ids if value > MAX_RESULT_ID]
-    if beyond:
-        raise ApiError(409, "never_offered", f"job {job!r}: ids never offered: {beyond[0]}", "ids")
     ctx = request.app[CTX]
+    if beyond:
+        rest = [value for value in ids if value <= MAX_RESULT_ID]
+        named = dict.fromkeys(await _never_offered(ctx, work, job, rest))
+        named.update(dict.fromkeys(beyond))
+        shown = ", ".join(map(str, list(named)[:20])) + (" …" if len(named) > 20 else "")
+        raise ApiError(409, "never_offered", f"job {job!r}: ids never offered: {shown}", "ids")
     if cluster.in_a_fleet(ctx) and not _all_mine(ids, cluster.my_number(ctx)):
         # Ids with another node's number: each to the node whose log holds it.
         async def local(rids: list[int], check_only: bool) -> dict[str, Any]:

@@ -308,7 +308,7 @@ class Delivery:
         job, or above every id it has held) raises NeverOffered, and then
         nothing is retired. ``owner``: the job an id is pending for in the
         log (None: not pending), asked only of the ids not retired here; one
-        pending for another job raises NeverOffered naming only those.
+        pending for another job is named first.
         ``check_only``: the same verdict, nothing retired (a fleet's ack
         checks every node's ids before any is acked)."""
         q = self._jobs.get(job)
@@ -337,8 +337,8 @@ class Delivery:
         owner: Callable[[int], str | None] | None,
     ) -> tuple[list[int], list[int]]:
         """``retire``'s verdict, id by id: (offered to ``job`` now, offered
-        by an earlier process); raises NeverOffered for any other id (those
-        pending for another job named first)."""
+        by an earlier process); raises NeverOffered naming every other id
+        (those pending for another job first)."""
         todo: list[int] = []
         recovered: list[int] = []
         bad: list[int] = []
@@ -358,7 +358,11 @@ class Delivery:
             if owner is not None and (o := owner(rid)) is not None and o != job:
                 other.append(rid)
         if other or bad:
-            raise NeverOffered(job, other or bad)
+            # Every id never offered to this job named, those pending for
+            # another job first (an id offered to another is in both lists).
+            named = dict.fromkeys(other)
+            named.update(dict.fromkeys(bad))
+            raise NeverOffered(job, list(named))
         return todo, recovered
 
     def _retire_offered(self, q: _Job | None, rids: dict[int, None]) -> bool:
