@@ -405,7 +405,8 @@ def vet(name: str, layout_version: int, data_dir_id: bytes) -> str | None:
     if shm is None:
         return None
     try:
-        check_owner(name, os.fstat(shm.fd).st_uid)
+        uid = os.fstat(shm.fd).st_uid
+        check_owner(name, uid)
         found = shm.size
         if found < HEADER_SIZE:
             return "blank"
@@ -413,7 +414,7 @@ def vet(name: str, layout_version: int, data_dir_id: bytes) -> str | None:
     finally:
         shm.close_fd()
     try:
-        magic, layout, _writer, _owner, total = HEADER.unpack_from(mm, 0)
+        magic, layout, _writer, owner_pid, total = HEADER.unpack_from(mm, 0)
         if magic == b"\0\0\0\0":
             return "blank"
         theirs = read_identity(mm, found) if total == found else None
@@ -424,9 +425,15 @@ def vet(name: str, layout_version: int, data_dir_id: bytes) -> str | None:
             "carries no data directory identity (made by an older build?)" if theirs is None
             else "carries another data directory's identity"
         )
+        # Its owner: this uid (another's is refused above), and for a
+        # queue-node segment the supervisor that made it, alive or not.
+        owner = owner_name(uid)
+        if magic == MAGIC:
+            alive = "running" if owner_pid and pid_alive(owner_pid) else "no longer running"
+            owner += f", made by the supervisor pid {owner_pid} ({alive})"
         raise NameTaken(
-            f"{name} {what}: refusing to reuse it; if no node uses it, remove it with "
-            f"'python -m node clear {node_of_segment(name)}'"
+            f"{name} {what} (owned by {owner}): refusing to reuse it; if no node uses it, "
+            f"remove it with 'python -m node clear {node_of_segment(name)}'"
         )
     if layout != layout_version:
         raise StaleLayout(

@@ -105,6 +105,29 @@ def test_a_segment_another_user_made_first_is_refused(
         _unlink_everything(node_name)
 
 
+def test_a_file_of_this_user_in_place_of_a_segment_is_refused_naming_its_owner(
+    tmp_path: Path, node_name: str
+) -> None:
+    """Not a queue-node segment, but this user's: refused with one line that
+    names it and its owner, and left as it was."""
+    import posix_ipc
+
+    name = f"/queue-node.{node_name}.ready"
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=1 << 16)
+    try:
+        with open(f"/dev/shm{name}", "r+b") as f:
+            f.write(b"squatter")
+        shm.close_fd()
+        done = _start_refused(tmp_path, node_name)
+        assert done.returncode == 2, (done.returncode, done.stderr)
+        (line,) = done.stderr.strip().splitlines()
+        assert name in line and "is not a queue-node segment" in line, line
+        assert f"owned by uid {os.getuid()}" in line and "Traceback" not in done.stderr, line
+        assert Path(f"/dev/shm{name}").read_bytes()[:8] == b"squatter"
+    finally:
+        _unlink_everything(node_name)
+
+
 @needs_root
 def test_a_wake_semaphore_another_user_made_first_is_refused(
     tmp_path: Path, node_name: str
@@ -233,6 +256,8 @@ def test_a_segment_without_this_data_directory_identity_is_refused_until_cleared
         assert done.returncode == 2, done.stderr
         line = done.stderr.strip()
         assert "\n" not in line and "another data directory's identity" in line, line
+        # and its owner: this user, and the supervisor that made it (killed)
+        assert "owned by uid" in line and "(no longer running)" in line, line
         assert f"python -m node clear {node_name}" in line
         # the first node's own restart reattaches them, live lease and all
         again = NodeProcess(tmp_path / "data", node_name).start()
