@@ -20,6 +20,7 @@ node. Anything else: ``NodeNotRunning`` saying where it looked.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -41,7 +42,7 @@ from node.core.errors import (
     WorkRefused,
 )
 from node.core.names import ledger_address
-from node.core.proc import ENV_CONFIG
+from node.core.proc import ENV_CONFIG, ENV_SUPERVISOR
 from node.core.rows import Grant, check_key, result_bytes
 from shm.leases import SlotTakenOver
 from workers.claim import (
@@ -74,17 +75,25 @@ def find_config(name: str, data_dir: str | os.PathLike[str] | None = None) -> Co
             candidates.append(Path(os.environ[ENV_CONFIG]))
         if os.environ.get(ENV_DATA_DIR):
             candidates.append(Path(os.environ[ENV_DATA_DIR]) / "run" / "config.json")
-        running = _running_config(name)
-        if running is not None:
-            candidates.append(running)
-        candidates.append(DEFAULT_DATA_DIR / "run" / "config.json")
     for path in candidates:
-        try:
-            config = Config.from_json(json.loads(path.read_text(encoding="utf-8")))
-        except (OSError, ValueError, TypeError, KeyError):
-            continue
-        if config.name == name:
+        config = _config_at(path, name)
+        if config is not None:
             return config
+    if data_dir is None:
+        # Only now the running node (its processes' environments), then the
+        # default data directory.
+        running = _running_config(name)
+        for path in ([running] if running is not None else []) + [
+            DEFAULT_DATA_DIR / "run" / "config.json"
+        ]:
+            candidates.append(path)
+            config = _config_at(path, name)
+            if config is not None and path is running and not config.data_dir.is_absolute():
+                # Written as the node was given it, relative to the node's
+                # directory: the data directory is where this file lies.
+                config = dataclasses.replace(config, data_dir=path.resolve().parent.parent)
+            if config is not None:
+                return config
     tried = ", ".join(str(p) for p in candidates)
     raise NodeNotRunning(
         f"no run configuration of node {name!r} found (tried {tried}); pass data_dir= "
@@ -92,26 +101,49 @@ def find_config(name: str, data_dir: str | os.PathLike[str] | None = None) -> Co
     )
 
 
+def _config_at(path: Path, name: str) -> Config | None:
+    """The configuration in ``path`` when it is node ``name``'s."""
+    try:
+        config = Config.from_json(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return config if config.name == name else None
+
+
 def _running_config(name: str) -> Path | None:
     """The configuration path of the node ``name`` running here as this
-    user, or None: its state buffer names its supervisor, which starts every
-    process of the node with ``$QUEUE_NODE_RUN_CONFIG``. Another user's node
-    is None (its processes' environments are not readable); what the path
-    holds is checked by the caller (the name), and the segments by
-    ``_attach`` (this data directory's identity)."""
+    user, or None. Its state buffer's header (this user's segment only, read
+    without mapping it) names its supervisor, which starts every process of
+    the node with ``$QUEUE_NODE_RUN_CONFIG`` and its own pid in
+    ``$QUEUE_NODE_SUPERVISOR_PID``; only a child of this user's that names
+    that supervisor counts. What the path holds is checked by the caller
+    (the name), and the segments by ``_attach`` (this user's, with this data
+    directory's identity)."""
     import psutil
 
-    from shm.state import StateBuffer
+    from node.core.names import NAME_RE, shm_segment_name
+    from shm.segment import owner_pid_of
+    from shm.state import KIND
 
+    if not NAME_RE.fullmatch(name):
+        return None  # no node has that name (and posix_ipc must never see it)
+    supervisor = owner_pid_of(shm_segment_name(name, KIND))
+    if supervisor is None:
+        return None
     try:
-        with StateBuffer.attach(name, read_only=True) as buf:
-            supervisor = buf.segment.owner_pid
-        for child in psutil.Process(supervisor).children():
-            path = child.environ().get(ENV_CONFIG)
-            if path:
-                return Path(path)
-    except (NodeError, OSError, psutil.Error):
-        pass  # no such node, or not this user's: the other candidates say so
+        children = psutil.Process(supervisor).children()
+    except psutil.Error:
+        return None
+    uid = os.getuid()
+    for child in children:
+        try:  # a child may exit meanwhile (a worker restarted): the next one
+            if child.uids().real != uid:
+                continue
+            env = child.environ()
+        except psutil.Error:
+            continue
+        if env.get(ENV_SUPERVISOR) == str(supervisor) and env.get(ENV_CONFIG):
+            return Path(env[ENV_CONFIG])
     return None
 
 
@@ -339,7 +371,8 @@ class LocalClaimer:
         (they share one group commit): per item, its result id or the
         ClientError ``complete`` would raise. Raises ClientError (400) when an
         item is malformed (nothing is sent), and 503 ``ledger_unavailable``
-        when the ledger cannot be reached (nothing is known to be accepted)."""
+        when the ledger cannot be reached (nothing is known to be accepted),
+        or ``node_restarted`` when its node has stopped (send them again)."""
         from node.ipc import IpcError, RemoteError
 
         request = []

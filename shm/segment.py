@@ -336,6 +336,29 @@ def _open_existing(name: str, read_only: bool = False) -> posix_ipc.SharedMemory
         raise NodeError(f"{name}: permission denied ({exc}); is this user in its group?") from exc
 
 
+def owner_pid_of(name: str) -> int | None:
+    """The supervisor pid in the header of segment ``name`` when it is this
+    uid's and a queue-node segment, read without mapping it (a segment of
+    another user's is never read: its owner could resize it under a
+    mapping); None otherwise."""
+    try:
+        shm = posix_ipc.SharedMemory(name, read_only=True)
+    except (posix_ipc.Error, ValueError):
+        return None  # absent, not ours to open, or not a name at all
+    try:
+        if os.fstat(shm.fd).st_uid != os.getuid():
+            return None
+        head = os.pread(shm.fd, HEADER.size, 0)
+    except OSError:
+        return None
+    finally:
+        shm.close_fd()
+    if len(head) < HEADER.size:
+        return None
+    magic, _layout, _writer, owner_pid, _total = HEADER.unpack(head)
+    return owner_pid if magic == MAGIC and owner_pid else None
+
+
 def _check_attach_owner(name: str, fd: int, read_only: bool) -> None:
     st = os.fstat(fd)
     if st.st_uid == os.getuid():
@@ -429,8 +452,9 @@ def vet(name: str, layout_version: int, data_dir_id: bytes) -> str | None:
         # queue-node segment the supervisor that made it, alive or not.
         owner = owner_name(uid)
         if magic == MAGIC:
-            alive = "running" if owner_pid and pid_alive(owner_pid) else "no longer running"
-            owner += f", made by the supervisor pid {owner_pid} ({alive})"
+            alive = 0 < owner_pid < 1 << 31 and pid_alive(owner_pid)
+            owner += f", made by the supervisor pid {owner_pid} (" + (
+                "a process of that pid runs)" if alive else "no longer running)")
         raise NameTaken(
             f"{name} {what} (owned by {owner}): refusing to reuse it; if no node uses it, "
             f"remove it with 'python -m node clear {node_of_segment(name)}'"

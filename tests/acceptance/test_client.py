@@ -8,6 +8,7 @@ within about a second); nothing sleeps to synchronise.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -147,35 +148,52 @@ def test_local_claimer_claims_from_shared_memory(node):
 
 
 def test_local_claimer_finds_its_node_by_name_and_says_node_restarted_while_it_is_down(
-    node, tmp_path, monkeypatch
+    tmp_path, node_name, monkeypatch
 ):
     """``LocalClaimer(name)`` alone finds a node whose data directory is
-    neither ``./node-data`` nor named by a variable (through the running
-    node). While the node is stopped every call says ``node_restarted``,
-    whichever came first; once it is back the saved lease completes."""
-    monkeypatch.chdir(tmp_path)  # no ./node-data here
+    neither ``./node-data`` nor named by a variable, given to the node
+    relative to its own directory (through the running node). While the node
+    is stopped every call says ``node_restarted``, whichever came first; once
+    it is back the saved lease completes."""
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    home.mkdir()
+    elsewhere.mkdir()
     monkeypatch.delenv("QUEUE_NODE_DATA_DIR", raising=False)
     monkeypatch.delenv("QUEUE_NODE_RUN_CONFIG", raising=False)
-    node.start()
-    client = Client(node.base_url)
-    client.upsert(_rows(["down/1", "down/2"]))
-    with LocalClaimer(node.name) as local:
-        first, second = _claim_all(lambda: local.claim(2, lease_s=300, wait_s=2), 2)
-        assert node.stop() == 0
-        with pytest.raises(ClientError) as info:
-            local.renew(first.lease_id, first.key, 300)
-        assert (info.value.status, info.value.code) == (503, "node_restarted")
-        with pytest.raises(ClientError) as info:
-            local.complete(second.lease_id, second.key, 1)
-        assert (info.value.status, info.value.code) == (503, "node_restarted")
-        client.close()
-        node.start()
+    monkeypatch.chdir(home)
+    node = NodeProcess(Path("rel-data"), node_name, cwd=home)
+
+    def at_home(step):  # the harness reads the node's files by the relative path
+        monkeypatch.chdir(home)
+        try:
+            return step()
+        finally:
+            monkeypatch.chdir(elsewhere)  # no ./node-data, no ./rel-data here
+
+    try:
+        at_home(node.start)
         client = Client(node.base_url)
-        rid = local.complete(second.lease_id, second.key, 2)
-        assert local.renew(first.lease_id, first.key, 300) > time.time() + 200
-    assert [r["id"] for r in client.poll("j", wait_s=5)] == [rid]
-    client.close()
-    assert node.stop() == 0
+        client.upsert(_rows(["down/1", "down/2"]))
+        with LocalClaimer(node.name) as local:
+            first, second = _claim_all(lambda: local.claim(2, lease_s=300, wait_s=2), 2)
+            assert at_home(node.stop) == 0
+            with pytest.raises(ClientError) as info:
+                local.renew(first.lease_id, first.key, 300)
+            assert (info.value.status, info.value.code) == (503, "node_restarted")
+            with pytest.raises(ClientError) as info:
+                local.complete(second.lease_id, second.key, 1)
+            assert (info.value.status, info.value.code) == (503, "node_restarted")
+            client.close()
+            at_home(node.start)
+            client = Client(node.base_url)
+            rid = local.complete(second.lease_id, second.key, 2)
+            # reattached (found again by its name) for a lease change
+            assert local.renew(first.lease_id, first.key, 300) > time.time() + 200
+        assert [r["id"] for r in client.poll("j", wait_s=5)] == [rid]
+        client.close()
+    finally:
+        monkeypatch.chdir(home)
+        finish([node], node_name)
 
 
 def test_local_claimer_names_where_it_looked(tmp_path):

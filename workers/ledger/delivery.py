@@ -357,12 +357,8 @@ class Delivery:
                 bad.append(rid)
             if owner is not None and (o := owner(rid)) is not None and o != job:
                 other.append(rid)
-        if other or bad:
-            # Every id never offered to this job named, those pending for
-            # another job first (an id offered to another is in both lists).
-            named = dict.fromkeys(other)
-            named.update(dict.fromkeys(bad))
-            raise NeverOffered(job, list(named))
+        if other or bad:  # every id named, those pending for another job first
+            raise NeverOffered(job, list(dict.fromkeys(other + bad)))
         return todo, recovered
 
     def _retire_offered(self, q: _Job | None, rids: dict[int, None]) -> bool:
