@@ -70,6 +70,25 @@ def _result_body(result: Any, raw: bool) -> dict[str, Any]:
     return {"result": result}
 
 
+def completions(items: Any) -> list[tuple[Any, Any, Any]]:
+    """``complete_many``'s items as ``(lease_id, key, result)``: each a
+    tuple of the three, or a dict as ``POST /complete`` takes an item
+    (``{"lease_id", "key", "result"}``). Anything else is ClientError 400
+    naming the item, and nothing is sent."""
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, dict) and not set(item) - {"lease_id", "key", "result"}:
+            if "result" in item:
+                out.append((item.get("lease_id"), item.get("key"), item["result"]))
+                continue
+        elif isinstance(item, tuple | list) and len(item) == 3:
+            out.append(tuple(item))
+            continue
+        raise ClientError(400, "invalid_body", f"items[{i}] is not (lease_id, key, result) "
+                          "nor {lease_id, key, result}", f"items[{i}]")  # fmt: skip
+    return out
+
+
 MSGPACK = "application/msgpack"
 WIRES = ("msgpack", "json")
 
@@ -405,8 +424,9 @@ class Client:
         body = {"lease_id": lease_id, "key": key, **_result_body(result, self._msgpack is not None)}
         return self.request("POST", "/complete", body)["id"]
 
-    def complete_many(self, items: list[tuple[int, str, Any]]) -> list[int | None | ClientError]:
-        """Several results ``(lease_id, key, result)`` in one ``POST
+    def complete_many(self, items: list[Any]) -> list[int | None | ClientError]:
+        """Several results ``(lease_id, key, result)`` (or dicts of the three,
+        as the HTTP form's items) in one ``POST
         /complete`` (``{"items": [...]}``; they share one group commit): per
         item, its result id or the ClientError ``complete`` would raise
         (409 ``lease_conflict`` or ``lease_unknown``). A refusal of the whole
@@ -414,6 +434,7 @@ class Client:
         ``items[i].<name>``; nothing was written), 503 (``log_unavailable``,
         ``ledger_unavailable``: send it all again, what was accepted answers
         as a repeat). At most 10,000 items and a 16 MiB body a call."""
+        items = completions(items)
         if not items:
             return []
         raw = self._msgpack is not None

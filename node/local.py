@@ -366,15 +366,18 @@ class LocalClaimer:
             raise answer
         return answer
 
-    def complete_many(self, items: list[tuple[int, str, Any]]) -> list[int | ClientError]:
-        """Several results ``(lease_id, key, result)`` in one ledger request
+    def complete_many(self, items: list[Any]) -> list[int | ClientError]:
+        """Several results ``(lease_id, key, result)`` (or dicts of the
+        three, as ``Client.complete_many`` takes them) in one ledger request
         (they share one group commit): per item, its result id or the
         ClientError ``complete`` would raise. Raises ClientError (400) when an
         item is malformed (nothing is sent), and 503 ``ledger_unavailable``
         when the ledger cannot be reached (nothing is known to be accepted),
         or ``node_restarted`` when its node has stopped (send them again)."""
+        from node.client import completions
         from node.ipc import IpcError, RemoteError
 
+        items = completions(items)
         request = []
         for lease_id, key, result in items:
             _check_lease(lease_id, key)

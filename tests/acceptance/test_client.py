@@ -95,6 +95,14 @@ def test_client_completes_polls_and_acks(node, wire):
     with pytest.raises(ClientError) as info:
         client.complete(grants["a/3"].lease_id + 10_000, "a/3", 1)
     assert (info.value.status, info.value.code) == (409, "lease_unknown")
+    # complete_many takes an item as a tuple or as the HTTP form's object
+    [refused] = client.complete_many([{"lease_id": grants["a/3"].lease_id + 1, "key": "a/3",
+                                       "result": 1}])  # fmt: skip
+    assert isinstance(refused, ClientError) and refused.code == "lease_unknown"
+    with pytest.raises(ClientError) as info:
+        client.complete_many([{"lease_id": grants["a/3"].lease_id, "key": "a/3"}])
+    error = info.value
+    assert (error.status, error.code, error.field) == (400, "invalid_body", "items[0]")
 
     results = {r["id"]: r for r in client.poll("render", max=10, wait_s=5)}
     assert set(results) == {rid1, rid2}
@@ -138,7 +146,9 @@ def test_local_claimer_claims_from_shared_memory(node):
         with pytest.raises(ClientError) as info:
             local.claim(5, lease_s=0)
         assert info.value.code == "invalid_lease_s"
-        many = local.complete_many([(second.lease_id, second.key, b"raw"), (1, "nope", 1)])
+        many = local.complete_many(
+            [(second.lease_id, second.key, b"raw"), {"lease_id": 1, "key": "nope", "result": 1}]
+        )
         assert isinstance(many[0], int) and many[1].code == "lease_unknown"
     results = {r["id"]: r for r in client.poll("emb", wait_s=5)}
     assert results[rid]["result"] == [1.0, 2.0]
