@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 
 from node.core.errors import ConfigError, NodeError, NodeNotRunning
@@ -405,8 +406,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command is not None:
             return command(args)
     except (ConfigError, NodeError) as exc:
-        if verbose:
-            raise
+        if verbose:  # the traceback, then the same line and status as without -v
+            traceback.print_exc()
         print(f"node: {_one_line(exc)}", file=sys.stderr)
         return RET_USAGE
     except KeyboardInterrupt:

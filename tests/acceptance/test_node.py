@@ -224,6 +224,15 @@ def test_bad_arguments_one_line_exit_2(tmp_path, args, message):
     assert "pw-not-shown" not in out.stderr + out.stdout
 
 
+def test_verbose_shows_the_traceback_and_still_exits_2_with_the_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "node", "run", "-v", "--data-dir", str(tmp_path),
+                          "--lease-s", "0"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert out.returncode == 2, out
+    assert "Traceback" in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("node: "), out.stderr
+
+
 def test_bad_config_file_names_the_line(tmp_path):
     cfg = tmp_path / "node.toml"
     cfg.write_text('lease_s = 30\n\n[routes.pages]\ncadence_s = 10\n')
