@@ -41,22 +41,12 @@ class IpcError(NodeError):
 
 
 class RemoteError(NodeError):
-    """The ledger answered with an error (``ids``: the result ids it names,
-    for ``never_offered``)."""
+    """The ledger answered with an error."""
 
-    def __init__(self, code: str, message: str, ids: list[int] | None = None) -> None:
+    def __init__(self, code: str, message: str) -> None:
         self.code = code
         self.message = message
-        self.ids = ids
         super().__init__(f"{code}: {message}")
-
-
-def _ids_of(error: dict) -> list[int] | None:
-    """The ids an error answer names, when it names a list of integers."""
-    ids = error.get("ids")
-    if isinstance(ids, list) and all(type(i) is int for i in ids):
-        return ids
-    return None
 
 
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -228,8 +218,7 @@ class IpcClient:
                 raise IpcError(f"{self.peer} call {op} failed: {exc}") from None
         error = reply.get("error")
         if error:
-            raise RemoteError(error.get("code", "error"), error.get("message", ""),
-                              _ids_of(error))  # fmt: skip
+            raise RemoteError(error.get("code", "error"), error.get("message", ""))
         return reply
 
     def _read(self, sock: socket.socket) -> dict[str, Any]:
@@ -320,8 +309,7 @@ class AsyncIpcClient:
             raise IpcError(f"ledger call {op} failed: {exc!r}") from None
         error = reply.get("error")
         if error:
-            raise RemoteError(error.get("code", "error"), error.get("message", ""),
-                              _ids_of(error))  # fmt: skip
+            raise RemoteError(error.get("code", "error"), error.get("message", ""))
         return reply
 
     async def close(self) -> None:

@@ -97,6 +97,17 @@ def test_a_fleet_nodes_result_ids_carry_its_number_across_a_restart(tmp_path, pg
         assert status == 409 and body["error"]["code"] == "never_offered", body
         assert b.name in body["error"]["message"]
         assert _acknowledged(a) == 0 and _acknowledged(b) == 0
+        # Every id never offered is named: a's own, b's, a number no node
+        # holds, and one past 64 bits; still nothing acked.
+        unheld = (9 << 45) | 1
+        for extra in ([], [1 << 70]):
+            asked = [mine[0], max(mine) + 1000, bogus, unheld, *extra]
+            status, body = a.request("POST", "/jobs/default/ack", {"ids": asked})
+            assert status == 409 and body["error"]["code"] == "never_offered", body
+            parts = body["error"]["message"].split("; ")
+            named = {int(n) for part in parts for n in part.split("offered: ")[1].split(", ")}
+            assert named == set(asked[1:]), body
+        assert _acknowledged(a) == 0 and _acknowledged(b) == 0
         # A check changes nothing.
         status, body = a.request("POST", "/jobs/default/ack", {"ids": mine + theirs, "check": True})
         assert (status, body) == (200, {"acked": 0, "checked": len(mine) + len(theirs)})

@@ -314,13 +314,31 @@ async def poll_fleet(
 LocalAck = Callable[[list[int], bool], Awaitable[dict[str, Any]]]
 
 
+async def _checked(job: str, checks: list[Any], unheld: list[int]) -> list[dict[str, Any]]:
+    """Every share's check, at once: their answers, or 409 ``never_offered``
+    naming every id never offered (each node's refusal, and ``unheld``: ids
+    of a number no node holds), or the first other failure."""
+    answers = await asyncio.gather(*checks, return_exceptions=True)
+    named = [str(a) for a in answers if isinstance(a, ApiError) and a.code == "never_offered"]
+    if unheld:
+        shown = ", ".join(map(str, unheld[:20])) + (" …" if len(unheld) > 20 else "")
+        named.append(f"job {job!r}: ids no node holds, never offered: {shown}")
+    if named:
+        raise ApiError(409, "never_offered", "; ".join(named), "ids")
+    for answer in answers:
+        if isinstance(answer, BaseException):
+            raise answer
+    return answers  # type: ignore[return-value]  # no exception among them
+
+
 async def route_ack(
     request: web.Request, job: str, ids: list[int], check: bool, local: LocalAck
 ) -> dict[str, Any]:
     """An ack whose ids name other nodes (node/core/ids.py): every node's
     ids are checked on that node first (``"check": true``), and only when
     all of them may be acked is each node's share acked. Raises ApiError:
-    409 ``never_offered`` naming a node's refusal (nothing acked), 503
+    409 ``never_offered`` naming every id never offered (each node's
+    refusal, and the ids of node numbers no node holds; nothing acked), 503
     ``peer_unavailable`` when a node holding some of the ids is down or does
     not answer (nothing acked), or when one fails between the two steps
     (then ``acked`` counts what was: acks are idempotent, the caller sends
@@ -333,17 +351,15 @@ async def route_ack(
     mine = {number for number, (peer, _live) in holders.items() if peer.name == fleet.name}
     local_ids = [rid for number in (0, *mine) for rid in groups.pop(number, [])]
     path = f"/jobs/{job}/ack"
-    for number, rids in groups.items():
-        holder = holders.get(number)
-        if holder is None:
-            raise ApiError(409, "never_offered", f"job {job!r}: no node {number} holds ids "
-                           f"such as {rids[0]}: never offered", "ids")  # fmt: skip
-        peer, live = holder
-        if not live:
-            raise ApiError(503, "peer_unavailable", f"node {peer.name} holds ids such as "
-                           f"{rids[0]}, and it is down: its results wait on its disk; "
-                           "retry once it is back")  # fmt: skip
-    remote = {holders[number][0]: rids for number, rids in groups.items()}
+    # Ids of a number no node holds were never offered; a down holder's
+    # cannot be vouched for (503), unless the answer is a 409 anyway.
+    unheld = [rid for number, rids in groups.items() if number not in holders for rid in rids]
+    down = [n for n in groups if n in holders and not holders[n][1]]
+    if down and not unheld:
+        raise ApiError(503, "peer_unavailable", f"node {holders[down[0]][0].name} holds ids "
+                       f"such as {groups[down[0]][0]}, and it is down: its results wait on its "
+                       "disk; retry once it is back")  # fmt: skip
+    remote = {holders[n][0]: rids for n, rids in groups.items() if n in holders and holders[n][1]}
 
     async def one(peer: Peer | None, rids: list[int], check_only: bool) -> dict[str, Any]:
         if peer is None:
@@ -359,7 +375,7 @@ async def route_ack(
 
     shares: list[tuple[Peer | None, list[int]]] = [(None, local_ids)] if local_ids else []
     shares += list(remote.items())
-    checked = await asyncio.gather(*(one(p, r, True) for p, r in shares))
+    checked = await _checked(job, [one(p, r, True) for p, r in shares], unheld)
     if check:
         return {"acked": 0, "checked": sum(int(c.get("checked", 0)) for c in checked)}
     done = await asyncio.gather(*(one(p, r, False) for p, r in shares), return_exceptions=True)

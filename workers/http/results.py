@@ -21,7 +21,6 @@ from node.core.errors import ValidationError
 from node.core.ids import number_of
 from node.core.rows import check_job
 from node.fleet.cluster import sum_accounting
-from node.ipc import IpcError, RemoteError
 from workers.claim import decode_result
 from workers.http import cluster
 from workers.http.app import CTX
@@ -145,20 +144,26 @@ async def all_results(request: web.Request) -> web.Response:
     return await _poll(request, None)
 
 
-async def _never_offered(ctx: Any, work: Any, job: str, ids: list[int]) -> list[int]:
-    """Which of ``ids`` this node's ledger would refuse to ack for ``job``
-    (asked with ``check``: nothing is acked), so that a 409 names every id
-    never offered. In a fleet, or when the ledger cannot say: none (the
-    caller's 409 names the ids it knows of)."""
-    if not ids or cluster.in_a_fleet(ctx):
-        return []
+async def _never_offered(
+    request: web.Request, job: str, ids: list[int], beyond: list[int], local: Any
+) -> ApiError:
+    """The 409 of an ack naming ids past 64 bits (none was ever offered): it
+    names them, and every other id never offered as the ack of the rest
+    would (asked with ``check``: nothing is acked; on any other failure of
+    that check, the ids past 64 bits alone)."""
+    ctx = request.app[CTX]
+    rest = [value for value in ids if value <= MAX_RESULT_ID]
+    shown = ", ".join(map(str, beyond[:20])) + (" …" if len(beyond) > 20 else "")
+    named = [f"job {job!r}: ids never offered: {shown}"]
     try:
-        await work.ledger.call("ack", timeout_s=LEDGER_TIMEOUT_S, job=job, ids=ids, check=True)
-    except RemoteError as exc:
-        return list(exc.ids or ()) if exc.code == "never_offered" else []
-    except IpcError:
-        return []
-    return []
+        if cluster.in_a_fleet(ctx) and not _all_mine(rest, cluster.my_number(ctx)):
+            await cluster.route_ack(request, job, rest, True, local)
+        elif rest:
+            await local(rest, True)
+    except ApiError as exc:
+        if exc.code == "never_offered":
+            named.insert(0, str(exc))
+    return ApiError(409, "never_offered", "; ".join(named), "ids")
 
 
 @routes.post("/jobs/{job}/ack")
@@ -183,17 +188,14 @@ async def ack(request: web.Request) -> web.Response:
     # ids (SQLite rowids) stop at 2**63. No id past that was ever offered.
     beyond = [value for value in ids if value > MAX_RESULT_ID]
     ctx = request.app[CTX]
+
+    async def local(rids: list[int], check_only: bool) -> dict[str, Any]:
+        return dict(await _ledger(work, "ack", job=job, ids=rids, check=check_only))
+
     if beyond:
-        rest = [value for value in ids if value <= MAX_RESULT_ID]
-        named = dict.fromkeys(await _never_offered(ctx, work, job, rest))
-        named.update(dict.fromkeys(beyond))
-        shown = ", ".join(map(str, list(named)[:20])) + (" …" if len(named) > 20 else "")
-        raise ApiError(409, "never_offered", f"job {job!r}: ids never offered: {shown}", "ids")
+        raise await _never_offered(request, job, ids, beyond, local)
     if cluster.in_a_fleet(ctx) and not _all_mine(ids, cluster.my_number(ctx)):
         # Ids with another node's number: each to the node whose log holds it.
-        async def local(rids: list[int], check_only: bool) -> dict[str, Any]:
-            return dict(await _ledger(work, "ack", job=job, ids=rids, check=check_only))
-
         return reply(request, await cluster.route_ack(request, job, ids, check, local))
     answer = await _ledger(work, "ack", job=job, ids=ids, check=check)
     if check:
