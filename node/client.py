@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from node.core.config import UNIX_PREFIX
 from node.core.errors import ClientError
-from node.core.rows import Grant
+from node.core.rows import Grant, completions
 
 T = TypeVar("T")
 
@@ -68,25 +68,6 @@ def _result_body(result: Any, raw: bool) -> dict[str, Any]:
             return {"result": bytes(result)}
         return {"result": base64.b64encode(bytes(result)).decode("ascii"), "encoding": "base64"}
     return {"result": result}
-
-
-def completions(items: Any) -> list[tuple[Any, Any, Any]]:
-    """``complete_many``'s items as ``(lease_id, key, result)``: each a
-    tuple of the three, or a dict as ``POST /complete`` takes an item
-    (``{"lease_id", "key", "result"}``). Anything else is ClientError 400
-    naming the item, and nothing is sent."""
-    out = []
-    for i, item in enumerate(items):
-        if isinstance(item, dict) and not set(item) - {"lease_id", "key", "result"}:
-            if "result" in item:
-                out.append((item.get("lease_id"), item.get("key"), item["result"]))
-                continue
-        elif isinstance(item, tuple | list) and len(item) == 3:
-            out.append(tuple(item))
-            continue
-        raise ClientError(400, "invalid_body", f"items[{i}] is not (lease_id, key, result) "
-                          "nor {lease_id, key, result}", f"items[{i}]")  # fmt: skip
-    return out
 
 
 MSGPACK = "application/msgpack"

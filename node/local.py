@@ -374,7 +374,7 @@ class LocalClaimer:
         item is malformed (nothing is sent), and 503 ``ledger_unavailable``
         when the ledger cannot be reached (nothing is known to be accepted),
         or ``node_restarted`` when its node has stopped (send them again)."""
-        from node.client import completions
+        from node.core.rows import completions
         from node.ipc import IpcError, RemoteError
 
         items = completions(items)

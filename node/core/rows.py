@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from node.core.errors import ValidationError
+from node.core.errors import ClientError, ValidationError
 
 MAX_KEY_BYTES = 1024
 MAX_ROUTE_BYTES = 128
@@ -325,6 +325,33 @@ class Grant(NamedTuple):
     expires_at: float
     route: str | None = None  # which handler an inference process runs it with
     misses: int = 0  # misses in a row before this lease (a poison item shows here)
+
+
+COMPLETION_FIELDS = ("lease_id", "key", "result")
+
+
+def completions(items: Any) -> list[tuple[Any, Any, Any]]:
+    """``complete_many``'s items (``node.client.Client``, ``LocalClaimer``)
+    as ``(lease_id, key, result)``: each a tuple (or list) of the three, or
+    a dict of exactly those fields, as ``POST /complete`` takes an item.
+    Anything else is ClientError 400 ``invalid_body`` naming the item, and
+    nothing is sent."""
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, tuple | list) and len(item) == 3:
+            out.append(tuple(item))
+            continue
+        if isinstance(item, dict) and set(item) == set(COMPLETION_FIELDS):
+            out.append((item["lease_id"], item["key"], item["result"]))
+            continue
+        why = "is not (lease_id, key, result) nor {lease_id, key, result}"
+        if isinstance(item, dict):
+            extra = sorted(map(str, set(item) - set(COMPLETION_FIELDS)))
+            missing = [f for f in COMPLETION_FIELDS if f not in item]
+            why = f"has {extra[0]!r} (bytes go as the result itself)" if extra else (
+                f"has no {missing[0]!r}")
+        raise ClientError(400, "invalid_body", f"items[{i}] {why}", f"items[{i}]")
+    return out
 
 
 def result_bytes(value: Any) -> tuple[bytes, str]:

@@ -315,20 +315,28 @@ LocalAck = Callable[[list[int], bool], Awaitable[dict[str, Any]]]
 
 
 async def _checked(job: str, checks: list[Any], unheld: list[int]) -> list[dict[str, Any]]:
-    """Every share's check, at once: their answers, or 409 ``never_offered``
-    naming every id never offered (each node's refusal, and ``unheld``: ids
-    of a number no node holds), or the first other failure."""
+    """Every share's check, at once: their answers; or, in this order, the
+    first failure that is not an answer of the API's (a bug: never hidden),
+    409 ``never_offered`` naming every id never offered (each node's
+    refusal, and ``unheld``: ids of a number no node holds), the first other
+    refusal (a node that does not answer: 503)."""
     answers = await asyncio.gather(*checks, return_exceptions=True)
+    for answer in answers:
+        if isinstance(answer, BaseException) and not isinstance(answer, ApiError):
+            raise answer
     named = [str(a) for a in answers if isinstance(a, ApiError) and a.code == "never_offered"]
     if unheld:
-        shown = ", ".join(map(str, unheld[:20])) + (" …" if len(unheld) > 20 else "")
+        unique = list(dict.fromkeys(unheld))
+        shown = ", ".join(map(str, unique[:20])) + (" …" if len(unique) > 20 else "")
         named.append(f"job {job!r}: ids no node holds, never offered: {shown}")
     if named:
         raise ApiError(409, "never_offered", "; ".join(named), "ids")
+    out: list[dict[str, Any]] = []
     for answer in answers:
         if isinstance(answer, BaseException):
             raise answer
-    return answers  # type: ignore[return-value]  # no exception among them
+        out.append(answer)
+    return out
 
 
 async def route_ack(
@@ -351,14 +359,10 @@ async def route_ack(
     mine = {number for number, (peer, _live) in holders.items() if peer.name == fleet.name}
     local_ids = [rid for number in (0, *mine) for rid in groups.pop(number, [])]
     path = f"/jobs/{job}/ack"
-    # Ids of a number no node holds were never offered; a down holder's
-    # cannot be vouched for (503), unless the answer is a 409 anyway.
+    # Ids of a number no node holds were never offered; a down holder's are
+    # checked nowhere: 503 after the others' checks, unless those are a 409.
     unheld = [rid for number, rids in groups.items() if number not in holders for rid in rids]
     down = [n for n in groups if n in holders and not holders[n][1]]
-    if down and not unheld:
-        raise ApiError(503, "peer_unavailable", f"node {holders[down[0]][0].name} holds ids "
-                       f"such as {groups[down[0]][0]}, and it is down: its results wait on its "
-                       "disk; retry once it is back")  # fmt: skip
     remote = {holders[n][0]: rids for n, rids in groups.items() if n in holders and holders[n][1]}
 
     async def one(peer: Peer | None, rids: list[int], check_only: bool) -> dict[str, Any]:
@@ -376,6 +380,10 @@ async def route_ack(
     shares: list[tuple[Peer | None, list[int]]] = [(None, local_ids)] if local_ids else []
     shares += list(remote.items())
     checked = await _checked(job, [one(p, r, True) for p, r in shares], unheld)
+    if down:
+        raise ApiError(503, "peer_unavailable", f"node {holders[down[0]][0].name} holds ids "
+                       f"such as {groups[down[0]][0]}, and it is down: its results wait on its "
+                       "disk; retry once it is back")  # fmt: skip
     if check:
         return {"acked": 0, "checked": sum(int(c.get("checked", 0)) for c in checked)}
     done = await asyncio.gather(*(one(p, r, False) for p, r in shares), return_exceptions=True)

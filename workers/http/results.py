@@ -153,6 +153,7 @@ async def _never_offered(
     that check, the ids past 64 bits alone)."""
     ctx = request.app[CTX]
     rest = [value for value in ids if value <= MAX_RESULT_ID]
+    beyond = list(dict.fromkeys(beyond))
     shown = ", ".join(map(str, beyond[:20])) + (" …" if len(beyond) > 20 else "")
     named = [f"job {job!r}: ids never offered: {shown}"]
     try:
