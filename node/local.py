@@ -24,7 +24,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,38 +67,39 @@ DEFAULT_DATA_DIR = Path("node-data")
 
 def find_config(name: str, data_dir: str | os.PathLike[str] | None = None) -> Config:
     """The running node's resolved configuration (see the module docstring)."""
-    candidates: list[Path] = []
-    if data_dir is not None:
-        candidates.append(Path(data_dir) / "run" / "config.json")
-    else:
-        if os.environ.get(ENV_CONFIG):
-            candidates.append(Path(os.environ[ENV_CONFIG]))
-        if os.environ.get(ENV_DATA_DIR):
-            candidates.append(Path(os.environ[ENV_DATA_DIR]) / "run" / "config.json")
-    for path in candidates:
+    tried: list[Path] = []
+    for path, running in _candidates(name, data_dir):
+        tried.append(path)
         config = _config_at(path, name)
-        if config is not None:
-            return config
-    if data_dir is None:
-        # Only now the running node (its processes' environments), then the
-        # default data directory.
-        running = _running_config(name)
-        for path in ([running] if running is not None else []) + [
-            DEFAULT_DATA_DIR / "run" / "config.json"
-        ]:
-            candidates.append(path)
-            config = _config_at(path, name)
-            if config is not None and path is running and not config.data_dir.is_absolute():
-                # Written as the node was given it, relative to the node's
-                # directory: the data directory is where this file lies.
-                config = dataclasses.replace(config, data_dir=path.resolve().parent.parent)
-            if config is not None:
-                return config
-    tried = ", ".join(str(p) for p in candidates)
+        if config is None:
+            continue
+        if running and not config.data_dir.is_absolute():
+            # Written as the node was given it, relative to the node's
+            # directory: the data directory is where this file lies.
+            config = dataclasses.replace(config, data_dir=path.resolve().parent.parent)
+        return config
+    tried_text = ", ".join(map(str, tried))
     raise NodeNotRunning(
-        f"no run configuration of node {name!r} found (tried {tried}); pass data_dir= "
+        f"no run configuration of node {name!r} found (tried {tried_text}); pass data_dir= "
         "the node's --data-dir"
     )
+
+
+def _candidates(name: str, data_dir: str | os.PathLike[str] | None) -> Iterator[tuple[Path, bool]]:
+    """Where ``find_config`` looks, in order, each with whether it is the
+    running node's; made as asked, so the running node (its processes'
+    environments) is looked for only when the places before name none."""
+    if data_dir is not None:
+        yield Path(data_dir) / "run" / "config.json", False
+        return
+    if os.environ.get(ENV_CONFIG):
+        yield Path(os.environ[ENV_CONFIG]), False
+    if os.environ.get(ENV_DATA_DIR):
+        yield Path(os.environ[ENV_DATA_DIR]) / "run" / "config.json", False
+    running = _running_config(name)
+    if running is not None:
+        yield running, True
+    yield DEFAULT_DATA_DIR / "run" / "config.json", False
 
 
 def _config_at(path: Path, name: str) -> Config | None:

@@ -100,7 +100,7 @@ def pid_alive(pid: int) -> bool:
     A pid can be reused after its process dies; a reader that must be sure
     pairs this with a heartbeat age.
     """
-    if pid <= 0:
+    if not 0 < pid < 1 << 31:  # no process has it (and os.kill would overflow)
         return False
     try:
         os.kill(pid, 0)
@@ -452,9 +452,8 @@ def vet(name: str, layout_version: int, data_dir_id: bytes) -> str | None:
         # queue-node segment the supervisor that made it, alive or not.
         owner = owner_name(uid)
         if magic == MAGIC:
-            alive = 0 < owner_pid < 1 << 31 and pid_alive(owner_pid)
             owner += f", made by the supervisor pid {owner_pid} (" + (
-                "a process of that pid runs)" if alive else "no longer running)")
+                "a process of that pid runs)" if pid_alive(owner_pid) else "no longer running)")
         raise NameTaken(
             f"{name} {what} (owned by {owner}): refusing to reuse it; if no node uses it, "
             f"remove it with 'python -m node clear {node_of_segment(name)}'"

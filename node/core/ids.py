@@ -27,6 +27,11 @@ def fleet_base(number: int) -> int:
     return number << LOCAL_BITS
 
 
+def shown_ids(ids: list[int], most: int = 20) -> str:
+    """Ids for a message: the first ``most``, then an ellipsis for the rest."""
+    return ", ".join(map(str, ids[:most])) + (" …" if len(ids) > most else "")
+
+
 def number_of(result_id: int) -> int:
     """The number of the node that made ``result_id`` (0: no fleet's)."""
     return result_id >> LOCAL_BITS

@@ -31,7 +31,7 @@ import aiohttp
 from aiohttp import web
 
 from node.core.errors import StoreError
-from node.core.ids import number_of
+from node.core.ids import number_of, shown_ids
 from node.fleet import Membership
 from node.fleet.cluster import SCOPE, Answer, Down, NotSummable, Peer, judge, not_summed
 from node.store import is_fleet_url
@@ -326,8 +326,7 @@ async def _checked(job: str, checks: list[Any], unheld: list[int]) -> list[dict[
             raise answer
     named = [str(a) for a in answers if isinstance(a, ApiError) and a.code == "never_offered"]
     if unheld:
-        unique = list(dict.fromkeys(unheld))
-        shown = ", ".join(map(str, unique[:20])) + (" …" if len(unique) > 20 else "")
+        shown = shown_ids(list(dict.fromkeys(unheld)))
         named.append(f"job {job!r}: ids no node holds, never offered: {shown}")
     if named:
         raise ApiError(409, "never_offered", "; ".join(named), "ids")

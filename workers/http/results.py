@@ -18,7 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from node.core.errors import ValidationError
-from node.core.ids import number_of
+from node.core.ids import number_of, shown_ids
 from node.core.rows import check_job
 from node.fleet.cluster import sum_accounting
 from workers.claim import decode_result
@@ -153,9 +153,7 @@ async def _never_offered(
     that check, the ids past 64 bits alone)."""
     ctx = request.app[CTX]
     rest = [value for value in ids if value <= MAX_RESULT_ID]
-    beyond = list(dict.fromkeys(beyond))
-    shown = ", ".join(map(str, beyond[:20])) + (" …" if len(beyond) > 20 else "")
-    named = [f"job {job!r}: ids never offered: {shown}"]
+    named = [f"job {job!r}: ids never offered: {shown_ids(list(dict.fromkeys(beyond)))}"]
     try:
         if cluster.in_a_fleet(ctx) and not _all_mine(rest, cluster.my_number(ctx)):
             await cluster.route_ack(request, job, rest, True, local)

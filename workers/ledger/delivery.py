@@ -40,6 +40,7 @@ from itertools import repeat
 from operator import itemgetter
 
 from node.core.errors import NodeError
+from node.core.ids import shown_ids
 
 # Below this many consumed slots the head of a ready array is not cut off
 # (cutting costs a copy of what is left; amortised O(1) per id above it).
@@ -54,8 +55,7 @@ class NeverOffered(NodeError):
     def __init__(self, job: str, ids: list[int]) -> None:
         self.job = job
         self.ids = ids
-        shown = ", ".join(map(str, ids[:20])) + (" …" if len(ids) > 20 else "")
-        super().__init__(f"job {job!r}: ids never offered: {shown}")
+        super().__init__(f"job {job!r}: ids never offered: {shown_ids(ids)}")
 
 
 class _Job:
